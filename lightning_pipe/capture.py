@@ -1,0 +1,172 @@
+"""Capture: trace a module's ``forward`` into a graph of fine-grained nodes.
+
+The nodes (ops and leaf modules) are the units the pipeline is cut between. A model
+that torch.fx cannot trace fails with one :class:`CaptureError` that points at the
+submodule and source line, and says how to mark that submodule as a leaf.
+"""
+
+import os
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import fx, nn
+
+__all__ = ["CaptureError", "Captured", "capture", "get_attr"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+
+#: Node kinds the pipeline cuts between; placeholders, attribute reads and the output
+#: are not compute and go where their users are.
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
+
+
+class CaptureError(RuntimeError):
+    """The model's ``forward`` cannot be turned into a graph."""
+
+
+@dataclass
+class Captured:
+    """A traced ``forward``: the graph module and its compute nodes in execution order."""
+
+    graph_module: fx.GraphModule
+    nodes: list[fx.Node]
+
+    def param_bytes(self) -> list[int]:
+        """Parameter bytes per compute node; a shared parameter counts at its first user."""
+        seen: set[int] = set()
+        root = self.graph_module
+        result = []
+        for node in self.nodes:
+            total = 0
+            for param in _params_of(root, node):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    total += param.numel() * param.element_size()
+            result.append(total)
+        return result
+
+
+def _params_of(root: nn.Module, node: fx.Node) -> list[torch.Tensor]:
+    params = []
+    if node.op == "call_module":
+        params.extend(root.get_submodule(str(node.target)).parameters())
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            value = get_attr(root, str(arg.target))
+            if isinstance(value, nn.Parameter):
+                params.append(value)
+    return params
+
+
+def get_attr(root: nn.Module, qualname: str) -> Any:
+    """The attribute at dotted path ``qualname`` below ``root``."""
+    value: Any = root
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
+
+
+class _Tracer(fx.Tracer):
+    """An fx tracer that honours user leaf modules and remembers where tracing failed."""
+
+    def __init__(self, leaf_modules: Sequence[str]) -> None:
+        super().__init__()
+        self.proxy_buffer_attributes = True  # so buffers can be sliced by traced sizes
+        self.leaf_modules = set(leaf_modules)
+        self.matched: set[str] = set()
+        self.stack: list[tuple[str, str]] = []
+        self.failed_in: Optional[tuple[str, str]] = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        for key in (module_qualified_name, type(m).__name__):
+            if key in self.leaf_modules:
+                self.matched.add(key)
+                return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        self.stack.append((self.path_of_module(m), type(m).__name__))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.stack[-1]
+            raise
+        finally:
+            self.stack.pop()
+
+
+def capture(module: nn.Module, leaf_modules: Sequence[str] = ()) -> Captured:
+    """Trace ``module.forward`` into a :class:`Captured` graph.
+
+    Args:
+        module: the model; its class's ``forward`` is traced, with ``torch.nn`` modules and
+            the ``leaf_modules`` kept as single nodes.
+        leaf_modules: qualified submodule names (``"blocks.3"``) or class names
+            (``"Block"``) to keep as single opaque nodes.
+
+    Raises:
+        CaptureError: tracing failed, or a ``leaf_modules`` entry matches no submodule.
+    """
+    tracer = _Tracer(leaf_modules)
+    try:
+        graph = tracer.trace(module)
+    except Exception as err:
+        raise CaptureError(_explain(module, tracer, err)) from None
+    unmatched = sorted(set(leaf_modules) - tracer.matched - _names(module))
+    if unmatched:
+        raise CaptureError(
+            f"leaf_modules entries {unmatched} match no submodule name or class name of "
+            f"{type(module).__name__}. Use a qualified name from `named_modules()` such as "
+            f"{_example_names(module)} or a class name."
+        )
+    graph_module = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    nodes = [n for n in graph_module.graph.nodes if n.op in COMPUTE_OPS]
+    if not nodes:
+        raise CaptureError(f"{type(module).__name__}.forward traced to a graph with no operations.")
+    return Captured(graph_module, nodes)
+
+
+def _names(module: nn.Module) -> set[str]:
+    names = set()
+    for name, sub in module.named_modules():
+        names.update((name, type(sub).__name__))
+    return names
+
+
+def _example_names(module: nn.Module) -> list[str]:
+    return [name for name, _ in module.named_modules() if name][:3]
+
+
+def _explain(module: nn.Module, tracer: _Tracer, err: Exception) -> str:
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if not f.filename.startswith((_TORCH_DIR, _OWN_DIR))
+    ]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}: `{frames[-1].line}`" if frames else ""
+    cls = type(module).__name__
+    if tracer.failed_in is not None:
+        path, kind = tracer.failed_in
+        head = f"in submodule '{path}' ({kind}){where}"
+        fix = (
+            f"Mark it as a leaf so it runs as one opaque node: "
+            f'MemoryPipeStrategy(leaf_modules=["{path}"]), or leaf_modules=["{kind}"] '
+            f"for every {kind}."
+        )
+    else:
+        head = f"in {cls}.forward itself{where}"
+        fix = (
+            "Move the untraceable code into a submodule and list it in "
+            "MemoryPipeStrategy(leaf_modules=[...]), or make it traceable "
+            "(no Python control flow on tensor values)."
+        )
+    return (
+        f"torch.fx could not trace {cls}.forward {head}.\n"
+        f"  {type(err).__name__}: {err}\n"
+        f"{fix}"
+    )

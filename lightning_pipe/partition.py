@@ -1,0 +1,70 @@
+"""Partition: how many consecutive graph nodes each stage gets (a ``balance``).
+
+A balance is the hand-over format between whoever decides the split (the user, the
+even-by-parameters default here, a planner) and :mod:`lightning_pipe.build`.
+"""
+
+from collections.abc import Sequence
+
+__all__ = ["balance_by_weight", "check_balance", "check_stage_count"]
+
+
+def check_balance(balance: Sequence[int], num_nodes: int, num_stages: int) -> list[int]:
+    """Validate a user or planner balance against the graph and the stage devices."""
+    balance = list(balance)
+    check_stage_count(num_nodes, num_stages)
+    if len(balance) != num_stages:
+        raise ValueError(
+            f"balance has {len(balance)} entries but there are {num_stages} stage devices. "
+            f"Give one node count per device."
+        )
+    if any(b < 1 for b in balance):
+        raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
+    if sum(balance) != num_nodes:
+        raise ValueError(
+            f"balance {balance} sums to {sum(balance)} but the traced model has {num_nodes} "
+            f"nodes. Make the entries sum to {num_nodes}, or leave balance=None for an even "
+            f"split by parameter bytes."
+        )
+    return balance
+
+
+def check_stage_count(num_nodes: int, num_stages: int) -> None:
+    """Every stage needs at least one node."""
+    if num_stages > num_nodes:
+        raise ValueError(
+            f"{num_stages} pipeline stages were requested but the traced model has only "
+            f"{num_nodes} nodes to split. Use at most {num_nodes} devices, or split leaf "
+            f"modules into finer ones (fewer `leaf_modules`)."
+        )
+
+
+def balance_by_weight(weights: Sequence[int], num_stages: int) -> list[int]:
+    """Contiguous split of ``weights`` into ``num_stages`` non-empty parts minimising the
+    heaviest part (binary search on the bound, greedy fill)."""
+    check_stage_count(len(weights), num_stages)
+
+    def parts(bound: int) -> list[int]:
+        sizes, load = [0], 0
+        for w in weights:
+            if sizes[-1] and load + w > bound:
+                sizes.append(0)
+                load = 0
+            sizes[-1] += 1
+            load += w
+        return sizes
+
+    lo, hi = max(weights), sum(weights)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(parts(mid)) <= num_stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    sizes = parts(lo)
+    # Fewer parts than stages: split the largest parts; a split never raises the maximum.
+    while len(sizes) < num_stages:
+        i = max(range(len(sizes)), key=lambda k: sizes[k])
+        half = sizes[i] // 2
+        sizes[i : i + 1] = [sizes[i] - half, half]
+    return sizes

@@ -1,0 +1,67 @@
+"""Run: GPipe over a built :class:`~lightning_pipe.build.Program`, driven by autograd.
+
+Calling the pipeline splits the inputs into micro-batches, runs every (micro-batch, stage)
+task in clock-cycle order and returns the merged output; ``backward`` on anything computed
+from that output runs the pipelined backward, micro-batches in reverse order per stage.
+"""
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.fx.node import map_aggregate
+from torch.utils._pytree import tree_flatten
+
+from lightning_pipe.build import Program, Stage
+from lightning_pipe.dependency import fork, join
+from lightning_pipe.microbatch import gather, scatter
+from lightning_pipe.schedule import clock_cycles
+from lightning_pipe.transport import move
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline:
+    """The pipelined ``forward`` of ``root``, split into ``chunks`` micro-batches."""
+
+    def __init__(self, program: Program, root: nn.Module, chunks: int, output_device: torch.device) -> None:
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}.")
+        self.program = program
+        self.root = root
+        self.chunks = chunks
+        self.output_device = output_device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inputs = self.program.bind(args, kwargs)
+        attributes = self.program.attribute_values(self.root)
+        envs = [{**mb, **attributes} for mb in scatter(inputs, self.chunks)]
+        stages = self.program.stages
+        previous: list[Optional[str]] = [None] * len(stages)  # forked output name per stage
+        for tick in clock_cycles(len(envs), len(stages)):
+            for i, j in tick:
+                previous[j] = self._run(stages[j], envs, i, previous[j])
+        outputs = [map_aggregate(self.program.output, env.__getitem__) for env in envs]
+        return gather(outputs, self.output_device)
+
+    def _run(self, stage: Stage, envs: list[dict[str, Any]], i: int, forked: Optional[str]) -> Optional[str]:
+        env = envs[i]
+        inputs = [move(env[name], stage.device) for name in stage.inputs]
+        if forked is not None:
+            # Stage's backward for micro-batch i-1 waits for micro-batch i's.
+            k = _first_grad_tensor(inputs)
+            if k is not None:
+                envs[i - 1][forked], phony = fork(envs[i - 1][forked])
+                inputs[k] = join(inputs[k], phony)
+        env.update(zip(stage.outputs, stage(*inputs)))
+        for name in [n for n in env if self.program.last_use.get(n, len(self.program.stages)) <= stage.index]:
+            del env[name]
+        k = _first_grad_tensor([env.get(name) for name in stage.outputs])
+        return stage.outputs[k] if k is not None else None
+
+
+def _first_grad_tensor(values: list[Any]) -> Optional[int]:
+    for k, value in enumerate(values):
+        if isinstance(value, Tensor) and value.requires_grad:
+            return k
+    return None

@@ -1,0 +1,180 @@
+"""MemoryPipeStrategy: pipeline an unmodified LightningModule over the Trainer's devices.
+
+One process drives every stage. At setup the module's ``forward`` is captured, split into
+one stage per device and placed; then ``self(x)`` inside the user's steps runs the pipeline
+(autograd-driven GPipe), and Lightning's own ``loss.backward()`` runs the pipelined backward.
+"""
+
+from collections.abc import Mapping
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_pipe.build import Program, build
+from lightning_pipe.capture import capture
+from lightning_pipe.partition import balance_by_weight, check_stage_count
+from lightning_pipe.pipeline import Pipeline
+
+__all__ = ["MemoryPipeStrategy"]
+
+Schedule = Literal["gpipe", "1f1b", "2bw"]
+
+
+class MemoryPipeStrategy(ParallelStrategy):
+    """Pipeline-parallel training in one process, one stage per device.
+
+    Args:
+        chunks: micro-batches per batch; every batch must hold at least this many samples.
+        schedule: pipeline schedule; only ``"gpipe"`` (autograd-driven) is available yet.
+        balance: graph nodes per stage, in order; by default an even split by parameter bytes.
+        leaf_modules: submodule names (``"blocks.3"``) or class names (``"Block"``) that
+            tracing keeps as single nodes, e.g. code torch.fx cannot trace.
+    """
+
+    strategy_name = "memory_pipe"
+
+    def __init__(
+        self,
+        chunks: int = 4,
+        schedule: Schedule = "gpipe",
+        balance: Optional[list[int]] = None,
+        leaf_modules: Optional[list[str]] = None,
+    ) -> None:
+        super().__init__()
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}.")
+        if schedule not in ("gpipe", "1f1b", "2bw"):
+            raise ValueError(f"schedule must be one of 'gpipe', '1f1b', '2bw', got {schedule!r}.")
+        if schedule != "gpipe":
+            raise NotImplementedError(
+                f"schedule={schedule!r} is not available yet; use schedule='gpipe'."
+            )
+        if balance is not None and any(b < 1 for b in balance):
+            raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
+        self.chunks = chunks
+        self.schedule = schedule
+        self.balance = balance
+        self.leaf_modules = leaf_modules or []
+        self.program: Optional[Program] = None
+
+    @property
+    def root_device(self) -> torch.device:
+        """The last stage's device: outputs, and so the loss and the labels, live there."""
+        assert self.parallel_devices, "the Trainer has not assigned devices to the strategy yet"
+        return self.parallel_devices[-1]
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def is_distributed(self) -> bool:
+        return False
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            for optimizer in self.optimizers:
+                _state_to_param_devices(optimizer)
+
+    def model_to_device(self) -> None:
+        """Capture, split and place the module, and route its ``forward`` through the pipeline."""
+        module = self.lightning_module
+        assert module is not None and self.parallel_devices
+        devices = list(self.parallel_devices)
+        captured = capture(module, self.leaf_modules)
+        check_stage_count(len(captured.nodes), len(devices))
+        balance = self.balance or balance_by_weight(captured.param_bytes(), len(devices))
+        self.program = build(captured, module, balance, devices)
+        pipeline = Pipeline(self.program, module, self.chunks, self.root_device)
+        # An instance attribute shadows the class's forward without registering a submodule,
+        # so state_dict keys stay those of the plain module.
+        module.forward = pipeline
+        module._device = self.root_device
+        rank_zero_info(self.describe())
+
+    def describe(self) -> str:
+        """The per-stage split as a text table."""
+        assert self.program is not None, "the pipeline is built in setup()"
+        rows = [f"{'stage':>5}  {'device':<8} {'nodes':>5}  {'params':>10}  first .. last node"]
+        for stage in self.program.stages:
+            rows.append(
+                f"{stage.index:>5}  {str(stage.device):<8} {len(stage.node_names):>5}  "
+                f"{_mib(stage.param_bytes()):>10}  {stage.node_names[0]} .. {stage.node_names[-1]}"
+            )
+        return "\n".join(rows)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+            _state_to_param_devices(optimizer)
+
+    def reduce(self, tensor: Union[Tensor, Any], *args: Any, **kwargs: Any) -> Union[Tensor, Any]:
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None:
+            vars(module).pop("forward", None)
+        self.program = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Memory-centric pipeline parallelism in one process"
+        )
+
+
+def _state_to_param_devices(optimizer: Optimizer) -> None:
+    """Move each optimizer state tensor to its parameter's device (Lightning moves all of
+    them to the root device); ``step`` counters stay where the optimizer keeps them."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, Tensor):
+                state[key] = value.to(param.device)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
+
+
+if MemoryPipeStrategy.strategy_name not in StrategyRegistry:
+    MemoryPipeStrategy.register_strategies(StrategyRegistry)
