@@ -23,7 +23,9 @@ class _Trainable(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr)
+            # eps above float noise: key biases have an exactly-zero true gradient, and the
+            # default 1e-8 turns rounding noise in them into full-size steps.
+            return torch.optim.Adam(self.parameters(), lr=self.lr, eps=1e-6)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:

@@ -1,0 +1,66 @@
+import pytest
+import torch
+from torch import nn
+
+from examples.models import GPT
+from lightning_pipe.capture import CaptureError, capture
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: fx cannot trace this
+            return x * 2
+        return x
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.gate = Gate()
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.gate(self.a(x)))
+
+
+def test_capture_gives_fine_grained_nodes_in_order():
+    captured = capture(GPT(layers=2))
+    ops = {n.op for n in captured.nodes}
+    assert ops <= {"call_module", "call_function", "call_method"}
+    names = [n.name for n in captured.nodes]
+    assert names.index("tok_emb") < names.index("blocks_0_attn_qkv") < names.index("head")
+    assert len(captured.nodes) > 40  # ops inside attention, not one node per block
+
+
+def test_untraceable_model_error_names_module_line_and_fix():
+    with pytest.raises(CaptureError) as info:
+        capture(Untraceable())
+    message = str(info.value)
+    assert "submodule 'gate' (Gate)" in message
+    assert "test_capture.py" in message and "if x.sum() > 0" in message
+    assert 'leaf_modules=["gate"]' in message
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+@pytest.mark.parametrize("leaf", ["gate", "Gate"])
+def test_leaf_modules_by_name_or_class_make_it_traceable(leaf):
+    model = Untraceable()
+    captured = capture(model, [leaf])
+    assert [n.target for n in captured.nodes] == ["a", "gate", "b"]
+    x = torch.randn(3, 4)
+    assert torch.equal(captured.graph_module(x), model(x))
+
+
+def test_unknown_leaf_module_is_an_error():
+    with pytest.raises(CaptureError, match=r"\['gaet'\] match no submodule"):
+        capture(Untraceable(), ["gate", "gaet"])
+
+
+def test_param_bytes_count_a_tied_parameter_once():
+    model = GPT(layers=1)
+    captured = capture(model)
+    total = sum(p.numel() * 4 for p in model.parameters())  # parameters() skips duplicates
+    assert sum(captured.param_bytes()) == total
+    head = next(k for k, n in enumerate(captured.nodes) if n.name == "head")
+    assert captured.param_bytes()[head] == 0  # its weight was counted at tok_emb
