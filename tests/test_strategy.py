@@ -63,7 +63,7 @@ def test_registered_name_and_split_summary(caplog):
     with caplog.at_level("INFO"):
         t.fit(model, loader(data, 8))
     assert t.num_devices == 2 and t.world_size == 1
-    assert "stage  device   nodes" in caplog.text and "tok_emb" in caplog.text
+    assert "stage  device   nodes" in caplog.text and ".. head" in caplog.text
 
 
 def test_validate_test_predict_match_plain_module():
