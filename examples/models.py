@@ -108,6 +108,7 @@ class GPT(_Trainable):
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok_emb.weight
+        nn.init.normal_(self.tok_emb.weight, std=0.02)
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
         ids = batch["input_ids"]

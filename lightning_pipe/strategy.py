@@ -153,7 +153,6 @@ class MemoryPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is not None:
             vars(module).pop("forward", None)
-        self.program = None
         super().teardown()
 
     @classmethod
