@@ -35,23 +35,26 @@ class Captured:
     graph_module: fx.GraphModule
     nodes: list[fx.Node]
 
-    def param_bytes(self) -> list[int]:
-        """Parameter bytes per compute node; a shared parameter counts at its first user."""
+    def params_by_node(self) -> list[list[nn.Parameter]]:
+        """Parameters per compute node; a shared parameter belongs to its first user."""
         seen: set[int] = set()
-        root = self.graph_module
         result = []
         for node in self.nodes:
-            total = 0
-            for param in _params_of(root, node):
+            own = []
+            for param in _params_of(self.graph_module, node):
                 if id(param) not in seen:
                     seen.add(id(param))
-                    total += param.numel() * param.element_size()
-            result.append(total)
+                    own.append(param)
+            result.append(own)
         return result
 
+    def param_bytes(self) -> list[int]:
+        """Parameter bytes per compute node; a shared parameter counts at its first user."""
+        return [sum(p.numel() * p.element_size() for p in ps) for ps in self.params_by_node()]
 
-def _params_of(root: nn.Module, node: fx.Node) -> list[torch.Tensor]:
-    params = []
+
+def _params_of(root: nn.Module, node: fx.Node) -> list[nn.Parameter]:
+    params: list[nn.Parameter] = []
     if node.op == "call_module":
         params.extend(root.get_submodule(str(node.target)).parameters())
     for arg in node.all_input_nodes:

@@ -5,6 +5,7 @@ task in clock-cycle order and returns the merged output; ``backward`` on anythin
 from that output runs the pipelined backward, micro-batches in reverse order per stage.
 """
 
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -14,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_pipe.build import Program, Stage
 from lightning_pipe.dependency import fork, join
+from lightning_pipe.meter import MemoryMeter
 from lightning_pipe.microbatch import gather, scatter
 from lightning_pipe.schedule import clock_cycles
 from lightning_pipe.transport import move
@@ -24,13 +26,21 @@ __all__ = ["Pipeline"]
 class Pipeline:
     """The pipelined ``forward`` of ``root``, split into ``chunks`` micro-batches."""
 
-    def __init__(self, program: Program, root: nn.Module, chunks: int, output_device: torch.device) -> None:
+    def __init__(
+        self,
+        program: Program,
+        root: nn.Module,
+        chunks: int,
+        output_device: torch.device,
+        meter: Optional[MemoryMeter] = None,
+    ) -> None:
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
         self.program = program
         self.root = root
         self.chunks = chunks
         self.output_device = output_device
+        self.meter = meter
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self.program.bind(args, kwargs)
@@ -46,14 +56,19 @@ class Pipeline:
 
     def _run(self, stage: Stage, envs: list[dict[str, Any]], i: int, forked: Optional[str]) -> Optional[str]:
         env = envs[i]
-        inputs = [move(env[name], stage.device) for name in stage.inputs]
-        if forked is not None:
-            # Stage's backward for micro-batch i-1 waits for micro-batch i's.
-            k = _first_grad_tensor(inputs)
-            if k is not None:
-                envs[i - 1][forked], phony = fork(envs[i - 1][forked])
-                inputs[k] = join(inputs[k], phony)
-        env.update(zip(stage.outputs, stage(*inputs)))
+        with self.meter.running(stage.index) if self.meter else nullcontext():
+            inputs = [move(env[name], stage.device) for name in stage.inputs]
+            if forked is not None:
+                # Stage's backward for micro-batch i-1 waits for micro-batch i's.
+                k = _first_grad_tensor(inputs)
+                if k is not None:
+                    envs[i - 1][forked], phony = fork(envs[i - 1][forked])
+                    inputs[k] = join(inputs[k], phony)
+            outputs = stage(*inputs)
+        if self.meter:
+            self.meter.tag_backward(outputs, stage.index)
+            self.meter.mark(outputs, "boundary")
+        env.update(zip(stage.outputs, outputs))
         for name in [n for n in env if self.program.last_use.get(n, len(self.program.stages)) <= stage.index]:
             del env[name]
         k = _first_grad_tensor([env.get(name) for name in stage.outputs])

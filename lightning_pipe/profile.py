@@ -5,12 +5,27 @@ with no model and no device. Byte counts are of real storages observed while the
 activation-like counts scale linearly with the micro-batch size (:meth:`Profile.scaled`).
 """
 
+import inspect
 import json
+from contextlib import nullcontext
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Union
+from typing import Any, Optional, Union
 
-__all__ = ["NodeProfile", "Profile"]
+import torch
+from torch import Tensor, fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_pipe.capture import Captured
+from lightning_pipe.meter import MemoryMeter
+from lightning_pipe.microbatch import batch_size
+from lightning_pipe.transport import move
+
+__all__ = ["NodeProfile", "Profile", "profile_graph"]
 
 
 @dataclass
@@ -29,6 +44,9 @@ class NodeProfile:
         optimizer_bytes: bytes of optimizer state for those parameters, measured with the
             user's optimizer.
         users: indices of the nodes reading this node's output; ``-1`` is the graph output.
+        backward_bytes: peak bytes the node's backward adds: fresh gradients of its
+            parameters and inputs, and workspace.
+        output_grad_bytes: bytes of the gradient that flows back into the node's output.
     """
 
     name: str
@@ -41,6 +59,8 @@ class NodeProfile:
     grad_bytes: int
     optimizer_bytes: int
     users: list[int] = field(default_factory=list)
+    backward_bytes: int = 0
+    output_grad_bytes: int = 0
 
 
 @dataclass
@@ -50,6 +70,7 @@ class Profile:
     Attributes:
         input_bytes: bytes of the graph inputs for one micro-batch.
         input_users: indices of the nodes reading a graph input.
+        fake: bytes were measured on fake tensors and the times are zero.
     """
 
     nodes: list[NodeProfile]
@@ -58,6 +79,7 @@ class Profile:
     microbatch_size: int
     input_bytes: int = 0
     input_users: list[int] = field(default_factory=list)
+    fake: bool = False
 
     def scaled(self, microbatch_size: int) -> "Profile":
         """Predict the profile at another micro-batch size: activation, output and
@@ -76,6 +98,8 @@ class Profile:
                 output_bytes=scale(n.output_bytes),
                 saved_bytes=scale(n.saved_bytes),
                 transient_bytes=scale(n.transient_bytes),
+                backward_bytes=scale(max(n.backward_bytes - n.grad_bytes, 0)) + min(n.grad_bytes, n.backward_bytes),
+                output_grad_bytes=scale(n.output_grad_bytes),
                 forward_ms=n.forward_ms * f,
                 backward_ms=n.backward_ms * f,
             )
@@ -98,3 +122,237 @@ class Profile:
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Profile":
         return cls.from_json(Path(path).read_text())
+
+
+def profile_graph(
+    captured: Captured,
+    args: tuple = (),
+    kwargs: Optional[dict[str, Any]] = None,
+    *,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    fake: bool = False,
+) -> Profile:
+    """Measure every node of ``captured`` on one sample micro-batch ``(args, kwargs)``.
+
+    Each node runs on the device holding its parameters (else its first input), so a model
+    already split over stage devices is profiled in place, never gathered on one device.
+    Bytes come from a :class:`~lightning_pipe.meter.MemoryMeter` that treats every node as
+    its own stage; times are medians of ``repeats`` runs after ``warmup`` runs. The model's
+    parameters, gradients, buffers and the random number generators are left as they were.
+
+    Args:
+        captured: the traced graph.
+        args, kwargs: a sample micro-batch, as passed to ``forward``.
+        optimizer: the user's optimizer; its class and settings measure optimizer-state bytes.
+        fake: measure bytes on fake tensors (no data, no compute) where running is
+            impossible, e.g. activations that do not fit; times are then zero.
+    """
+    gm = captured.graph_module
+    kwargs = kwargs or {}
+    buffers = {name: b.clone() for name, b in gm.named_buffers()}
+    rng = _rng_state()
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
+    with mode:
+        if fake:
+            args, kwargs = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, Tensor) else x, (args, kwargs))
+        runner = _NodeRunner(gm, _bind(gm, args, kwargs))
+        memory = _measure_memory(runner, captured.nodes)
+        times = [(0.0, 0.0) if fake else _time_node(runner, n, repeats, warmup) for n in captured.nodes]
+    with torch.no_grad():
+        for name, b in gm.named_buffers():
+            b.copy_(buffers[name])  # profiling must not advance e.g. BatchNorm statistics
+    _set_rng_state(rng)
+
+    params = captured.params_by_node()
+    state_bytes = _optimizer_bytes(optimizer, [p for ps in params for p in ps])
+    index = {node: k for k, node in enumerate(captured.nodes)}
+    profiles = []
+    for k, node in enumerate(captured.nodes):
+        grad_bytes = sum(_nbytes(p) for p in params[k] if p.requires_grad)
+        forward_transient, saved, backward_growth = memory[k]
+        value = runner.env[node]
+        profiles.append(
+            NodeProfile(
+                name=node.name,
+                forward_ms=times[k][0],
+                backward_ms=times[k][1],
+                output_bytes=_tensor_bytes(value),
+                saved_bytes=saved,
+                transient_bytes=max(forward_transient, backward_growth - grad_bytes, 0),
+                param_bytes=sum(_nbytes(p) for p in params[k]),
+                grad_bytes=grad_bytes,
+                optimizer_bytes=sum(state_bytes.get(id(p), 0) for p in params[k]),
+                users=sorted(index.get(u, -1) for u in node.users),
+                backward_bytes=max(backward_growth, 0),
+                output_grad_bytes=_tensor_bytes([t for t in tree_flatten(value)[0] if _needs_grad(t)]),
+            )
+        )
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    first = next(iter(gm.parameters()), None)
+    return Profile(
+        nodes=profiles,
+        device=str(_device_of(captured.nodes[0], runner)),
+        dtype=str(first.dtype if first is not None else torch.get_default_dtype()),
+        microbatch_size=batch_size((args, kwargs)),
+        input_bytes=_tensor_bytes((args, kwargs)),
+        input_users=sorted({index[u] for p in placeholders for u in p.users if u in index}),
+        fake=fake,
+    )
+
+
+def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[tuple[int, int, int]]:
+    """Per node: forward workspace, bytes it allocated that backward keeps, and the growth
+    while backward runs; one meter "stage" per node."""
+    index = {node: k for k, node in enumerate(nodes)}
+    meter = MemoryMeter(len(nodes))
+    forward_transient = [0] * len(nodes)
+    with meter, meter.saved_tensors_hooks():
+        for node in runner.module.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                runner.env[node] = runner.run_node(node)
+            elif node.op != "output":
+                k = index[node]
+                with meter.running(k):
+                    runner.env[node] = runner.run_on(node, _device_of(node, runner))
+                meter.tag_backward([runner.env[node]], k)
+                forward_transient[k] = meter.stages[k].peak - meter.stages[k].total
+        saved = [m.current["activations"] for m in meter.stages]
+        result = fx.node.map_arg(runner.module.graph.output_node().args[0], runner.env.__getitem__)
+        outputs = [t for t in tree_flatten(result)[0] if _needs_grad(t)]
+        leaves = [p for p in runner.module.parameters() if p.requires_grad]
+        meter.reset_peaks()
+        start = [m.total for m in meter.stages]
+        if outputs and leaves:
+            # grad(), not backward(): the model's .grad stay untouched.
+            grads = torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
+            del grads
+        growth = [m.peak - s for m, s in zip(meter.stages, start)]
+    return list(zip(forward_transient, saved, growth))
+
+
+class _NodeRunner(fx.Interpreter):
+    """Runs single nodes, with their inputs moved to a chosen device."""
+
+    def __init__(self, gm: fx.GraphModule, inputs: dict[str, Any]) -> None:
+        super().__init__(gm)
+        self.inputs = inputs
+
+    def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self.inputs[target]
+
+    def run_on(self, node: fx.Node, device: torch.device) -> Any:
+        args, kwargs = move(self.fetch_args_kwargs_from_env(node), device)
+        return self.call(node, args, kwargs)
+
+    def call(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
+        return getattr(self, node.op)(node.target, args, kwargs)
+
+
+def _bind(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    bound = inspect.signature(gm.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _device_of(node: fx.Node, runner: "_NodeRunner") -> torch.device:
+    """Where a node runs: with its parameters, else with its first tensor input."""
+    if node.op == "call_module":
+        for p in runner.module.get_submodule(str(node.target)).parameters():
+            return p.device
+    for arg in node.all_input_nodes:
+        for t in tree_flatten(runner.env.get(arg))[0]:
+            if isinstance(t, Tensor):
+                return t.device
+    return torch.device("cpu")
+
+
+def _time_node(runner: _NodeRunner, node: fx.Node, repeats: int, warmup: int) -> tuple[float, float]:
+    """Median forward and backward milliseconds of one node on fresh copies of its inputs."""
+    device = _device_of(node, runner)
+    args, kwargs = move(runner.fetch_args_kwargs_from_env(node), device)
+    args, kwargs = tree_map(_fresh, (args, kwargs))
+    forward_ms = _median_ms(lambda: runner.call(node, args, kwargs), device, repeats, warmup)
+    out = runner.call(node, args, kwargs)
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad]
+    if not outs:
+        return forward_ms, 0.0
+    wrt = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad]
+    if node.op == "call_module":
+        wrt += [p for p in runner.module.get_submodule(str(node.target)).parameters() if p.requires_grad]
+    if not wrt:
+        return forward_ms, 0.0
+    grads = [torch.ones_like(t) for t in outs]
+
+    def backward() -> None:
+        torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
+
+    return forward_ms, _median_ms(backward, device, repeats, warmup)
+
+
+def _fresh(x: Any) -> Any:
+    # A copy, so in-place nodes cannot change the values the profile run holds.
+    if isinstance(x, Tensor):
+        return x.detach().clone().requires_grad_(x.requires_grad)
+    return x
+
+
+def _median_ms(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _optimizer_bytes(optimizer: Optional[torch.optim.Optimizer], params: list[torch.nn.Parameter]) -> dict[int, int]:
+    """State bytes per parameter for the optimizer's class and settings, measured by one step
+    on a zero copy of each parameter in turn (never a copy of the whole model)."""
+    if optimizer is None:
+        return {}
+    cache: dict[tuple, int] = {}
+    result = {}
+    for p in params:
+        if not p.requires_grad:
+            continue
+        key = (p.shape, p.dtype, p.device)
+        if key not in cache:
+            probe = torch.zeros_like(p, requires_grad=True)
+            probe.grad = torch.zeros_like(p)
+            step = type(optimizer)([probe], **optimizer.defaults)
+            step.step()
+            cache[key] = sum(_nbytes(v) for v in step.state[probe].values() if isinstance(v, Tensor))
+        result[id(p)] = cache[key]
+    return result
+
+
+def _needs_grad(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.requires_grad
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(_nbytes(t) for t in tree_flatten(value)[0] if isinstance(t, Tensor))
+
+
+def _rng_state() -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])

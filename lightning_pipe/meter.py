@@ -1,0 +1,234 @@
+"""Measure: per-stage memory, observed from the tensors themselves.
+
+Several stages may share one device (all on ``cpu`` in tests), so device statistics cannot
+tell stages apart. The :class:`MemoryMeter` is a dispatch mode that sees every operator's
+outputs: each new storage is charged to the stage running at that moment and released when
+the storage dies (a weakref finalizer). In forward the pipeline says which stage runs; in
+backward the running autograd node says it (nodes are tagged with their stage after the
+stage's forward). Parameters, gradients and optimizer state are charged to the stage that
+owns the parameter. Nothing here reads the planner's formulas.
+"""
+
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["KINDS", "MemoryMeter", "StageMemory", "StageOutOfMemoryError"]
+
+#: What a stage's bytes are: parameters and buffers, their gradients, optimizer state,
+#: activations kept for backward, values on their way to another stage, and the rest
+#: (workspace, gradients in flight) which lives only while an op or node runs.
+KINDS = ("parameters", "gradients", "optimizer", "activations", "boundary", "transient")
+_RELABEL = ("transient", "boundary", "activations")
+
+
+class StageOutOfMemoryError(RuntimeError):
+    """A stage went over its memory capacity."""
+
+    def __init__(self, stage: int, capacity: int, request: int, in_use: int) -> None:
+        super().__init__(
+            f"Stage {stage} is out of memory: it holds {in_use:,} bytes and asked for "
+            f"{request:,} more, over its capacity of {capacity:,} bytes. Lower the batch or "
+            f"micro-batch size, raise the stage's memory limit, or move its cut."
+        )
+        self.stage, self.capacity, self.request, self.in_use = stage, capacity, request, in_use
+
+
+@dataclass
+class StageMemory:
+    """A stage's bytes now and at its peak, by kind."""
+
+    current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    peak: int = 0
+    peak_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+
+    @property
+    def total(self) -> int:
+        return sum(self.current.values())
+
+
+@dataclass
+class _Entry:
+    stage: int
+    kind: str
+    nbytes: int
+
+
+class MemoryMeter(TorchDispatchMode):
+    """Charge every live storage to a stage; optionally enforce per-stage capacities.
+
+    Args:
+        num_stages: number of pipeline stages.
+        capacities: per-stage byte limits (``None`` entries or list: unlimited).
+    """
+
+    def __init__(self, num_stages: int, capacities: Optional[Sequence[Optional[int]]] = None) -> None:
+        super().__init__()
+        if capacities is not None and len(capacities) != num_stages:
+            raise ValueError(f"{len(capacities)} capacities given for {num_stages} stages.")
+        self.capacities = list(capacities) if capacities is not None else [None] * num_stages
+        self.stages = [StageMemory() for _ in range(num_stages)]
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> stage
+        self._hooks: list[Any] = []
+        self._local = threading.local()
+        self._lock = threading.RLock()  # finalizers may fire inside a locked update
+
+    # -- what runs now ---------------------------------------------------------------------
+
+    @contextmanager
+    def running(self, stage: int) -> Iterator[None]:
+        """Charge what is allocated inside to ``stage`` (a stage's forward)."""
+        previous = getattr(self._local, "stage", None)
+        self._local.stage = stage
+        try:
+            yield
+        finally:
+            self._local.stage = previous
+
+    def tag_backward(self, outputs: Iterable[Any], stage: int) -> None:
+        """Mark the autograd nodes a stage's forward created, so its backward is charged to it."""
+        stack = [t.grad_fn for t in tree_flatten(list(outputs))[0] if isinstance(t, Tensor) and t.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or "stage" in node.metadata or type(node).__name__ == "AccumulateGrad":
+                continue
+            node.metadata["stage"] = stage
+            stack.extend(f for f, _ in node.next_functions)
+
+    def _stage_now(self) -> Optional[tuple[int, str]]:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            stage = getattr(self._local, "stage", None)
+            return None if stage is None else (stage, "transient")
+        if type(node).__name__ == "AccumulateGrad":
+            owner = self._owner.get(node.variable)
+            return None if owner is None else (owner, "gradients")
+        stage = node.metadata.get("stage")
+        return None if stage is None else (stage, "transient")
+
+    # -- charging --------------------------------------------------------------------------
+
+    def own(self, stage: int, tensors: Iterable[Tensor], kind: str = "parameters") -> None:
+        """Charge existing tensors (parameters, buffers) to ``stage``; a parameter's gradient
+        is charged to the same stage once autograd has accumulated it."""
+        for t in tensors:
+            if isinstance(t, torch.nn.Parameter) and t not in self._owner:
+                self._owner[t] = stage
+                if t.requires_grad:
+                    self._hooks.append(t.register_post_accumulate_grad_hook(self._own_grad))
+            self._charge(t, stage, kind)
+
+    def _own_grad(self, param: Tensor) -> None:
+        if param.grad is not None:
+            self._charge(param.grad, self._owner[param], "gradients")
+
+    def close(self) -> None:
+        """Remove the gradient hooks this meter put on parameters."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def own_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Charge optimizer state to the stage owning each parameter (call after a step)."""
+        for param, state in optimizer.state.items():
+            stage = self._owner.get(param)
+            if stage is None:
+                continue
+            for value in state.values():
+                if isinstance(value, Tensor):
+                    self._charge(value, stage, "optimizer")
+            if param.grad is not None:
+                self._charge(param.grad, stage, "gradients")
+
+    def mark(self, tensors: Iterable[Any], kind: str) -> None:
+        """Re-label charged storages of short-lived kinds: ``"boundary"`` (sent to another
+        stage) outranks ``"transient"``, ``"activations"`` (saved for backward) both."""
+        rank = _RELABEL.index(kind)
+        for t in tree_flatten(list(tensors))[0]:
+            if isinstance(t, Tensor):
+                entry = self._entries.get(t.untyped_storage())
+                if entry is not None and entry.kind in _RELABEL and _RELABEL.index(entry.kind) < rank:
+                    self._move(entry, entry.stage, kind)
+
+    def _charge(self, t: Tensor, stage: int, kind: str) -> None:
+        storage = t.untyped_storage()
+        entry = self._entries.get(storage)
+        if entry is None:
+            entry = _Entry(stage, kind, storage.nbytes())
+            self._entries[storage] = entry
+            weakref.finalize(storage, self._release, entry)
+            self._add(stage, kind, entry.nbytes)
+        elif (entry.stage, entry.kind) != (stage, kind):
+            self._move(entry, stage, kind)
+
+    def _move(self, entry: _Entry, stage: int, kind: str) -> None:
+        with self._lock:
+            self.stages[entry.stage].current[entry.kind] -= entry.nbytes
+        entry.stage, entry.kind = stage, kind
+        self._add(stage, kind, entry.nbytes)
+
+    def _add(self, stage: int, kind: str, nbytes: int) -> None:
+        with self._lock:
+            memory = self.stages[stage]
+            capacity = self.capacities[stage]
+            in_use = memory.total
+            if capacity is not None and in_use + nbytes > capacity:
+                raise StageOutOfMemoryError(stage, capacity, nbytes, in_use)
+            memory.current[kind] += nbytes
+            if in_use + nbytes > memory.peak:
+                memory.peak = in_use + nbytes
+                memory.peak_by_kind = dict(memory.current)
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            self.stages[entry.stage].current[entry.kind] -= entry.nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        where = self._stage_now()
+        if where is not None:
+            # Views and in-place results share an input's storage: not an allocation.
+            inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+            aliases = [r.alias_info is not None for r in func._schema.returns]
+            for k, t in enumerate(tree_flatten(out)[0]):
+                if not isinstance(t, Tensor):
+                    continue
+                if where[1] == "gradients" or not (id(t.untyped_storage()) in inputs or aliases[min(k, len(aliases) - 1)]):
+                    self._charge(t, *where)  # (under AccumulateGrad: a buffer adopted as .grad)
+        return out
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def peaks(self) -> list[int]:
+        return [m.peak for m in self.stages]
+
+    def reset_peaks(self) -> None:
+        for m in self.stages:
+            m.peak = m.total
+            m.peak_by_kind = dict(m.current)
+
+    @staticmethod
+    def cuda_peaks(devices: Sequence[torch.device]) -> Optional[list[int]]:
+        """``torch.cuda.max_memory_allocated`` per stage, when every stage has its own GPU."""
+        if not all(d.type == "cuda" for d in devices) or len(set(devices)) != len(devices):
+            return None
+        return [torch.cuda.max_memory_allocated(d) for d in devices]
+
+    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Hooks that label tensors autograd saves as stashed activations."""
+
+        def pack(t: Tensor) -> Tensor:
+            self.mark([t], "activations")
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
