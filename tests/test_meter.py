@@ -1,0 +1,95 @@
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.build import build
+from lightning_pipe.capture import capture
+from lightning_pipe.meter import MemoryMeter, StageOutOfMemoryError
+from lightning_pipe.pipeline import Pipeline
+
+CPU = torch.device("cpu")
+WIDE = 4096
+
+
+class Wide(nn.Module):
+    """Stage 1 keeps one (batch, WIDE) float activation per micro-batch: ReLU's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0 = nn.Linear(16, 16)
+        self.l1 = nn.Linear(16, WIDE)
+        self.act = nn.ReLU()
+        self.l2 = nn.Linear(WIDE, 1)
+
+    def forward(self, x):
+        return self.l2(self.act(self.l1(self.l0(x))))
+
+
+def _metered(model, balance, chunks, capacities=None):
+    captured = capture(model)
+    program = build(captured, model, balance, [CPU] * len(balance))
+    meter = MemoryMeter(len(balance), capacities)
+    for stage in program.stages:
+        meter.own(stage.index, [p for p in stage.module.parameters() if all(p is not b for b in stage.borrowed.values())])
+    return Pipeline(program, model, chunks, CPU, meter), meter
+
+
+def test_activations_parameters_gradients_and_optimizer_state_are_charged_to_their_stage():
+    model = Wide()
+    pipe, meter = _metered(model, [1, 3], chunks=4)
+    params = [sum(p.numel() * 4 for p in m.parameters()) for m in (model.l0, nn.ModuleList([model.l1, model.l2]))]
+    x = torch.randn(32, 16)
+    optimizer = torch.optim.Adam(model.parameters())
+    with meter, meter.saved_tensors_hooks():
+        out = pipe(x)
+        stage1 = meter.stages[1].current
+        assert stage1["activations"] == 32 * WIDE * 4  # 4 micro-batches of (8, WIDE) floats
+        assert [m.current["parameters"] for m in meter.stages] == params
+        out.sum().backward()
+        assert stage1["activations"] == 0  # backward released every micro-batch
+        assert [m.current["gradients"] for m in meter.stages] == params
+        optimizer.step()
+        meter.own_optimizer_state(optimizer)
+        for m, p in zip(meter.stages, params):
+            assert 2 * p <= m.current["optimizer"] <= 2 * p + 64  # exp_avg, exp_avg_sq (+ step counters)
+    meter.close()
+    assert meter.stages[1].peak >= 32 * WIDE * 4 + params[1]
+    assert meter.stages[1].peak == sum(meter.stages[1].peak_by_kind.values())
+
+
+def test_freed_storages_leave_the_count():
+    pipe, meter = _metered(Wide(), [2, 2], chunks=2)
+    with meter, meter.saved_tensors_hooks():
+        with torch.no_grad():
+            out = pipe(torch.randn(8, 16))
+        assert meter.stages[1].current["activations"] == 0  # nothing saved without grad
+        before = meter.stages[1].total
+        del out
+        assert meter.stages[1].total <= before
+    assert meter.stages[1].peak >= 4 * WIDE * 4  # the (4, WIDE) outputs existed for a while
+
+
+def test_capacity_error_names_stage_capacity_and_request():
+    model = Wide()
+    pipe, meter = _metered(model, [1, 3], chunks=2, capacities=[None, 600_000])
+    with meter, meter.saved_tensors_hooks(), pytest.raises(StageOutOfMemoryError) as info:
+        pipe(torch.randn(32, 16))
+    err = info.value
+    assert err.stage == 1 and err.capacity == 600_000 and err.request > 0
+    assert "Stage 1 is out of memory" in str(err) and "600,000 bytes" in str(err)
+    # The same run fits a capacity above what it needs.
+    pipe, meter = _metered(Wide(), [1, 3], chunks=2, capacities=[None, 2_000_000])
+    with meter, meter.saved_tensors_hooks():
+        pipe(torch.randn(32, 16)).sum().backward()
+    assert meter.stages[1].peak <= 2_000_000
+
+
+def test_capacities_must_match_stages():
+    with pytest.raises(ValueError, match="3 capacities given for 2 stages"):
+        MemoryMeter(2, [1, 2, 3])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peaks_per_device():
+    assert MemoryMeter.cuda_peaks([torch.device("cuda", 0)]) is not None
+    assert MemoryMeter.cuda_peaks([torch.device("cuda", 0), CPU]) is None
