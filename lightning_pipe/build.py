@@ -36,6 +36,7 @@ class Stage:
     outputs: list[str]
     node_names: list[str]
     borrowed: dict[str, nn.Parameter] = field(default_factory=dict)
+    owned: list[Tensor] = field(default_factory=list)  # parameters and buffers placed here
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         if not self.borrowed:
@@ -45,10 +46,7 @@ class Stage:
 
     def param_bytes(self) -> int:
         """Bytes of the parameters this stage owns (borrowed ones count at their owner)."""
-        borrowed = {id(p) for p in self.borrowed.values()}
-        return sum(
-            p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in borrowed
-        )
+        return sum(p.numel() * p.element_size() for p in self.owned if isinstance(p, nn.Parameter))
 
 
 @dataclass
@@ -156,10 +154,10 @@ def _place(program: Program, root: nn.Module) -> None:
         tensor = program.attribute_values(root)[value]
         if readers:
             owner.setdefault(id(tensor), readers[0])
-    first_device = program.stages[0].device
     for tensor in list(root.parameters()) + list(root.buffers()):
-        stage = owner.get(id(tensor))
-        _move_in_place(tensor, stage.device if stage is not None else first_device)
+        stage = owner.get(id(tensor), program.stages[0])
+        _move_in_place(tensor, stage.device)
+        stage.owned.append(tensor)
 
 
 def _move_in_place(tensor: Tensor, device: torch.device) -> None:

@@ -299,20 +299,23 @@ def _fresh(x: Any) -> Any:
 
 
 def _median_ms(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> float:
+    """Median milliseconds of ``fn``: CUDA events on a GPU, the wall clock elsewhere."""
     times = []
     for i in range(warmup + repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            begin = time.perf_counter()
+            fn()
+            elapsed = (time.perf_counter() - begin) * 1e3
         if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append(elapsed)
     return statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _optimizer_bytes(optimizer: Optional[torch.optim.Optimizer], params: list[torch.nn.Parameter]) -> dict[int, int]:

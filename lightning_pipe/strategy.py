@@ -5,7 +5,9 @@ one stage per device and placed; then ``self(x)`` inside the user's steps runs t
 (autograd-driven GPipe), and Lightning's own ``loss.backward()`` runs the pipelined backward.
 """
 
+import re
 from collections.abc import Mapping
+from contextlib import ExitStack
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -18,12 +20,14 @@ from torch.optim import Optimizer
 
 from lightning_pipe.build import Program, build
 from lightning_pipe.capture import capture
+from lightning_pipe.meter import MemoryMeter
 from lightning_pipe.partition import balance_by_weight, check_stage_count
 from lightning_pipe.pipeline import Pipeline
 
 __all__ = ["MemoryPipeStrategy"]
 
 Schedule = Literal["gpipe", "1f1b", "2bw"]
+MemoryLimit = Union[int, str]
 
 
 class MemoryPipeStrategy(ParallelStrategy):
@@ -35,6 +39,11 @@ class MemoryPipeStrategy(ParallelStrategy):
         balance: graph nodes per stage, in order; by default an even split by parameter bytes.
         leaf_modules: submodule names (``"blocks.3"``) or class names (``"Block"``) that
             tracing keeps as single nodes, e.g. code torch.fx cannot trace.
+        measure_memory: meter every stage's memory from its live tensors while running
+            (``strategy.meter``); costs some speed.
+        memory_limit: bytes per stage device, as a number or a string such as ``"2GiB"``;
+            one value for all stages or one per stage. With ``measure_memory``, a stage
+            going over it raises :class:`~lightning_pipe.meter.StageOutOfMemoryError`.
     """
 
     strategy_name = "memory_pipe"
@@ -45,6 +54,8 @@ class MemoryPipeStrategy(ParallelStrategy):
         schedule: Schedule = "gpipe",
         balance: Optional[list[int]] = None,
         leaf_modules: Optional[list[str]] = None,
+        measure_memory: bool = False,
+        memory_limit: Optional[Union[MemoryLimit, list[MemoryLimit]]] = None,
     ) -> None:
         super().__init__()
         if chunks < 1:
@@ -61,7 +72,11 @@ class MemoryPipeStrategy(ParallelStrategy):
         self.schedule = schedule
         self.balance = balance
         self.leaf_modules = leaf_modules or []
+        self.measure_memory = measure_memory
+        self.memory_limit = _parse_limits(memory_limit)
         self.program: Optional[Program] = None
+        self.meter: Optional[MemoryMeter] = None
+        self._metering = ExitStack()
 
     @property
     def root_device(self) -> torch.device:
@@ -104,6 +119,9 @@ class MemoryPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             for optimizer in self.optimizers:
                 _state_to_param_devices(optimizer)
+        if self.meter is not None:
+            self._metering.enter_context(self.meter)
+            self._metering.enter_context(self.meter.saved_tensors_hooks())
 
     def model_to_device(self) -> None:
         """Capture, split and place the module, and route its ``forward`` through the pipeline."""
@@ -114,7 +132,12 @@ class MemoryPipeStrategy(ParallelStrategy):
         check_stage_count(len(captured.nodes), len(devices))
         balance = self.balance or balance_by_weight(captured.param_bytes(), len(devices))
         self.program = build(captured, module, balance, devices)
-        pipeline = Pipeline(self.program, module, self.chunks, self.root_device)
+        self.meter = None
+        if self.measure_memory:
+            self.meter = MemoryMeter(len(devices), self._capacities())
+            for stage in self.program.stages:
+                self.meter.own(stage.index, stage.owned)
+        pipeline = Pipeline(self.program, module, self.chunks, self.root_device, self.meter)
         # An instance attribute shadows the class's forward without registering a submodule,
         # so state_dict keys stay those of the plain module.
         module.forward = pipeline
@@ -131,6 +154,25 @@ class MemoryPipeStrategy(ParallelStrategy):
                 f"{_mib(stage.param_bytes()):>10}  {stage.node_names[0]} .. {stage.node_names[-1]}"
             )
         return "\n".join(rows)
+
+    def _capacities(self) -> Optional[list[int]]:
+        assert self.parallel_devices
+        stages = len(self.parallel_devices)
+        limits = self.memory_limit
+        if limits is None or len(limits) == 1:
+            return None if limits is None else limits * stages
+        if len(limits) != stages:
+            raise ValueError(
+                f"memory_limit has {len(limits)} entries but there are {stages} stage devices; "
+                f"give one value for all stages or one per stage."
+            )
+        return limits
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.meter is not None:
+            self.meter.own_optimizer_state(optimizer)
+        return output
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
@@ -153,6 +195,9 @@ class MemoryPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is not None:
             vars(module).pop("forward", None)
+        self._metering.close()
+        if self.meter is not None:
+            self.meter.close()
         super().teardown()
 
     @classmethod
@@ -169,6 +214,33 @@ def _state_to_param_devices(optimizer: Optimizer) -> None:
         for key, value in state.items():
             if key != "step" and isinstance(value, Tensor):
                 state[key] = value.to(param.device)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: MemoryLimit) -> int:
+    """Bytes from a number or a string such as ``"2GiB"``, ``"512 MB"`` or ``"1e9"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(value))
+        if match is None or match.group(2).upper() not in _UNITS:
+            raise ValueError(
+                f"Cannot read {value!r} as a memory size; use bytes or a number with a unit "
+                f"such as '512MiB', '2GiB' or '16GB'."
+            )
+        number = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if number <= 0:
+        raise ValueError(f"A memory size must be positive, got {value!r}.")
+    return number
+
+
+def _parse_limits(limit: Optional[Union[MemoryLimit, list[MemoryLimit]]]) -> Optional[list[int]]:
+    if limit is None:
+        return None
+    return [parse_bytes(v) for v in (limit if isinstance(limit, list) else [limit])]
 
 
 def _mib(num_bytes: int) -> str:

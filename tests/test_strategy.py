@@ -176,3 +176,39 @@ def _run_module(module, devices, leaf_modules=None):
     data = torch.utils.data.TensorDataset(torch.randn(8, 4))
     strategy = MemoryPipeStrategy(chunks=2, leaf_modules=leaf_modules)
     trainer(strategy, devices, max_steps=1).fit(Wrapper(), torch.utils.data.DataLoader(data, batch_size=4))
+
+
+def test_parse_bytes_reads_numbers_and_units():
+    from lightning_pipe.strategy import parse_bytes
+
+    assert parse_bytes(1024) == 1024
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("512 MB") == 512 * 10**6
+    assert parse_bytes("1.5KiB") == 1536
+    for bad in ("lots", "2 parsecs", "-1GB", 0):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_bytes(bad)
+
+
+def test_metered_fit_reports_stage_peaks_and_enforces_limits():
+    from lightning_pipe.meter import StageOutOfMemoryError
+
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(chunks=2, measure_memory=True)
+    trainer(strategy, 2, max_steps=2).fit(model, loader(data, 8))
+    peaks = strategy.meter.peaks()
+    assert all(p > 0 for p in peaks)
+    for stage, memory in zip(strategy.program.stages, strategy.meter.stages):
+        assert memory.peak_by_kind["parameters"] == stage.param_bytes() + sum(
+            b.numel() * b.element_size() for b in stage.owned if not isinstance(b, torch.nn.Parameter)
+        )
+        assert memory.current["optimizer"] > 0  # SGD momentum buffers, charged after the step
+    # The same run under a limit below the metered peak of stage 1 fails there, loudly.
+    model, data = make("gpt")
+    limit = [peaks[0] * 2, peaks[1] // 2]
+    with pytest.raises(StageOutOfMemoryError, match="Stage 1 is out of memory"):
+        trainer(MemoryPipeStrategy(chunks=2, measure_memory=True, memory_limit=limit), 2, max_steps=2).fit(
+            model, loader(data, 8)
+        )
+    with pytest.raises(ValueError, match="memory_limit has 3 entries but there are 2 stage devices"):
+        trainer(MemoryPipeStrategy(measure_memory=True, memory_limit=[1, 2, 3]), 2).fit(*make("gpt")[:1], loader(data, 8))
