@@ -12,7 +12,7 @@ from lightning_pipe import MemoryPipeStrategy
 def main() -> None:
     seed_everything(0)
     model = GPT(layers=4)
-    strategy = MemoryPipeStrategy(chunks=4)
+    strategy = MemoryPipeStrategy(chunks=4, measure_memory=True)
     trainer = Trainer(
         accelerator="cpu",
         devices=4,
@@ -25,6 +25,8 @@ def main() -> None:
     trainer.fit(model, loader(TokenDataset(size=128), batch_size=16))
     print("\nPer-stage split (graph nodes and parameters each stage owns):")
     print(strategy.describe())
+    print("\nPer-stage memory, metered from the live tensors of each stage:")
+    print(strategy.memory_summary())
     print(f"\nfinal train_loss: {trainer.callback_metrics['train_loss']:.4f} after {trainer.global_step} steps")
 
 

@@ -155,6 +155,20 @@ class MemoryPipeStrategy(ParallelStrategy):
             )
         return "\n".join(rows)
 
+    def memory_summary(self) -> str:
+        """Metered bytes per stage now and at peak, by kind; with one GPU per stage, also
+        ``torch.cuda.max_memory_allocated``."""
+        if self.meter is None or self.program is None:
+            raise RuntimeError("memory_summary() needs MemoryPipeStrategy(measure_memory=True) and a run.")
+        devices = [stage.device for stage in self.program.stages]
+        cuda = MemoryMeter.cuda_peaks(devices)
+        rows = [f"{'stage':>5}  {'current':>10}  {'peak':>10}  peak by kind" + ("  cuda peak" if cuda else "")]
+        for k, memory in enumerate(self.meter.stages):
+            kinds = ", ".join(f"{kind} {_mib(n)}" for kind, n in memory.peak_by_kind.items() if n)
+            row = f"{k:>5}  {_mib(memory.total):>10}  {_mib(memory.peak):>10}  {kinds}"
+            rows.append(row + (f"  {_mib(cuda[k])}" if cuda else ""))
+        return "\n".join(rows)
+
     def _capacities(self) -> Optional[list[int]]:
         assert self.parallel_devices
         stages = len(self.parallel_devices)

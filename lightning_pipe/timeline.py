@@ -70,18 +70,29 @@ def stage_costs(profile: Profile, balance: Sequence[int]) -> list[StageCosts]:
     return costs
 
 
-def replay_peaks(profile: Profile, balance: Sequence[int], order: Sequence[Task]) -> list[int]:
+def replay_peaks(
+    profile: Profile, balance: Sequence[int], order: Sequence[Task], grads_in_forward: bool = True
+) -> list[int]:
     """Predicted peak bytes of every stage when the tasks run in ``order``.
 
     A gradient a stage sends back may be a view (e.g. a slice of a concatenation's gradient)
     that stays alive until the micro-batch's backward has left the pipeline, so it is held
     until stage 0's backward of that micro-batch.
+
+    Args:
+        grads_in_forward: the previous step's gradients are still alive during the forward
+            and freed just before backward, as in Lightning's automatic optimization;
+            ``False`` when gradients are set to ``None`` before the forward.
     """
+    first_backward = next((k for k, t in enumerate(order) if t.kind == "backward"), len(order))
     peaks = []
     for s, c in enumerate(stage_costs(profile, balance)):
-        memory = peak = c.static
-        has_grads = False
-        for task in order:
+        has_grads = grads_in_forward
+        memory = peak = c.static + (c.grads if has_grads else 0)
+        for k, task in enumerate(order):
+            if k == first_backward and has_grads:
+                memory -= c.grads  # zero_grad(set_to_none=True) before backward
+                has_grads = False
             if task.stage == s and task.kind == "forward":
                 peak = max(peak, memory + c.forward_peak)
                 memory += c.stashed + (c.sent if c.last_reader >= 0 else 0)

@@ -198,6 +198,8 @@ def test_metered_fit_reports_stage_peaks_and_enforces_limits():
     trainer(strategy, 2, max_steps=2).fit(model, loader(data, 8))
     peaks = strategy.meter.peaks()
     assert all(p > 0 for p in peaks)
+    summary = strategy.memory_summary().splitlines()
+    assert len(summary) == 3 and "activations" in summary[1] and "cuda" not in summary[0]
     for stage, memory in zip(strategy.program.stages, strategy.meter.stages):
         assert memory.peak_by_kind["parameters"] == stage.param_bytes() + sum(
             b.numel() * b.element_size() for b in stage.owned if not isinstance(b, torch.nn.Parameter)
