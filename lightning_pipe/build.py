@@ -10,19 +10,57 @@ so its gradient accumulates in the one real parameter.
 
 import inspect
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import checkpoint
 
+from lightning_pipe import swap
 from lightning_pipe.capture import Captured, get_attr
 from lightning_pipe.partition import check_balance
 from lightning_pipe.transport import move
 
-__all__ = ["Program", "Stage", "build"]
+__all__ = ["Policy", "Program", "Segment", "Stage", "build"]
+
+
+Policy = Literal["keep", "recompute", "swap"]
+
+
+@dataclass
+class Segment:
+    """Consecutive nodes of one stage that share a memory policy.
+
+    ``keep`` stashes what autograd saves; ``recompute`` stashes only the segment's inputs and
+    runs it again before its backward (``torch.utils.checkpoint``, non-reentrant); ``swap``
+    sends what autograd saves to host memory until backward needs it.
+    """
+
+    module: fx.GraphModule
+    inputs: list[str]
+    outputs: list[str]
+    policy: Policy = "keep"
+    borrowed: dict[str, nn.Parameter] = field(default_factory=dict)
+
+    def __call__(self, device: torch.device, *args: Any) -> tuple[Any, ...]:
+        if self.policy == "recompute":
+            return checkpoint(self._forward, device, *args, use_reentrant=False)
+        if self.policy == "swap":
+            hooks = swap.to_host()
+            with hooks:
+                outputs = self._forward(device, *args)
+            swap.prefetch(outputs, hooks.swapped)
+            return outputs
+        return self._forward(device, *args)
+
+    def _forward(self, device: torch.device, *args: Any) -> tuple[Any, ...]:
+        if not self.borrowed:
+            return self.module(*args)
+        params = {name: move(p, device) for name, p in self.borrowed.items()}
+        return torch.func.functional_call(self.module, params, args)
 
 
 @dataclass
@@ -31,18 +69,29 @@ class Stage:
 
     index: int
     device: torch.device
-    module: fx.GraphModule
+    segments: list[Segment]
     inputs: list[str]
     outputs: list[str]
     node_names: list[str]
-    borrowed: dict[str, nn.Parameter] = field(default_factory=dict)
     owned: list[Tensor] = field(default_factory=list)  # parameters and buffers placed here
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
-        if not self.borrowed:
-            return self.module(*args)
-        params = {name: move(p, self.device) for name, p in self.borrowed.items()}
-        return torch.func.functional_call(self.module, params, args)
+        env = dict(zip(self.inputs, args))
+        last = {name: k for k, seg in enumerate(self.segments) for name in seg.inputs}
+        for k, seg in enumerate(self.segments):
+            env.update(zip(seg.outputs, seg(self.device, *[env[n] for n in seg.inputs])))
+            for name in [n for n in seg.inputs if last[n] == k and n not in self.outputs]:
+                del env[name]  # free values no later segment of this stage reads
+        return tuple(env[name] for name in self.outputs)
+
+    @property
+    def borrowed(self) -> list[nn.Parameter]:
+        """Parameters this stage uses but another stage owns (tied weights)."""
+        return list({id(p): p for seg in self.segments for p in seg.borrowed.values()}.values())
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter the stage's nodes use, owned or borrowed."""
+        return list({id(p): p for seg in self.segments for p in seg.module.parameters()}.values())
 
     def param_bytes(self) -> int:
         """Bytes of the parameters this stage owns (borrowed ones count at their owner)."""
@@ -72,27 +121,49 @@ class Program:
 
 
 def build(
-    captured: Captured, root: nn.Module, balance: Sequence[int], devices: Sequence[torch.device]
+    captured: Captured,
+    root: nn.Module,
+    balance: Sequence[int],
+    devices: Sequence[torch.device],
+    policies: Optional[Mapping[str, Policy]] = None,
 ) -> Program:
-    """Split ``captured`` by ``balance`` (nodes per stage) and place stage ``i`` on ``devices[i]``."""
+    """Split ``captured`` by ``balance`` (nodes per stage) and place stage ``i`` on ``devices[i]``.
+
+    ``policies`` maps node names to ``"recompute"`` or ``"swap"``; other nodes keep their
+    activations. Consecutive nodes of a stage with one policy form a :class:`Segment`.
+    """
     balance = check_balance(balance, len(captured.nodes), len(devices))
-    stage_of: dict[str, int] = {}
-    names_per_stage: list[list[str]] = []
-    start = 0
-    for index, count in enumerate(balance):
-        names = [n.name for n in captured.nodes[start : start + count]]
-        stage_of.update(dict.fromkeys(names, index))
-        names_per_stage.append(names)
-        start += count
+    policies = dict(policies or {})
+    unknown = sorted(set(policies) - {n.name for n in captured.nodes})
+    if unknown:
+        raise ValueError(f"policies name nodes the graph does not have: {unknown[:5]}.")
+    bad = sorted({p for p in policies.values() if p not in ("keep", "recompute", "swap")})
+    if bad:
+        raise ValueError(f"Unknown memory policies {bad}; use 'keep', 'recompute' or 'swap'.")
+    stage_of_node: dict[str, int] = {}
+    segment_of: dict[str, int] = {}
+    segment_stage: list[int] = []
+    segment_policy: list[Policy] = []
+    names_per_stage: list[list[str]] = [[] for _ in balance]
+    ranges = [(sum(balance[:i]), sum(balance[: i + 1])) for i in range(len(balance))]
+    for stage, (start, stop) in enumerate(ranges):
+        for node in captured.nodes[start:stop]:
+            policy = policies.get(node.name, "keep")
+            if not segment_stage or segment_stage[-1] != stage or segment_policy[-1] != policy:
+                segment_stage.append(stage)
+                segment_policy.append(policy)
+            segment_of[node.name] = len(segment_stage) - 1
+            stage_of_node[node.name] = stage
+            names_per_stage[stage].append(node.name)
 
     top = split_module(
         captured.graph_module,
         root,
-        lambda node: stage_of[node.name],
+        lambda node: segment_of[node.name],
         keep_original_order=True,
         tuple_return=True,
     )
-    stages: list[Stage] = []
+    segments: list[tuple[int, Segment]] = []
     placeholders: list[str] = []
     attributes: dict[str, str] = {}
     output: Any = None
@@ -102,27 +173,30 @@ def build(
         elif node.op == "get_attr":
             attributes[node.name] = str(node.target)
         elif node.op == "call_module":
-            index = len(stages)
-            outputs = [""] * len(_returned(getattr(top, str(node.target))))
+            k = len(segments)
+            module = getattr(top, str(node.target))
+            outputs = [""] * len(_returned(module))
             for user in node.users:
                 outputs[user.args[1]] = user.name  # users are getitem(node, k)
-            stages.append(
-                Stage(
-                    index=index,
-                    device=torch.device(devices[index]),
-                    module=getattr(top, str(node.target)),
-                    inputs=[a.name for a in node.args],
-                    outputs=outputs,
-                    node_names=names_per_stage[index],
-                )
-            )
+            segment = Segment(module, [a.name for a in node.args], outputs, segment_policy[k])
+            segments.append((segment_stage[k], segment))
         elif node.op == "output":
             output = fx.node.map_arg(node.args[0], lambda n: n.name)
 
-    last_use: dict[str, int] = {}
-    for stage in stages:
-        last_use.update(dict.fromkeys(stage.inputs, stage.index))
-    fx.node.map_arg(top.graph.output_node().args[0], lambda n: last_use.__setitem__(n.name, len(stages)))
+    num_stages = len(balance)
+    readers: dict[str, set[int]] = {}
+    for stage, segment in segments:
+        for name in segment.inputs:
+            readers.setdefault(name, set()).add(stage)
+    fx.node.map_arg(top.graph.output_node().args[0], lambda n: readers.setdefault(n.name, set()).add(num_stages))
+    stages = []
+    for index in range(num_stages):
+        own = [seg for stage, seg in segments if stage == index]
+        made = {name for seg in own for name in seg.outputs}
+        inputs = list(dict.fromkeys(n for seg in own for n in seg.inputs if n not in made))
+        outputs = [n for n in dict.fromkeys(n for seg in own for n in seg.outputs) if readers.get(n, set()) - {index}]
+        stages.append(Stage(index, torch.device(devices[index]), own, inputs, outputs, names_per_stage[index]))
+    last_use = {name: max(r) for name, r in readers.items()}
     program = Program(
         stages=stages,
         signature=inspect.signature(types.MethodType(type(root).forward, root)),
@@ -143,15 +217,15 @@ def _place(program: Program, root: nn.Module) -> None:
     """Put every parameter and buffer on the device of the first stage that uses it."""
     owner: dict[int, Stage] = {}
     for stage in program.stages:
-        for name, param in stage.module.named_parameters(remove_duplicate=False):
-            first = owner.setdefault(id(param), stage)
-            if first is not stage:
-                stage.borrowed[name] = param
-        for buffer in stage.module.buffers():
-            owner.setdefault(id(buffer), stage)
+        for segment in stage.segments:
+            for name, param in segment.module.named_parameters(remove_duplicate=False):
+                if owner.setdefault(id(param), stage) is not stage:
+                    segment.borrowed[name] = param
+            for buffer in segment.module.buffers():
+                owner.setdefault(id(buffer), stage)
     for value, qualname in program.attributes.items():
         readers = [s for s in program.stages if value in s.inputs]
-        tensor = program.attribute_values(root)[value]
+        tensor = get_attr(root, qualname)
         if readers:
             owner.setdefault(id(tensor), readers[0])
     for tensor in list(root.parameters()) + list(root.buffers()):

@@ -22,13 +22,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["KINDS", "MemoryMeter", "StageMemory", "StageOutOfMemoryError"]
+__all__ = ["KINDS", "MemoryMeter", "StageMemory", "StageOutOfMemoryError", "not_charged"]
 
 #: What a stage's bytes are: parameters and buffers, their gradients, optimizer state,
 #: activations kept for backward, values on their way to another stage, and the rest
 #: (workspace, gradients in flight) which lives only while an op or node runs.
 KINDS = ("parameters", "gradients", "optimizer", "activations", "boundary", "transient")
 _RELABEL = ("transient", "boundary", "activations")
+
+
+_flags = threading.local()
+
+
+@contextmanager
+def not_charged() -> Iterator[None]:
+    """Allocations inside are not any stage's device memory (e.g. host swap buffers)."""
+    previous = getattr(_flags, "off", False)
+    _flags.off = True
+    try:
+        yield
+    finally:
+        _flags.off = previous
 
 
 class StageOutOfMemoryError(RuntimeError):
@@ -195,7 +209,7 @@ class MemoryMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        where = self._stage_now()
+        where = None if getattr(_flags, "off", False) else self._stage_now()
         if where is not None:
             # Views and in-place results share an input's storage: not an allocation.
             inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}

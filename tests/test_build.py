@@ -18,8 +18,8 @@ def test_stages_share_the_models_parameters():
     program = _program(model, 3)
     own = {id(p) for p in model.parameters()}
     for stage in program.stages:
-        assert {id(p) for p in stage.module.parameters()} <= own
-    covered = {id(p) for s in program.stages for p in s.module.parameters()}
+        assert {id(p) for p in stage.parameters()} <= own
+    covered = {id(p) for s in program.stages for p in s.parameters()}
     covered |= {id(v) for v in program.attribute_values(model).values() if isinstance(v, torch.nn.Parameter)}
     assert covered == own
 
@@ -28,9 +28,9 @@ def test_tied_weight_is_owned_by_first_user_and_borrowed_later():
     model = GPT(layers=2)
     program = _program(model, 2)
     first, last = program.stages
-    assert any(p is model.tok_emb.weight for p in first.module.parameters())
-    assert list(last.borrowed.values()) == [model.tok_emb.weight]
-    assert "head.weight" in last.borrowed
+    assert any(p is model.tok_emb.weight for p in first.owned)
+    assert last.borrowed == [model.tok_emb.weight]
+    assert any("head.weight" in seg.borrowed for seg in last.segments)
 
 
 def test_values_travel_straight_to_non_adjacent_consumers():

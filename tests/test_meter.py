@@ -30,7 +30,7 @@ def _metered(model, balance, chunks, capacities=None):
     program = build(captured, model, balance, [CPU] * len(balance))
     meter = MemoryMeter(len(balance), capacities)
     for stage in program.stages:
-        meter.own(stage.index, [p for p in stage.module.parameters() if all(p is not b for b in stage.borrowed.values())])
+        meter.own(stage.index, stage.owned)
     return Pipeline(program, model, chunks, CPU, meter), meter
 
 

@@ -49,8 +49,7 @@ def test_predicted_peaks_match_metered_gpipe_within_10_percent(family, stages):
     program = build(captured, model, balance, [CPU] * stages)
     meter = MemoryMeter(stages)
     for stage in program.stages:
-        owned = [p for p in stage.module.parameters() if all(p is not b for b in stage.borrowed.values())]
-        meter.own(stage.index, owned + list(stage.module.buffers()))
+        meter.own(stage.index, stage.owned)
     pipeline = Pipeline(program, model, chunks, CPU, meter)
     with meter, meter.saved_tensors_hooks():
         for _ in range(2):  # the second step runs with optimizer state in place
