@@ -104,7 +104,7 @@ class Program:
 
     stages: list[Stage]
     signature: inspect.Signature
-    placeholders: list[str]
+    placeholders: dict[str, str]  # value name -> forward argument name
     attributes: dict[str, str]  # top-level value name -> qualified attribute of the model
     output: Any  # pytree of value names
     last_use: dict[str, int]  # value name -> last stage reading it (len(stages) for outputs)
@@ -113,7 +113,7 @@ class Program:
         """Name the forward call's arguments as the graph's input values."""
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return {name: bound.arguments[name.lstrip("*")] for name in self.placeholders}
+        return {name: bound.arguments[arg.lstrip("*")] for name, arg in self.placeholders.items()}
 
     def attribute_values(self, root: nn.Module) -> dict[str, Tensor]:
         """The current parameters and buffers the graph reads by attribute."""
@@ -164,12 +164,12 @@ def build(
         tuple_return=True,
     )
     segments: list[tuple[int, Segment]] = []
-    placeholders: list[str] = []
+    placeholders: dict[str, str] = {}
     attributes: dict[str, str] = {}
     output: Any = None
     for node in top.graph.nodes:
         if node.op == "placeholder":
-            placeholders.append(str(node.target))
+            placeholders[node.name] = str(node.target)
         elif node.op == "get_attr":
             attributes[node.name] = str(node.target)
         elif node.op == "call_module":

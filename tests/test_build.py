@@ -54,3 +54,70 @@ def test_stages_compose_to_the_original_forward():
     for stage in program.stages:
         env.update(zip(stage.outputs, stage(*[env[n] for n in stage.inputs])))
     assert torch.allclose(env[program.output], model(x), atol=1e-6)
+
+
+def _wide_run(policy, chunks=4):
+    """Stage 1 of Wide (see test_meter) under ``policy``: output, grads, and stage 1's metered
+    activation bytes after the forward."""
+    from lightning_pipe.meter import MemoryMeter
+    from lightning_pipe.pipeline import Pipeline
+    from tests.test_meter import Wide
+
+    torch.manual_seed(0)
+    model = Wide()
+    captured = capture(model)
+    policies = {name: policy for name in ("l1", "act", "l2")} if policy != "keep" else {}
+    program = build(captured, model, [1, 3], [CPU, CPU], policies)
+    meter = MemoryMeter(2)
+    for stage in program.stages:
+        meter.own(stage.index, stage.owned)
+    pipe = Pipeline(program, model, chunks, CPU, meter)
+    x = torch.randn(32, 16)
+    calls = []
+    model.l1.register_forward_hook(lambda *_: calls.append(1))
+    with meter, meter.saved_tensors_hooks():
+        out = pipe(x)
+        stashed = meter.stages[1].current["activations"]
+        out.square().sum().backward()
+    meter.close()
+    return out.detach(), [p.grad for p in model.parameters()], stashed, len(calls)
+
+
+def test_recompute_and_swap_give_identical_results_with_less_stashed():
+    out, grads, stashed, calls = _wide_run("keep")
+    assert stashed == 32 * 4096 * 4 and calls == 4
+    for policy in ("recompute", "swap"):
+        o, g, s, c = _wide_run(policy)
+        assert torch.equal(o, out) and all(torch.equal(a, b) for a, b in zip(g, grads)), policy
+        assert s == 0, policy  # nothing of stage 1 stays on its device for backward
+        assert c == (8 if policy == "recompute" else 4), policy  # recompute runs forward again
+
+
+def test_recompute_replays_dropout_exactly():
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.Linear(64, 1))
+    captured = capture(model)
+    x = torch.randn(16, 8)
+    results = []
+    for policies in ({}, {n.name: "recompute" for n in captured.nodes}):
+        program = build(captured, model, [1, 2], [CPU, CPU], policies)
+        model.zero_grad()
+        torch.manual_seed(1)
+        from lightning_pipe.pipeline import Pipeline
+
+        Pipeline(program, model, 2, CPU)(x).sum().backward()
+        results.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_bad_policies_are_errors():
+    import pytest
+
+    model = GPT(layers=1)
+    captured = capture(model)
+    with pytest.raises(ValueError, match=r"policies name nodes the graph does not have: \['nope'\]"):
+        build(captured, model, [len(captured.nodes)], [CPU], {"nope": "swap"})
+    with pytest.raises(ValueError, match=r"Unknown memory policies \['offload'\]"):
+        build(captured, model, [len(captured.nodes)], [CPU], {"head": "offload"})

@@ -1,0 +1,41 @@
+import torch
+
+from lightning_pipe import swap
+from lightning_pipe.meter import MemoryMeter
+
+
+def test_swapped_views_come_back_equal():
+    base = torch.randn(6, 8)
+    view = base[2:5, 1:7]
+    s = swap.Swapped(view)
+    assert s.nbytes == base.numel() * 4
+    back = s.load()
+    assert torch.equal(back, view) and back.shape == view.shape
+    assert back.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+
+
+def test_saved_tensors_go_to_host_and_gradients_are_unchanged():
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(32, 32))
+    expected = torch.autograd.grad((torch.tanh(x @ w) * 2).sum(), [x, w])
+    hooks = swap.to_host()
+    with hooks:
+        out = torch.tanh(x @ w) * 2
+    kinds = [type(s) for s in hooks.swapped]
+    assert kinds and all(k is swap.Swapped for k in kinds)  # x and tanh's result; not w
+    swap.prefetch(out, hooks.swapped)
+    got = torch.autograd.grad(out.sum(), [x, w])
+    assert all(s.loaded is not None for s in hooks.swapped)  # prefetched when backward began
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_host_buffers_are_not_charged_and_are_reused():
+    meter = MemoryMeter(1)
+    x = torch.randn(64, 64)
+    with meter, meter.running(0):
+        s = swap.Swapped(x)
+        host = s.host
+        assert meter.stages[0].total == 0  # the host copy is not device memory
+        del s
+        again = swap.Swapped(x)
+    assert again.host is host
