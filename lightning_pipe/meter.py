@@ -63,7 +63,8 @@ class StageMemory:
 
     current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     peak: int = 0
-    peak_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    peak_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # at the peak
+    kind_peaks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # each its own max
 
     @property
     def total(self) -> int:
@@ -199,6 +200,7 @@ class MemoryMeter(TorchDispatchMode):
             if capacity is not None and in_use + nbytes > capacity:
                 raise StageOutOfMemoryError(stage, capacity, nbytes, in_use)
             memory.current[kind] += nbytes
+            memory.kind_peaks[kind] = max(memory.kind_peaks[kind], memory.current[kind])
             if in_use + nbytes > memory.peak:
                 memory.peak = in_use + nbytes
                 memory.peak_by_kind = dict(memory.current)
@@ -230,6 +232,7 @@ class MemoryMeter(TorchDispatchMode):
         for m in self.stages:
             m.peak = m.total
             m.peak_by_kind = dict(m.current)
+            m.kind_peaks = dict(m.current)
 
     @staticmethod
     def cuda_peaks(devices: Sequence[torch.device]) -> Optional[list[int]]:

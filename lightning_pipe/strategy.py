@@ -7,12 +7,13 @@ one stage per device and placed; then ``self(x)`` inside the user's steps runs t
 
 import re
 from collections.abc import Mapping
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -21,8 +22,13 @@ from torch.optim import Optimizer
 from lightning_pipe.build import Program, build
 from lightning_pipe.capture import capture
 from lightning_pipe.meter import MemoryMeter
+from lightning_pipe.microbatch import batch_size, scatter
+from lightning_pipe.microlog import LogCollector
 from lightning_pipe.partition import balance_by_weight, check_stage_count
 from lightning_pipe.pipeline import Pipeline
+from lightning_pipe import schedule as schedules
+from lightning_pipe.scheduled import ScheduledPipeline, global_order
+from lightning_pipe.versions import WeightVersions
 
 __all__ = ["MemoryPipeStrategy"]
 
@@ -62,10 +68,6 @@ class MemoryPipeStrategy(ParallelStrategy):
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
         if schedule not in ("gpipe", "1f1b", "2bw"):
             raise ValueError(f"schedule must be one of 'gpipe', '1f1b', '2bw', got {schedule!r}.")
-        if schedule != "gpipe":
-            raise NotImplementedError(
-                f"schedule={schedule!r} is not available yet; use schedule='gpipe'."
-            )
         if balance is not None and any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
         self.chunks = chunks
@@ -76,6 +78,9 @@ class MemoryPipeStrategy(ParallelStrategy):
         self.memory_limit = _parse_limits(memory_limit)
         self.program: Optional[Program] = None
         self.meter: Optional[MemoryMeter] = None
+        self._scheduled: Optional[ScheduledPipeline] = None
+        self._versions: Optional[WeightVersions] = None
+        self._stepping = False
         self._metering = ExitStack()
 
     @property
@@ -119,9 +124,23 @@ class MemoryPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             for optimizer in self.optimizers:
                 _state_to_param_devices(optimizer)
+        if self.schedule != "gpipe" and trainer.state.fn == TrainerFn.FITTING:
+            if not self.lightning_module.automatic_optimization:
+                raise ValueError(
+                    f"schedule={self.schedule!r} runs each micro-batch's backward itself, which "
+                    f"needs automatic optimization. Use schedule='gpipe' for manual optimization."
+                )
+            # The strategy runs backward inside training_step; Lightning must not run it again.
+            trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward = True
+            if self.schedule == "2bw":
+                self._versions = WeightVersions(self.lightning_module.parameters())
         if self.meter is not None:
             self._metering.enter_context(self.meter)
             self._metering.enter_context(self.meter.saved_tensors_hooks())
+            if self._versions is not None:
+                for stage in self.program.stages:
+                    stale = [v for p, v in zip(self._versions.params, self._versions.stale) if any(p is o for o in stage.owned)]
+                    self.meter.own(stage.index, stale)
 
     def model_to_device(self) -> None:
         """Capture, split and place the module, and route its ``forward`` through the pipeline."""
@@ -138,9 +157,18 @@ class MemoryPipeStrategy(ParallelStrategy):
             for stage in self.program.stages:
                 self.meter.own(stage.index, stage.owned)
         pipeline = Pipeline(self.program, module, self.chunks, self.root_device, self.meter)
+        if self.schedule != "gpipe":
+            self._scheduled = ScheduledPipeline(self.program, self.root_device, self.meter)
+        scheduled = self._scheduled
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if scheduled is not None and scheduled.active:
+                return scheduled(module, *args, **kwargs)
+            return pipeline(*args, **kwargs)
+
         # An instance attribute shadows the class's forward without registering a submodule,
         # so state_dict keys stay those of the plain module.
-        module.forward = pipeline
+        module.forward = forward
         module._device = self.root_device
         rank_zero_info(self.describe())
 
@@ -182,8 +210,63 @@ class MemoryPipeStrategy(ParallelStrategy):
             )
         return limits
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._scheduled is None:
+            return super().training_step(*args, **kwargs)
+        return self._scheduled_training_step(*args, **kwargs)
+
+    def _scheduled_training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        """One batch under 1F1B or 2BW: ``training_step`` per micro-batch, each backward at its
+        place in the schedule, gradients scaled and zeroed as Lightning would."""
+        module, trainer = self.lightning_module, self.lightning_module.trainer
+        assert self._scheduled is not None and self.program is not None
+        microbatches = scatter(batch, self.chunks)
+        sizes = [batch_size(mb) for mb in microbatches]
+        accumulate = trainer.accumulate_grad_batches
+        optimizer = self.optimizers[0]
+        if batch_idx % accumulate == 0:
+            call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
+            call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
+            call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
+        stages = len(self.program.stages)
+        order = global_order(schedules.actions(self.schedule, self.chunks, stages))
+        logs = LogCollector(module, sizes)
+        losses: dict[int, Tensor] = {}
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        with self._versions.stale_weights() if self._versions else nullcontext():
+            for step in order:
+                if step.kind == "forward":
+                    self._scheduled.microbatch = step.microbatch
+                    with logs.microbatch(step.microbatch), self.precision_plugin.train_step_context():
+                        self._scheduled.active = True
+                        try:
+                            output = module.training_step(microbatches[step.microbatch], batch_idx, *args, **kwargs)
+                        finally:
+                            self._scheduled.active = False
+                    losses[step.microbatch] = _loss_of(output)
+                    continue
+                loss = None
+                if step.stage == stages - 1:
+                    loss = losses[step.microbatch] * (sizes[step.microbatch] / sum(sizes) / accumulate)
+                    if scaler is not None:
+                        loss = scaler.scale(loss)
+                self._scheduled.backward(step.microbatch, step.stage, loss)
+        batch_loss = sum(losses[i].detach() * (n / sum(sizes)) for i, n in enumerate(sizes))
+        call._call_callback_hooks(trainer, "on_before_backward", batch_loss)
+        call._call_lightning_module_hook(trainer, "on_before_backward", batch_loss)
+        call._call_callback_hooks(trainer, "on_after_backward")
+        call._call_lightning_module_hook(trainer, "on_after_backward")
+        logs.flush()
+        if self._versions is not None and self._stepping:
+            self._versions.advance()  # the optimizer is about to step: W(t) becomes the stale one
+        return batch_loss
+
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._stepping = True
+        try:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._stepping = False
         if self.meter is not None:
             self.meter.own_optimizer_state(optimizer)
         return output
@@ -219,6 +302,17 @@ class MemoryPipeStrategy(ParallelStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="Memory-centric pipeline parallelism in one process"
         )
+
+
+def _loss_of(output: Any) -> Tensor:
+    loss = output["loss"] if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise ValueError(
+            "Under a schedule-driven pipeline, training_step must return the loss (a tensor or a "
+            "dict with 'loss') for every micro-batch; skipping a batch by returning None is not "
+            "supported."
+        )
+    return loss
 
 
 def _state_to_param_devices(optimizer: Optimizer) -> None:

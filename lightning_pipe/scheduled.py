@@ -1,0 +1,144 @@
+"""Run, schedule-driven: each micro-batch's backward at its place in a schedule (1F1B, 2BW).
+
+The user's ``training_step`` runs once per micro-batch and its ``self(x)`` runs that micro-
+batch's forward through every stage at once, so a micro-batch's forwards are contiguous.
+Stages are cut apart in autograd (each stage's inputs are detached leaves) so that one
+stage's backward can run on its own: its outputs' gradients arrive from the stages that read
+them, and the gradients of its inputs go back to the stages that made them.
+"""
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.fx.node import map_aggregate
+
+from lightning_pipe.build import Program
+from lightning_pipe.meter import MemoryMeter
+from lightning_pipe.transport import move
+
+__all__ = ["ScheduledPipeline", "Step", "global_order"]
+
+
+class Step(NamedTuple):
+    """One step of the single-process order: the forward of a micro-batch through every
+    stage (``stage`` is ``None``), or one stage's backward of a micro-batch."""
+
+    kind: str
+    microbatch: int
+    stage: Optional[int]
+
+
+def global_order(per_stage: Sequence[Sequence[Any]]) -> list[Step]:
+    """Merge per-stage action lists (items with ``kind``, ``microbatch``, ``stage``) into one
+    order that keeps every stage's own order, runs each micro-batch's forward through all
+    stages at once, and a stage's backward only after the stage after it."""
+    lists = [[a for a in actions if a.kind in ("forward", "backward")] for actions in per_stage]
+    last = len(lists) - 1
+    position = [0] * len(lists)
+    done: set[tuple[int, int]] = set()
+    forwarded: set[int] = set()
+    order: list[Step] = []
+    while any(p < len(a) for p, a in zip(position, lists)):
+        nxt = [a[p] if p < len(a) else None for p, a in zip(position, lists)]
+        ready = [
+            s for s in range(last, -1, -1)
+            if nxt[s] is not None and nxt[s].kind == "backward" and nxt[s].microbatch in forwarded
+            and (s == last or (nxt[s].microbatch, s + 1) in done)
+        ]
+        if ready:
+            s = ready[0]
+            order.append(Step("backward", nxt[s].microbatch, s))
+            done.add((nxt[s].microbatch, s))
+            position[s] += 1
+        elif all(a is not None and a.kind == "forward" and a.microbatch == nxt[0].microbatch for a in nxt):
+            order.append(Step("forward", nxt[0].microbatch, None))
+            forwarded.add(nxt[0].microbatch)
+            position = [p + 1 for p in position]
+        else:
+            raise ValueError(
+                f"The schedule cannot run in one process with whole-micro-batch forwards: "
+                f"stuck with next actions {nxt}."
+            )
+    return order
+
+
+@dataclass
+class _Record:
+    """What a micro-batch left at one stage for its backward."""
+
+    inputs: dict[str, Tensor] = field(default_factory=dict)  # detached leaves
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+
+class ScheduledPipeline:
+    """Forward of one micro-batch at a time, backward one stage at a time."""
+
+    def __init__(self, program: Program, output_device: torch.device, meter: Optional[MemoryMeter] = None) -> None:
+        self.program = program
+        self.output_device = output_device
+        self.meter = meter
+        self.microbatch = 0  # set by the caller before each micro-batch's forward
+        self.active = False  # the module's forward is routed here only while True
+        self._records: dict[tuple[int, int], _Record] = {}
+        self._output_leaves: dict[int, dict[str, Tensor]] = {}
+        self._grads: dict[int, dict[str, Tensor]] = {}  # pending output gradients by value name
+
+    def __call__(self, root: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        i = self.microbatch
+        made: set[str] = set()
+        env = {**self.program.bind(args, kwargs), **self.program.attribute_values(root)}
+        for stage in self.program.stages:
+            record = _Record()
+            with self.meter.running(stage.index) if self.meter else nullcontext():
+                inputs = []
+                for name in stage.inputs:
+                    value = move(env[name], stage.device)
+                    if name in made and isinstance(value, Tensor) and value.requires_grad:
+                        value = record.inputs[name] = value.detach().requires_grad_()
+                    inputs.append(value)
+                outputs = stage(*inputs)
+            if self.meter:
+                self.meter.tag_backward(outputs, stage.index)
+                self.meter.mark(outputs, "boundary")
+            record.outputs = dict(zip(stage.outputs, outputs))
+            self._records[i, stage.index] = record
+            env.update(record.outputs)
+            made.update(stage.outputs)
+        leaves: dict[str, Tensor] = {}
+
+        def leave(name: str) -> Any:
+            value = move(env[name], self.output_device)
+            if name in made and isinstance(value, Tensor) and value.requires_grad:
+                value = leaves.setdefault(name, value.detach().requires_grad_())
+            return value
+
+        output = map_aggregate(self.program.output, leave)
+        self._output_leaves[i] = leaves
+        return output
+
+    def backward(self, microbatch: int, stage: int, loss: Optional[Tensor] = None) -> None:
+        """Run ``stage``'s backward of ``microbatch``; the last stage's first runs ``loss``'s."""
+        grads = self._grads.setdefault(microbatch, {})
+        if loss is not None:
+            loss.backward()
+            for name, leaf in self._output_leaves.pop(microbatch).items():
+                if leaf.grad is not None:
+                    _add(grads, name, leaf.grad)
+        record = self._records.pop((microbatch, stage))
+        pairs = [(t, grads.pop(n)) for n, t in record.outputs.items() if n in grads and isinstance(t, Tensor)]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [move(g, t.device) for t, g in pairs])
+        for name, leaf in record.inputs.items():
+            if leaf.grad is not None:
+                _add(grads, name, leaf.grad)
+        if not self._records.keys() & {(microbatch, s) for s in range(len(self.program.stages))}:
+            self._grads.pop(microbatch, None)
+
+
+def _add(grads: dict[str, Tensor], name: str, grad: Tensor) -> None:
+    # A value read by several stages gets the sum of their gradients.
+    grads[name] = grads[name] + move(grad, grads[name].device) if name in grads else grad
