@@ -27,12 +27,12 @@ from lightning_pipe.microlog import LogCollector
 from lightning_pipe.partition import balance_by_weight, check_stage_count
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe import schedule as schedules
+from lightning_pipe.schedule import Schedule
 from lightning_pipe.scheduled import ScheduledPipeline, global_order
 from lightning_pipe.versions import WeightVersions
 
 __all__ = ["MemoryPipeStrategy"]
 
-Schedule = Literal["gpipe", "1f1b", "2bw"]
 MemoryLimit = Union[int, str]
 
 

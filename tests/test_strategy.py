@@ -118,8 +118,8 @@ def test_bad_configuration_errors():
         MemoryPipeStrategy(chunks=0)
     with pytest.raises(ValueError, match="every entry must be >= 1"):
         MemoryPipeStrategy(balance=[3, 0])
-    with pytest.raises(NotImplementedError, match="schedule='1f1b' is not available yet"):
-        MemoryPipeStrategy(schedule="1f1b")
+    with pytest.raises(ValueError, match="schedule must be one of 'gpipe', '1f1b', '2bw', got 'pipedream'"):
+        MemoryPipeStrategy(schedule="pipedream")
 
 
 def test_errors_at_setup_name_the_fix():
