@@ -11,7 +11,6 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 from torch.fx.node import map_aggregate
-from torch.utils._pytree import tree_flatten
 
 from lightning_pipe.build import Program, Stage
 from lightning_pipe.dependency import fork, join

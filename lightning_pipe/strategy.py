@@ -8,10 +8,10 @@ one stage per device and placed; then ``self(x)`` inside the user's steps runs t
 import re
 from collections.abc import Mapping
 from contextlib import ExitStack, nullcontext
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn

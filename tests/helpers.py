@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import Strategy
 
-from examples.models import GPT, EncoderDecoder, ImageDataset, Seq2SeqDataset, TokenDataset, UNet, loader
+from examples.models import GPT, EncoderDecoder, ImageDataset, Seq2SeqDataset, TokenDataset, UNet
 
 FAMILIES = {
     "gpt": (GPT, TokenDataset),
