@@ -8,7 +8,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -262,6 +262,24 @@ class Seq2SeqDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         labels = self.src[i].flip(0)
         return {"src": self.src[i], "tgt": torch.cat([labels[:1] * 0, labels[:-1]]), "labels": labels}
+
+
+class SyntheticData(LightningDataModule):
+    """The synthetic data set matching a model family, for the CLI."""
+
+    def __init__(self, family: str = "gpt", size: int = 64, batch_size: int = 8) -> None:
+        super().__init__()
+        datasets = {"gpt": TokenDataset, "unet": ImageDataset, "encdec": Seq2SeqDataset}
+        if family not in datasets:
+            raise ValueError(f"family must be one of {sorted(datasets)}, got {family!r}.")
+        self.dataset = datasets[family](size=size)
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return loader(self.dataset, self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return loader(self.dataset, self.batch_size)
 
 
 def loader(dataset: Dataset, batch_size: int) -> DataLoader:

@@ -1,0 +1,24 @@
+"""LightningCLI entry point: every MemoryPipeStrategy argument is settable from YAML or flags.
+
+    python examples/cli.py fit --config examples/configs/gpt.yaml
+    python examples/cli.py fit --config examples/configs/gpt.yaml --trainer.strategy.chunks=8
+"""
+
+import os
+import sys
+from typing import Optional
+
+from lightning.pytorch.cli import LightningCLI
+
+sys.path.insert(0, os.path.dirname(__file__))  # so "models.GPT" resolves when run as a script
+
+import lightning_pipe  # noqa: E402,F401  (registers the "memory_pipe" strategy name)
+from models import SyntheticData  # noqa: E402
+
+
+def main(args: Optional[list[str]] = None) -> LightningCLI:
+    return LightningCLI(datamodule_class=SyntheticData, save_config_kwargs={"overwrite": True}, args=args)
+
+
+if __name__ == "__main__":
+    main()
