@@ -2,18 +2,33 @@
 
     peak(stage) = static + in_flight * stashed + transient + boundary
 
-static: parameters, gradients and optimizer state the stage owns; stashed: activation bytes
-one micro-batch leaves for backward; in_flight: micro-batches whose activations a schedule
-holds at once (GPipe: all of them); transient: the largest node workspace; boundary: the
-stage's inputs and outputs of one micro-batch that are not already stashed.
+static: parameters (one copy per weight version the schedule keeps), gradients and optimizer
+state the stage owns; stashed: activation bytes one micro-batch leaves for backward;
+in_flight: micro-batches whose activations a schedule holds at once (GPipe: all of them);
+transient: the largest node workspace, plus the largest set of bytes brought back at once
+for the backward of a recomputed region or a swapped node; boundary: the stage's outputs of
+one micro-batch that are not already stashed.
+
+Per node, a policy says where its saved bytes live between forward and backward: ``keep``
+(on the device), ``swap`` (in host memory: no device bytes while in flight) or ``recompute``
+(dropped; a maximal run of recomputed nodes, a *region*, stashes only its inputs and runs its
+forward again before its backward).
+
+:class:`CostModel` holds prefix sums over the profile so that a planner can price any
+contiguous node range in O(1) when every node is kept.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
 
 from lightning_pipe.profile import Profile
 
-__all__ = ["StagePeak", "predict_peaks", "stage_ranges"]
+__all__ = ["CostModel", "Policy", "StagePeak", "predict_peaks", "stage_ranges"]
+
+Policy = Literal["keep", "recompute", "swap"]
 
 
 @dataclass
@@ -39,23 +54,155 @@ def stage_ranges(balance: Sequence[int]) -> list[range]:
     return ranges
 
 
-def predict_peaks(profile: Profile, balance: Sequence[int], in_flight: Sequence[int]) -> list[StagePeak]:
-    """Predicted peak of every stage; ``in_flight[s]`` micro-batches hold activations at once."""
-    peaks = []
-    for s, nodes in enumerate(stage_ranges(balance)):
-        costs = [profile.nodes[i] for i in nodes]
-        static = sum(n.param_bytes + n.grad_bytes + n.optimizer_bytes for n in costs)
-        stashed = sum(n.saved_bytes for n in costs)
-        transient = max(n.transient_bytes for n in costs)
-        peaks.append(StagePeak(static, in_flight[s] * stashed, transient, _boundary(profile, nodes)))
-    return peaks
+def predict_peaks(
+    profile: Profile,
+    balance: Sequence[int],
+    in_flight: Sequence[int],
+    policies: Sequence[Policy] = (),
+    weight_versions: int = 1,
+) -> list[StagePeak]:
+    """Predicted peak of every stage; ``in_flight[s]`` micro-batches hold activations at once.
+
+    ``policies`` gives one policy per node (all kept when empty); ``weight_versions`` is the
+    number of parameter copies the schedule keeps (2 for PipeDream-2BW).
+    """
+    model = CostModel(profile)
+    chosen = {i: p for i, p in enumerate(policies) if p != "keep"}
+    return [
+        model.peak(r.start, r.stop, in_flight[s], {i: chosen[i] for i in r if i in chosen}, weight_versions)
+        for s, r in enumerate(stage_ranges(balance))
+    ]
 
 
-def _boundary(profile: Profile, nodes: range) -> int:
-    """Bytes of one micro-batch's values leaving the stage that are not stashed anyway."""
-    out = 0
-    for i in nodes:
-        n = profile.nodes[i]
-        if any(u >= nodes.stop or u < 0 for u in n.users):
-            out += max(0, n.output_bytes - n.saved_bytes)
+def _prefix(values: Sequence[float]) -> list:
+    out = [0] * (len(values) + 1)
+    for i, v in enumerate(values):
+        out[i + 1] = out[i] + v
     return out
+
+
+class CostModel:
+    """A profile's per-node costs, indexed for pricing node ranges ``[lo, hi)`` fast."""
+
+    def __init__(self, profile: Profile) -> None:
+        nodes = profile.nodes
+        self.profile = profile
+        self.n = len(nodes)
+        self.forward_ms = [n.forward_ms for n in nodes]
+        self.backward_ms = [n.backward_ms for n in nodes]
+        self.saved = [n.saved_bytes for n in nodes]
+        self.output = [n.output_bytes for n in nodes]
+        self._params = _prefix([n.param_bytes for n in nodes])
+        self._state = _prefix([n.grad_bytes + n.optimizer_bytes for n in nodes])
+        self._saved = _prefix(self.saved)
+        self._forward = _prefix(self.forward_ms)
+        self._compute = _prefix([n.forward_ms + n.backward_ms for n in nodes])
+        self._transient = _sparse_max([n.transient_bytes for n in nodes])
+        self.producers: list[list[int]] = [[] for _ in nodes]
+        for j, n in enumerate(nodes):
+            for u in n.users:
+                if u >= 0:
+                    self.producers[u].append(j)
+        self.reads_input = set(profile.input_users)
+        # Values leaving a range [lo, hi): node i < hi whose last reader is at or after hi
+        # (or the graph output). _leaving[hi] lists those (i, bytes), i descending.
+        last = [max(n.users) if n.users and min(n.users) >= 0 else (self.n if n.users else -1) for n in nodes]
+        self._leaving: list[list[tuple[int, int]]] = [[] for _ in range(self.n + 1)]
+        for i, n in enumerate(nodes):
+            sent = max(0, n.output_bytes - n.saved_bytes)
+            for cut in range(i + 1, min(last[i], self.n) + 1):
+                self._leaving[cut].append((i, sent))
+        for entry in self._leaving:
+            entry.reverse()
+
+    def params(self, lo: int, hi: int) -> int:
+        return self._params[hi] - self._params[lo]
+
+    def stashed(self, lo: int, hi: int) -> int:
+        """Saved bytes of one micro-batch when every node is kept."""
+        return self._saved[hi] - self._saved[lo]
+
+    def compute_ms(self, lo: int, hi: int) -> float:
+        """Forward plus backward time of one micro-batch."""
+        return self._compute[hi] - self._compute[lo]
+
+    def forward_time(self, lo: int, hi: int) -> float:
+        return self._forward[hi] - self._forward[lo]
+
+    def transient(self, lo: int, hi: int) -> int:
+        """Largest workspace of a node in the range."""
+        level = (hi - lo).bit_length() - 1
+        table = self._transient[level]
+        return max(table[lo], table[hi - (1 << level)])
+
+    def boundary(self, lo: int, hi: int) -> int:
+        total = 0
+        for i, sent in self._leaving[hi]:
+            if i < lo:
+                break
+            total += sent
+        return total
+
+    def static(self, lo: int, hi: int, weight_versions: int = 1) -> int:
+        return weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo]
+
+    def region_inputs(self, a: int, b: int, lo: int, policies: Mapping[int, Policy]) -> int:
+        """Bytes a recomputed region ``[a, b)`` of a stage starting at ``lo`` must stash: the
+        values it reads from outside itself, except what a kept producer stashes anyway."""
+        total = self.profile.input_bytes if any(i in self.reads_input for i in range(a, b)) else 0
+        seen = set()
+        for i in range(a, b):
+            for j in self.producers[i]:
+                if j < a and j not in seen:
+                    seen.add(j)
+                    kept = j >= lo and policies.get(j, "keep") == "keep"
+                    total += max(0, self.output[j] - self.saved[j]) if kept else self.output[j]
+        return total
+
+    def peak(
+        self,
+        lo: int,
+        hi: int,
+        in_flight: float,
+        policies: Mapping[int, Policy] = {},
+        weight_versions: int = 1,
+    ) -> StagePeak:
+        """Predicted peak of a stage holding nodes ``[lo, hi)``; ``policies`` maps node index
+        to its non-``keep`` policy. ``in_flight`` may be fractional when a planner prices a
+        group of stages as one."""
+        stashed = self.stashed(lo, hi)
+        restore = 0
+        for i, policy in policies.items():
+            if policy == "swap":
+                stashed -= self.saved[i]
+                restore = max(restore, self.saved[i])
+        for a, b in regions(policies):
+            region_saved = self._saved[b] - self._saved[a]
+            stashed += self.region_inputs(a, b, lo, policies) - region_saved
+            restore = max(restore, region_saved)
+        return StagePeak(
+            static=self.static(lo, hi, weight_versions),
+            activations=round(in_flight * stashed),
+            transient=self.transient(lo, hi) + restore,
+            boundary=self.boundary(lo, hi),
+        )
+
+
+def regions(policies: Mapping[int, Policy]) -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of consecutive recomputed nodes."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(i for i, p in policies.items() if p == "recompute"):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _sparse_max(values: Sequence[int]) -> list[list[int]]:
+    """Sparse table: level k holds the max of every window of 2**k values (O(1) range max)."""
+    levels = [np.asarray(values, dtype=np.int64)]
+    while 2 ** len(levels) <= len(values):
+        prev, half = levels[-1], 2 ** (len(levels) - 1)
+        levels.append(np.maximum(prev[:-half], prev[half:]))
+    return [level.tolist() for level in levels]

@@ -1,8 +1,9 @@
 """Schedules: the order in which (micro-batch, stage) tasks run."""
 
 from collections.abc import Iterator
+from typing import Literal, NamedTuple
 
-__all__ = ["clock_cycles"]
+__all__ = ["Action", "Schedule", "actions", "clock_cycles", "in_flight", "weight_versions"]
 
 
 def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[int, int]]]:
@@ -14,3 +15,64 @@ def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[
     for k in range(num_microbatches + num_stages - 1):
         first = max(0, k - num_microbatches + 1)
         yield [(k - j, j) for j in range(first, min(k + 1, num_stages))]
+
+
+Schedule = Literal["gpipe", "1f1b", "2bw"]
+
+
+class Action(NamedTuple):
+    """One task of one stage: a micro-batch's forward or backward, or the stage's weight update
+    (``microbatch`` is -1 for an update, which covers all micro-batches of the step)."""
+
+    kind: Literal["forward", "backward", "update"]
+    microbatch: int
+    stage: int
+
+
+def actions(schedule: Schedule, num_microbatches: int, num_stages: int) -> list[list[Action]]:
+    """Each stage's ordered task list for one training step.
+
+    GPipe runs all forwards, then all backwards in reverse micro-batch order. 1F1B
+    (PipeDream-Flush) lets stage ``s`` of ``L`` run ``min(L - s - 1, m)`` warm-up forwards,
+    then alternate one forward and one backward, then drain the remaining backwards; it bounds
+    the micro-batches a stage holds by ``L - s`` instead of ``m``. PipeDream-2BW uses the same
+    per-stage order; what differs is that it never flushes and keeps two weight versions
+    (:func:`weight_versions`), which the order itself does not show.
+    """
+    if num_microbatches < 1 or num_stages < 1:
+        raise ValueError(f"need at least one micro-batch and one stage, got {num_microbatches} and {num_stages}.")
+    m = num_microbatches
+    lists = []
+    for s in range(num_stages):
+        if schedule == "gpipe":
+            order = [Action("forward", i, s) for i in range(m)]
+            order += [Action("backward", i, s) for i in reversed(range(m))]
+        elif schedule in ("1f1b", "2bw"):
+            warmup = min(num_stages - s - 1, m)
+            order = [Action("forward", i, s) for i in range(warmup)]
+            for i in range(m - warmup):
+                order += [Action("forward", warmup + i, s), Action("backward", i, s)]
+            order += [Action("backward", i, s) for i in range(m - warmup, m)]
+        else:
+            raise ValueError(f"unknown schedule {schedule!r}; use one of 'gpipe', '1f1b', '2bw'.")
+        lists.append(order + [Action("update", -1, s)])
+    return lists
+
+
+def in_flight(schedule: Schedule, num_microbatches: int, num_stages: int) -> list[int]:
+    """Per stage, the most micro-batches whose forward ran and whose backward has not, read
+    off the action lists: how many micro-batches' activations the stage stashes at once."""
+    counts = []
+    for order in actions(schedule, num_microbatches, num_stages):
+        held = most = 0
+        for action in order:
+            held += {"forward": 1, "backward": -1, "update": 0}[action.kind]
+            most = max(most, held)
+        counts.append(most)
+    return counts
+
+
+def weight_versions(schedule: Schedule) -> int:
+    """Weight copies a stage keeps: PipeDream-2BW double-buffers its weights (the version the
+    in-flight micro-batches started with, and the one being updated); flushing schedules keep one."""
+    return 2 if schedule == "2bw" else 1

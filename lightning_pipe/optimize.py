@@ -1,0 +1,209 @@
+"""Per-stage memory optimisation: choose which nodes to swap or recompute so a stage fits.
+
+Capuchin's cost model, applied to the nodes of one stage (DawnPiper does the same per
+partition candidate). A node's saved bytes can go to host memory and come back before its
+backward; the transfer hides behind the compute between its forward and its backward (its
+*FreeTime* is that window minus the round trip). Or they can be dropped and rebuilt by running
+the forward again (*MSPS*: memory saved per second of recompute). Swaps that stay hidden are
+taken first, most FreeTime first; after that each step takes whichever of the next exposed swap
+and the highest-MSPS recompute costs less time per byte it frees, until the stage fits.
+A choice that would bring back more bytes at once for one backward (a merged recompute region,
+a large swapped node) than it frees in flight is skipped. If the greedy runs out, segmented
+recompute (checkpointing) and swapping everything are tried outright.
+
+Times are per micro-batch, in milliseconds; ``host_bandwidth`` is bytes per second of the
+device-host link (``None``: no swapping).
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lightning_pipe.memory import CostModel, Policy, StagePeak
+
+__all__ = ["StageOptimum", "lowest_peak", "optimize_stage", "policy_time"]
+
+
+@dataclass
+class StageOptimum:
+    """A stage's policies (non-``keep`` nodes only), what they add per micro-batch and the peak
+    they reach. ``fits`` is false when no choice brings the peak under the capacity; ``peak``
+    is then the lowest one found."""
+
+    policies: dict[int, Policy] = field(default_factory=dict)
+    recompute_ms: float = 0.0
+    swap_ms: float = 0.0
+    peak: StagePeak = field(default_factory=lambda: StagePeak(0, 0, 0, 0))
+    fits: bool = True
+
+    @property
+    def added_ms(self) -> float:
+        return self.recompute_ms + self.swap_ms
+
+
+def policy_time(
+    model: CostModel, lo: int, hi: int, policies: dict[int, Policy], host_bandwidth: Optional[float]
+) -> tuple[float, float]:
+    """(recompute, exposed swap) milliseconds per micro-batch of a stage's policies.
+
+    Exposed swap time: each transfer beyond its own window, or the link's total busy time
+    beyond the stage's compute, whichever is larger (transfers share one link).
+    """
+    recompute = sum(model.forward_ms[i] for i, p in policies.items() if p == "recompute")
+    swapped = [i for i, p in policies.items() if p == "swap"]
+    if not swapped:
+        return recompute, 0.0
+    if host_bandwidth is None:
+        raise ValueError("swap policies need a host_bandwidth.")
+    late = link = 0.0
+    for i in swapped:
+        t = _round_trip_ms(model, i, host_bandwidth)
+        late += max(0.0, t - model.compute_ms(i + 1, hi))
+        link += t
+    return recompute, max(late, link - model.compute_ms(lo, hi))
+
+
+def _round_trip_ms(model: CostModel, i: int, host_bandwidth: float) -> float:
+    return 2e3 * model.saved[i] / host_bandwidth
+
+
+def optimize_stage(
+    model: CostModel,
+    lo: int,
+    hi: int,
+    in_flight: float,
+    capacity: float,
+    weight_versions: int = 1,
+    host_bandwidth: Optional[float] = None,
+) -> StageOptimum:
+    """Cheapest policies (by the greedy above) bringing stage ``[lo, hi)`` under ``capacity``."""
+    base = model.peak(lo, hi, in_flight, {}, weight_versions)
+    if base.total <= capacity:
+        return StageOptimum(peak=base)
+    compute = model.compute_ms(lo, hi)
+
+    swaps: list[tuple[float, int]] = []  # (round trip, node), most FreeTime first
+    if host_bandwidth:
+        swaps = sorted(
+            ((_round_trip_ms(model, i, host_bandwidth), i) for i in range(lo, hi) if model.saved[i] > 0),
+            key=lambda c: c[0] - model.compute_ms(c[1] + 1, hi),
+        )
+    recomputes = []  # (ms per byte freed, node), highest MSPS first
+    for i in range(lo, hi):
+        freed = model.saved[i] - model.region_inputs(i, i + 1, lo, {})
+        if freed > 0:
+            recomputes.append((model.forward_ms[i] / freed, i))
+    recomputes.sort()
+
+    policies: dict[int, Policy] = {}
+    late = link = 0.0
+    estimate = float(base.total)  # the peak if every choice frees what it promises
+    restore = 0  # largest bytes brought back at once for one backward (see memory.py)
+    run_start: dict[int, int] = {}  # last node of a recomputed run -> its first
+    run_stop: dict[int, int] = {}  # first node of a recomputed run -> one past its last
+    best = StageOptimum(peak=base, fits=False)
+    si = ri = 0
+
+    def exposed(extra_late: float, extra_link: float) -> float:
+        return max(late + extra_late, link + extra_link - compute)
+
+    def check() -> Optional[StageOptimum]:
+        nonlocal estimate, best
+        found = _priced(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, dict(policies))
+        if found.fits:
+            return found
+        if found.peak.total < best.peak.total:
+            best = found
+        estimate = found.peak.total  # choices freed less than promised
+        return None
+
+    while si < len(swaps) or ri < len(recomputes):
+        now = exposed(0.0, 0.0)
+        swap_cost = recompute_cost = float("inf")
+        if si < len(swaps):
+            t, i = swaps[si]
+            window = model.compute_ms(i + 1, hi)
+            hidden = t <= window and link + t <= compute
+            swap_cost = 0.0 if hidden else (exposed(max(0.0, t - window), t) - now) / model.saved[i]
+        if ri < len(recomputes):
+            recompute_cost = recomputes[ri][0]
+        if swap_cost <= recompute_cost:
+            t, i = swaps[si]
+            si += 1
+            gain = in_flight * model.saved[i] - max(0, model.saved[i] - restore)
+            if i in policies or gain < 0:
+                continue
+            policies[i] = "swap"
+            late += max(0.0, t - model.compute_ms(i + 1, hi))
+            link += t
+            restore = max(restore, model.saved[i])
+        else:
+            i = recomputes[ri][1]
+            ri += 1
+            if i in policies:
+                continue
+            first = run_start[i - 1] if policies.get(i - 1) == "recompute" else i
+            stop = run_stop[i + 1] if policies.get(i + 1) == "recompute" else i + 1
+            region = model.stashed(first, stop)
+            gain = in_flight * (model.saved[i] - model.region_inputs(i, i + 1, lo, {})) - max(0, region - restore)
+            if gain < 0:  # the merged region would bring back more than it saves
+                continue
+            policies[i] = "recompute"
+            run_start[stop - 1], run_stop[first] = first, stop
+            restore = max(restore, region)
+        estimate -= gain
+        if estimate <= capacity and (found := check()):
+            return found
+    options = [dict(policies)] + _lowest_memory_policies(model, lo, hi, host_bandwidth)
+    for policies_ in options:
+        found = _priced(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, policies_)
+        if _better(found, best):
+            best = found
+    return best
+
+
+def _better(a: StageOptimum, b: StageOptimum) -> bool:
+    """Fitting beats not fitting; among fitting, less added time; otherwise the lower peak."""
+    if a.fits != b.fits:
+        return a.fits
+    return a.added_ms < b.added_ms if a.fits else a.peak.total < b.peak.total
+
+
+def _priced(
+    model: CostModel,
+    lo: int,
+    hi: int,
+    in_flight: float,
+    capacity: float,
+    weight_versions: int,
+    host_bandwidth: Optional[float],
+    policies: dict[int, Policy],
+) -> StageOptimum:
+    peak = model.peak(lo, hi, in_flight, policies, weight_versions)
+    recompute_ms, swap_ms = policy_time(model, lo, hi, policies, host_bandwidth)
+    return StageOptimum(policies, recompute_ms, swap_ms, peak, peak.total <= capacity)
+
+
+def _lowest_memory_policies(
+    model: CostModel, lo: int, hi: int, host_bandwidth: Optional[float]
+) -> list[dict[int, Policy]]:
+    """Low-memory policies to try when the greedy runs out of candidates, so a stage fits
+    whenever one of them does: recompute in segments of 2, 4, 8, ... nodes with one kept
+    node between them (checkpointing; the last is the whole stage as one region), and, with
+    a host link, swapping everything."""
+    options: list[dict[int, Policy]] = []
+    size = 2
+    while True:
+        options.append({i: "recompute" for i in range(lo, hi) if (i - lo) % size != size - 1})
+        if size > hi - lo:
+            break
+        size *= 2
+    if host_bandwidth:
+        options.append({i: "swap" for i in range(lo, hi) if model.saved[i] > 0})
+    return options
+
+
+def lowest_peak(
+    model: CostModel, lo: int, hi: int, in_flight: float, weight_versions: int, host_bandwidth: Optional[float]
+) -> int:
+    """The lowest peak :func:`optimize_stage` can reach for the stage (capacity 0)."""
+    return optimize_stage(model, lo, hi, in_flight, 0, weight_versions, host_bandwidth).peak.total

@@ -1,0 +1,233 @@
+"""Partitioners: split a profile's nodes into contiguous stages (a balance), one interface.
+
+* ``dawnpiper``: memory-centric. Bisects the stage list from the middle stage and searches the
+  cut only between the compute-balanced and the memory-balanced positions of each split
+  (DawnPiper's theorem: under monotone costs the best cut lies there); candidates are priced
+  with per-stage memory optimisation, so a stage may trade recompute or swap time for fitting.
+  Objective: the slowest stage's time (compute + recompute + exposed swap), every stage under
+  its device's capacity.
+* ``capslog``: CAPSlog's binary search on a memory threshold with fill-first; minimises the
+  largest peak relative to the stage's capacity (with equal capacities: the largest peak).
+* ``time``: optimal contiguous min-max of forward + backward time (torchgpipe's balance_by_time).
+* ``params``: min-max of parameter bytes (DeepSpeed's default).
+* ``uniform``: equal node counts (the first stages take one more when they do not divide).
+
+Capacities are per stage device and may differ (heterogeneous devices).
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from lightning_pipe.memory import CostModel, stage_ranges
+from lightning_pipe.optimize import StageOptimum, lowest_peak, optimize_stage
+from lightning_pipe.partition import balance_by_weight, check_stage_count
+from lightning_pipe.profile import Profile
+
+__all__ = ["PARTITIONERS", "Partitioner", "Stages", "lowest_peak_balance", "partition", "split"]
+
+Partitioner = Literal["dawnpiper", "capslog", "time", "params", "uniform"]
+PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params", "uniform")
+
+
+@dataclass
+class Stages:
+    """What a partitioner plans for: a cost model, and per stage its device's capacity (bytes)
+    and the micro-batches it holds at once; the schedule's weight copies; the host link."""
+
+    model: CostModel
+    capacities: Sequence[int]
+    in_flight: Sequence[int]
+    weight_versions: int = 1
+    host_bandwidth: Optional[float] = None
+    _optima: dict[tuple[int, int, int], StageOptimum] = field(default_factory=dict, repr=False)
+
+    @property
+    def count(self) -> int:
+        return len(self.capacities)
+
+    def optimum(self, lo: int, hi: int, s: int) -> StageOptimum:
+        """Memory optimisation of nodes ``[lo, hi)`` as stage ``s`` (cached)."""
+        key = (lo, hi, s)
+        if key not in self._optima:
+            self._optima[key] = optimize_stage(
+                self.model, lo, hi, self.in_flight[s], self.capacities[s], self.weight_versions, self.host_bandwidth
+            )
+        return self._optima[key]
+
+    def stage_time(self, lo: int, hi: int, s: int) -> float:
+        """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation;
+        infinite when it cannot fit."""
+        base = self.model.peak(lo, hi, self.in_flight[s], {}, self.weight_versions)
+        compute = self.model.compute_ms(lo, hi)
+        if base.total <= self.capacities[s]:
+            return compute
+        found = self.optimum(lo, hi, s)
+        return compute + found.added_ms if found.fits else math.inf
+
+    def group_time(self, lo: int, hi: int, first: int, stop: int) -> float:
+        """Estimated slowest-stage time of stages ``[first, stop)`` sharing ``[lo, hi)``:
+        exact for one stage; for several, the group is priced as one stage of their summed
+        capacity and mean in-flight count whose work is spread evenly, with the bytes over
+        capacity recomputed at the range's mean forward time per saved byte."""
+        k = stop - first
+        if k == 1:
+            return self.stage_time(lo, hi, first)
+        model = self.model
+        held = sum(self.in_flight[first:stop]) / k
+        demand = model.static(lo, hi, self.weight_versions) + held * model.stashed(lo, hi) + model.transient(lo, hi)
+        excess = demand - sum(self.capacities[first:stop])
+        compute = model.compute_ms(lo, hi)
+        if excess <= 0:
+            return compute / k
+        stashed = model.stashed(lo, hi)
+        if excess > held * stashed:
+            return math.inf
+        return (compute + model.forward_time(lo, hi) * excess / (held * stashed)) / k
+
+    def group_memory(self, lo: int, hi: int, first: int, stop: int) -> float:
+        """Memory demand of stages ``[first, stop)`` on ``[lo, hi)`` relative to their capacity."""
+        model = self.model
+        held = sum(self.in_flight[first:stop]) / (stop - first)
+        demand = model.static(lo, hi, self.weight_versions) + held * model.stashed(lo, hi)
+        return demand / sum(self.capacities[first:stop])
+
+
+def partition(
+    name: Partitioner,
+    profile: Profile,
+    capacities: Sequence[int],
+    in_flight: Sequence[int],
+    *,
+    weight_versions: int = 1,
+    host_bandwidth: Optional[float] = None,
+) -> list[int]:
+    """Balance for ``len(capacities)`` stages by the partitioner ``name``."""
+    if len(in_flight) != len(capacities):
+        raise ValueError(f"{len(capacities)} capacities but {len(in_flight)} in-flight counts; give one per stage.")
+    stages = Stages(CostModel(profile), list(capacities), list(in_flight), weight_versions, host_bandwidth)
+    return split(name, stages)
+
+
+def split(name: Partitioner, stages: Stages) -> list[int]:
+    """:func:`partition` on a prepared :class:`Stages`."""
+    model, count = stages.model, stages.count
+    check_stage_count(model.n, count)
+    if name == "dawnpiper":
+        return _dawnpiper(stages)
+    if name == "capslog":
+        peak = lambda lo, hi, s: model.peak(lo, hi, stages.in_flight[s], {}, stages.weight_versions).total
+        return _min_max(model.n, stages.capacities, peak)
+    if name == "time":
+        return _min_max(model.n, [1.0] * count, lambda lo, hi, s: model.compute_ms(lo, hi))
+    if name == "params":
+        return balance_by_weight([model.params(i, i + 1) for i in range(model.n)], count)
+    if name == "uniform":
+        return [model.n // count + (s < model.n % count) for s in range(count)]
+    raise ValueError(f"unknown partitioner {name!r}; use one of {', '.join(PARTITIONERS)}.")
+
+
+def lowest_peak_balance(stages: Stages) -> list[int]:
+    """The balance whose stages, memory-optimised as far as they go, have the lowest peak
+    relative to capacity: the most memory any plan can save (CAPSlog's search on the
+    optimised peaks)."""
+    model = stages.model
+
+    def peak(lo: int, hi: int, s: int) -> float:
+        return lowest_peak(model, lo, hi, stages.in_flight[s], stages.weight_versions, stages.host_bandwidth)
+
+    return _min_max(model.n, stages.capacities, peak, precision=1e-3)
+
+
+Cost = Callable[[int, int, int], float]
+
+
+def _fill_first(n: int, limits: Sequence[float], cost: Cost) -> Optional[list[int]]:
+    """CAPSlog's fill-first: each stage in turn takes the longest run of nodes whose cost stays
+    within its limit (keeping a node for every later stage); the last takes the rest. Exact for
+    costs that grow with the node range. ``None`` when the rest does not fit the last stage."""
+    balance, lo, count = [], 0, len(limits)
+    for s in range(count - 1):
+        if cost(lo, lo + 1, s) > limits[s]:
+            return None
+        a, b = lo + 1, n - (count - 1 - s)  # the longest fitting end lies in [a, b]
+        while a < b:
+            mid = (a + b + 1) // 2
+            if cost(lo, mid, s) <= limits[s]:
+                a = mid
+            else:
+                b = mid - 1
+        balance.append(a - lo)
+        lo = a
+    if cost(lo, n, count - 1) > limits[-1]:
+        return None
+    return balance + [n - lo]
+
+
+def _min_max(n: int, scales: Sequence[float], cost: Cost, precision: float = 1e-12) -> list[int]:
+    """Balance minimising ``max_s cost(stage s) / scales[s]``: binary search on the threshold,
+    fill-first at each, until the threshold is known to ``precision`` (relative)."""
+    count = len(scales)
+    high = max(cost(0, n, s) / scales[s] for s in range(count)) or 1.0
+    while (found := _fill_first(n, [high * c for c in scales], cost)) is None:
+        high *= 2
+    low = 0.0
+    while high - low > precision * high:
+        mid = (low + high) / 2
+        attempt = _fill_first(n, [mid * c for c in scales], cost)
+        if attempt is None:
+            low = mid
+        else:
+            high, found = mid, attempt
+    return found
+
+
+def _crossing(left: Callable[[int], float], right: Callable[[int], float], a: int, b: int) -> int:
+    """The cut ``p`` in ``[a, b]`` minimising ``max(left(p), right(p))`` for ``left`` growing
+    and ``right`` shrinking with ``p``: binary search for where they cross."""
+    lo, hi = a, b
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if left(mid) >= right(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return min((p for p in (lo - 1, lo) if a <= p <= b), key=lambda p: (max(left(p), right(p)), p))
+
+
+def _dawnpiper(stages: Stages) -> list[int]:
+    cuts: list[int] = []
+
+    def bisect(lo: int, hi: int, first: int, stop: int) -> None:
+        if stop - first == 1:
+            return
+        middle = (first + stop) // 2
+        a, b = lo + (middle - first), hi - (stop - middle)  # every stage keeps a node
+        compute = _crossing(
+            lambda p: stages.model.compute_ms(lo, p) / (middle - first),
+            lambda p: stages.model.compute_ms(p, hi) / (stop - middle),
+            a,
+            b,
+        )
+        memory = _crossing(
+            lambda p: stages.group_memory(lo, p, first, middle),
+            lambda p: stages.group_memory(p, hi, middle, stop),
+            a,
+            b,
+        )
+        left = lambda p: stages.group_time(lo, p, first, middle)
+        right = lambda p: stages.group_time(p, hi, middle, stop)
+        window = (min(compute, memory), max(compute, memory))
+        cut = _crossing(left, right, *window)
+        if math.isinf(max(left(cut), right(cut))):
+            cut = memory
+        bisect(lo, cut, first, middle)
+        cuts.append(cut)
+        bisect(cut, hi, middle, stop)
+
+    bisect(0, stages.model.n, 0, stages.count)
+    balance = [b - a for a, b in zip([0] + cuts, cuts + [stages.model.n])]
+    if all(math.isfinite(stages.stage_time(r.start, r.stop, s)) for s, r in enumerate(stage_ranges(balance))):
+        return balance
+    return lowest_peak_balance(stages)  # no cut in the windows fits: memory first

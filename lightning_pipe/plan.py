@@ -1,0 +1,243 @@
+"""Plans: a partitioner's balance plus per-node memory policies, with what they predict.
+
+A :class:`Plan` is what the planner hands over and what a user reads before training: the
+balance, which nodes are recomputed or swapped, each stage's predicted peak (by kind) and time,
+and the simulated step time and bubble of the schedule. It round-trips through JSON so a plan
+can be made offline from a saved profile and checked in.
+"""
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from lightning_pipe.memory import CostModel, StagePeak, stage_ranges
+from lightning_pipe.optimize import StageOptimum
+from lightning_pipe.partitioners import Partitioner, Stages, lowest_peak_balance, split
+from lightning_pipe.profile import Profile
+from lightning_pipe.schedule import Schedule, actions, in_flight, weight_versions
+from lightning_pipe.simulate import StageTime, simulate
+
+__all__ = ["InfeasiblePlanError", "Plan", "StageReport", "make_plan", "max_microbatch"]
+
+# max_microbatch stops doubling here: a profile whose bytes do not grow with the micro-batch.
+_MAX_MICROBATCH = 1 << 20
+
+
+class InfeasiblePlanError(ValueError):
+    """No plan fits the capacities. ``min_peak`` is the smallest peak (bytes) any balance
+    reaches with memory optimisation, on its fullest stage ``stage``."""
+
+    def __init__(self, message: str, min_peak: int, stage: int) -> None:
+        super().__init__(message)
+        self.min_peak = min_peak
+        self.stage = stage
+
+
+@dataclass
+class StageReport:
+    """One stage of a plan: nodes ``[start, stop)``, its predicted peak and per micro-batch
+    times (ms), and the bytes per micro-batch it recomputes or swaps."""
+
+    start: int
+    stop: int
+    param_bytes: int
+    peak: StagePeak
+    forward_ms: float
+    backward_ms: float
+    recompute_ms: float
+    swap_ms: float
+    recomputed_bytes: int
+    swapped_bytes: int
+
+    @property
+    def time_ms(self) -> float:
+        return self.forward_ms + self.backward_ms + self.recompute_ms + self.swap_ms
+
+
+@dataclass
+class Plan:
+    """A balance with per-node policies (``keep``/``recompute``/``swap``) and predictions."""
+
+    partitioner: str
+    schedule: str
+    capacities: list[int]
+    microbatch_size: int
+    chunks: int
+    host_bandwidth: Optional[float]
+    balance: list[int]
+    policies: list[str]
+    stages: list[StageReport]
+    step_ms: float
+    bubble: float
+
+    @property
+    def time_ms(self) -> float:
+        """The slowest stage's time per micro-batch."""
+        return max(s.time_ms for s in self.stages)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        data["stages"] = [StageReport(**{**s, "peak": StagePeak(**s["peak"])}) for s in data["stages"]]
+        return cls(**data)
+
+    def table(self) -> str:
+        """One line per stage: nodes, parameter bytes, predicted peak by kind against the
+        capacity, time per micro-batch, and bytes recomputed and swapped."""
+        head = ["stage", "nodes", "params", "static", "activ", "transient", "boundary", "peak", "capacity", "ms", "recomp", "swap"]
+        rows = [head]
+        for s, (r, cap) in enumerate(zip(self.stages, self.capacities)):
+            p = r.peak
+            rows.append(
+                [str(s), f"{r.start}-{r.stop - 1}"]
+                + [_bytes(v) for v in (r.param_bytes, p.static, p.activations, p.transient, p.boundary, p.total, cap)]
+                + [f"{r.time_ms:.2f}", _bytes(r.recomputed_bytes), _bytes(r.swapped_bytes)]
+            )
+        widths = [max(len(row[k]) for row in rows) for k in range(len(head))]
+        lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+        lines.append(
+            f"{self.partitioner}, {self.schedule}, {self.chunks} micro-batches of {self.microbatch_size}: "
+            f"step {self.step_ms:.2f} ms, bubble {self.bubble:.1%}"
+        )
+        return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def make_plan(
+    profile: Profile,
+    capacities: list[int],
+    partitioner: Partitioner = "dawnpiper",
+    schedule: Schedule = "1f1b",
+    chunks: int = 1,
+    host_bandwidth: Optional[float] = None,
+) -> Plan:
+    """Plan ``profile`` over one stage per capacity (bytes): split with ``partitioner``, then
+    fit every stage with recompute and, given ``host_bandwidth`` (bytes/s), swap.
+
+    Raises:
+        InfeasiblePlanError: a stage does not fit even with memory optimisation.
+    """
+    stages, balance, optima = _attempt(profile, capacities, partitioner, schedule, chunks, host_bandwidth)
+    if not all(o.fits for o in optima):
+        raise _infeasible(stages, partitioner, balance, optima)
+    model = stages.model
+    policies = ["keep"] * model.n
+    reports, times = [], []
+    for r, o in zip(stage_ranges(balance), optima):
+        for i, p in o.policies.items():
+            policies[i] = p
+        forward = model.forward_time(r.start, r.stop)
+        backward = model.compute_ms(r.start, r.stop) - forward
+        reports.append(
+            StageReport(
+                start=r.start,
+                stop=r.stop,
+                param_bytes=model.params(r.start, r.stop),
+                peak=o.peak,
+                forward_ms=forward,
+                backward_ms=backward,
+                recompute_ms=o.recompute_ms,
+                swap_ms=o.swap_ms,
+                recomputed_bytes=sum(model.saved[i] for i, p in o.policies.items() if p == "recompute"),
+                swapped_bytes=sum(model.saved[i] for i, p in o.policies.items() if p == "swap"),
+            )
+        )
+        times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms))
+    sim = simulate(times, actions(schedule, chunks, len(capacities)))
+    return Plan(
+        partitioner=partitioner,
+        schedule=schedule,
+        capacities=list(capacities),
+        microbatch_size=profile.microbatch_size,
+        chunks=chunks,
+        host_bandwidth=host_bandwidth,
+        balance=balance,
+        policies=policies,
+        stages=reports,
+        step_ms=sim.step_ms,
+        bubble=sim.bubble,
+    )
+
+
+def max_microbatch(
+    profile: Profile,
+    capacities: list[int],
+    partitioner: Partitioner = "dawnpiper",
+    schedule: Schedule = "1f1b",
+    chunks: int = 1,
+    host_bandwidth: Optional[float] = None,
+) -> int:
+    """The largest micro-batch size whose plan fits, predicting other sizes with
+    :meth:`Profile.scaled` (doubling, then binary search).
+
+    Raises:
+        InfeasiblePlanError: not even a micro-batch of one fits.
+    """
+
+    def fits(size: int) -> bool:
+        _, _, optima = _attempt(profile.scaled(size), capacities, partitioner, schedule, chunks, host_bandwidth)
+        return all(o.fits for o in optima)
+
+    if not fits(1):
+        make_plan(profile.scaled(1), capacities, partitioner, schedule, chunks, host_bandwidth)  # raises
+    low, high = 1, 2
+    while high <= _MAX_MICROBATCH and fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def _attempt(
+    profile: Profile,
+    capacities: list[int],
+    partitioner: Partitioner,
+    schedule: Schedule,
+    chunks: int,
+    host_bandwidth: Optional[float],
+) -> tuple[Stages, list[int], list[StageOptimum]]:
+    """Split and optimise every stage; the caller checks whether all fit."""
+    flight = in_flight(schedule, chunks, len(capacities))
+    stages = Stages(CostModel(profile), list(capacities), flight, weight_versions(schedule), host_bandwidth)
+    balance = split(partitioner, stages)
+    optima = [stages.optimum(r.start, r.stop, s) for s, r in enumerate(stage_ranges(balance))]
+    return stages, balance, optima
+
+
+def _infeasible(
+    stages: Stages, partitioner: str, balance: list[int], optima: list[StageOptimum]
+) -> InfeasiblePlanError:
+    """Explain what does not fit and what to change, with the lowest peak any plan reaches."""
+    floor = lowest_peak_balance(stages)
+    peaks = [stages.optimum(r.start, r.stop, s).peak.total for s, r in enumerate(stage_ranges(floor))]
+    worst = max(range(stages.count), key=lambda s: peaks[s] / stages.capacities[s])
+    bad = next(s for s, o in enumerate(optima) if not o.fits)
+    if all(p <= c for p, c in zip(peaks, stages.capacities)):
+        return InfeasiblePlanError(
+            f"partitioner {partitioner!r} gave balance {balance}, whose stage {bad} needs "
+            f"{optima[bad].peak.total} bytes even with memory optimisation, over its capacity "
+            f"{stages.capacities[bad]}. Other balances fit (e.g. {floor}; the smallest peak any plan "
+            f"reaches is {peaks[worst]} bytes, on stage {worst}): use partitioner 'dawnpiper' or 'capslog'.",
+            peaks[worst],
+            worst,
+        )
+    return InfeasiblePlanError(
+        f"no plan fits: the smallest peak any plan reaches with memory optimisation is {peaks[worst]} "
+        f"bytes on stage {worst} (capacity {stages.capacities[worst]}), with balance {floor}. "
+        f"Lower the micro-batch size (max_microbatch finds the largest that fits), add stages or "
+        f"device memory, use a schedule that holds fewer micro-batches ('1f1b' rather than 'gpipe'), "
+        f"or allow swapping by giving host_bandwidth.",
+        peaks[worst],
+        worst,
+    )

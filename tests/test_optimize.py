@@ -1,0 +1,67 @@
+import math
+
+from lightning_pipe.memory import CostModel
+from lightning_pipe.optimize import optimize_stage, policy_time
+from lightning_pipe.profile import NodeProfile, Profile
+
+
+def stage(specs):
+    """specs: (forward ms, saved bytes) per node of a chain; backward is twice the forward."""
+    nodes = [
+        NodeProfile(f"n{i}", f, 2 * f, s, s, 0, 0, 0, 0, users=[i + 1] if i + 1 < len(specs) else [-1])
+        for i, (f, s) in enumerate(specs)
+    ]
+    return CostModel(Profile(nodes, "cpu", "f", 1))
+
+
+def test_fitting_stage_is_left_alone():
+    model = stage([(1, 100), (1, 100)])
+    found = optimize_stage(model, 0, 2, 4, capacity=800)
+    assert found.fits and found.policies == {} and found.added_ms == 0
+
+
+def test_hidden_swaps_first_most_free_time_first():
+    # 4 nodes of 1 ms forward; node 0's saved bytes have the longest window (9 ms) before their backward
+    model = stage([(1, 1000)] * 4)
+    # swapping one node frees 2 x 1000 in-flight bytes but brings 1000 back for its backward
+    found = optimize_stage(model, 0, 4, 2, capacity=2 * 3000 + 1000, host_bandwidth=1e6)  # 2 ms round trip
+    assert found.fits
+    assert found.policies == {0: "swap"}
+    assert found.swap_ms == 0 and found.recompute_ms == 0
+
+
+def test_recompute_highest_memory_saved_per_second_without_a_host_link():
+    # nodes 1 and 3 free the same bytes; node 3 costs a tenth of the time to recompute
+    model = stage([(1, 10), (5, 1000), (1, 10), (0.5, 1000)])
+    found = optimize_stage(model, 0, 4, 3, capacity=3 * 2020 - 2000)
+    assert found.fits and found.policies == {3: "recompute"}
+    assert found.recompute_ms == 0.5 and found.swap_ms == 0
+
+
+def test_cheaper_of_exposed_swap_and_recompute():
+    # node 3 is last: its swap is fully exposed. A fast link beats recomputing 5 ms; a slow one loses.
+    model = stage([(1, 10), (1, 10), (1, 10), (5, 1000)])
+    need = 3 * 1030 - 1500
+    fast = optimize_stage(model, 0, 4, 3, capacity=need, host_bandwidth=1e9)  # 0.002 ms exposed
+    # (the tiny nodes' swaps hide behind compute, so they go first either way)
+    assert fast.fits and fast.policies[3] == "swap" and fast.recompute_ms == 0
+    assert math.isclose(fast.swap_ms, 2e3 * 1000 / 1e9)
+    slow = optimize_stage(model, 0, 4, 3, capacity=need, host_bandwidth=1e5)  # 20 ms exposed
+    assert slow.fits and slow.policies[3] == "recompute" and slow.recompute_ms == 5 and slow.swap_ms == 0
+
+
+def test_exposed_swap_time_formula():
+    model = stage([(1, 1000), (1, 1000), (1, 1000)])
+    # round trip 4 ms each; windows: node 0 -> 6 ms, node 1 -> 3 ms, node 2 -> 0 ms; stage compute 9 ms
+    assert policy_time(model, 0, 3, {0: "swap"}, 5e5) == (0.0, 0.0)
+    assert policy_time(model, 0, 3, {1: "swap", 2: "swap"}, 5e5) == (0.0, 1.0 + 4.0)
+    assert policy_time(model, 0, 3, {0: "swap", 1: "swap", 2: "swap"}, 5e5) == (0.0, max(5.0, 12.0 - 9.0))
+    assert policy_time(model, 0, 3, {1: "recompute"}, None) == (1.0, 0.0)
+
+
+def test_impossible_capacity_reports_the_lowest_peak_found():
+    model = stage([(1, 1000)] * 4)
+    base = model.peak(0, 4, 4).total
+    found = optimize_stage(model, 0, 4, 4, capacity=10)
+    assert not found.fits
+    assert 10 < found.peak.total < base  # optimisation still lowered it

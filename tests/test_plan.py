@@ -1,0 +1,86 @@
+import random
+
+import pytest
+
+from lightning_pipe.memory import stage_ranges
+from lightning_pipe.plan import InfeasiblePlanError, Plan, make_plan, max_microbatch
+from lightning_pipe.profile import NodeProfile, Profile
+from lightning_pipe.schedule import actions
+from lightning_pipe.simulate import StageTime, simulate
+
+
+def cnn_like(n=36, seed=0):
+    """Conv nodes (every third): long compute, little memory; the others the reverse; earlier
+    nodes hold more (higher resolution)."""
+    rnd = random.Random(seed)
+    nodes = []
+    for i in range(n):
+        conv = i % 3 == 0
+        scale = 2 - i / n
+        f = rnd.uniform(0.8, 1.2) * (2 if conv else 0.1)
+        saved = int(rnd.uniform(0.8, 1.2) * scale * (250 if conv else 2000))
+        params = 2000 if conv else 0
+        users = [i + 1] if i + 1 < n else [-1]
+        nodes.append(NodeProfile(f"n{i}", f, 2 * f, saved, saved, 100, params, params, 2 * params, users=users))
+    return Profile(nodes, "cpu", "f", 1, input_bytes=1000, input_users=[0])
+
+
+CAP = 120_000
+
+
+def test_plan_round_trips_through_json_and_matches_its_parts():
+    plan = make_plan(cnn_like().scaled(4), [CAP] * 4, "dawnpiper", "1f1b", 8, host_bandwidth=1e6)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert sum(plan.balance) == 36 and len(plan.policies) == 36
+    assert all(s.peak.total <= c for s, c in zip(plan.stages, plan.capacities))
+    times = [StageTime(s.forward_ms, s.backward_ms, s.recompute_ms, s.swap_ms) for s in plan.stages]
+    sim = simulate(times, actions("1f1b", 8, 4))
+    assert (plan.step_ms, plan.bubble) == (sim.step_ms, sim.bubble)
+    for s, r in zip(plan.stages, stage_ranges(plan.balance)):
+        assert (s.start, s.stop) == (r.start, r.stop)
+        chosen = [plan.policies[i] for i in r]
+        assert (s.recomputed_bytes > 0) == ("recompute" in chosen)
+        assert (s.swapped_bytes > 0) == ("swap" in chosen)
+
+
+def test_table_has_a_line_per_stage():
+    plan = make_plan(cnn_like(), [CAP] * 3, "capslog", "gpipe", 3)
+    lines = plan.table().splitlines()
+    assert lines[0].split()[:3] == ["stage", "nodes", "params"]
+    for s, r in enumerate(stage_ranges(plan.balance)):
+        assert lines[1 + s].split()[:2] == [str(s), f"{r.start}-{r.stop - 1}"]
+    assert "capslog, gpipe" in lines[-1]
+
+
+def test_infeasible_capacity_names_the_smallest_reachable_peak():
+    with pytest.raises(InfeasiblePlanError) as err:
+        make_plan(cnn_like(), [5_000] * 4, "dawnpiper", "1f1b", 8)
+    e = err.value
+    assert isinstance(e, ValueError)
+    assert e.min_peak > 5_000 and str(e.min_peak) in str(e)
+    assert "micro-batch size" in str(e)
+
+
+def test_a_bad_balance_is_told_apart_from_no_plan_at_all():
+    profile = cnn_like().scaled(max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8))
+    with pytest.raises(InfeasiblePlanError, match="Other balances fit") as err:
+        make_plan(profile, [CAP] * 4, "time", "1f1b", 8)
+    assert str(err.value.min_peak) in str(err.value)
+
+
+def test_2bw_fits_fewer_than_1f1b():
+    a = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
+    b = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "2bw", 8)
+    assert b < a
+
+
+@pytest.mark.parametrize("count", [4, 6])
+def test_cnn_like_dawnpiper_fits_larger_microbatches_than_time_balance(count):
+    profile = cnn_like()
+    ours = max_microbatch(profile, [CAP] * count, "dawnpiper", "1f1b", 2 * count)
+    theirs = max_microbatch(profile, [CAP] * count, "time", "1f1b", 2 * count)
+    assert ours >= theirs
+    make_plan(profile.scaled(ours), [CAP] * count, "dawnpiper", "1f1b", 2 * count)
+    with pytest.raises(InfeasiblePlanError):
+        make_plan(profile.scaled(ours + 1), [CAP] * count, "dawnpiper", "1f1b", 2 * count)
