@@ -95,6 +95,7 @@ class MemoryMeter(TorchDispatchMode):
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> stage
         self._hooks: list[Any] = []
+        self._tag = f"lightning_pipe.stage.{id(self)}"  # meters may nest (profiling while metering)
         self._local = threading.local()
         self._lock = threading.RLock()  # finalizers may fire inside a locked update
 
@@ -115,9 +116,9 @@ class MemoryMeter(TorchDispatchMode):
         stack = [t.grad_fn for t in tree_flatten(list(outputs))[0] if isinstance(t, Tensor) and t.grad_fn]
         while stack:
             node = stack.pop()
-            if node is None or "stage" in node.metadata or type(node).__name__ == "AccumulateGrad":
+            if node is None or self._tag in node.metadata or type(node).__name__ == "AccumulateGrad":
                 continue
-            node.metadata["stage"] = stage
+            node.metadata[self._tag] = stage
             stack.extend(f for f, _ in node.next_functions)
 
     def _stage_now(self) -> Optional[tuple[int, str]]:
@@ -128,7 +129,7 @@ class MemoryMeter(TorchDispatchMode):
         if type(node).__name__ == "AccumulateGrad":
             owner = self._owner.get(node.variable)
             return None if owner is None else (owner, "gradients")
-        stage = node.metadata.get("stage")
+        stage = node.metadata.get(self._tag)
         return None if stage is None else (stage, "transient")
 
     # -- charging --------------------------------------------------------------------------
@@ -137,10 +138,10 @@ class MemoryMeter(TorchDispatchMode):
         """Charge existing tensors (parameters, buffers) to ``stage``; a parameter's gradient
         is charged to the same stage once autograd has accumulated it."""
         for t in tensors:
-            if isinstance(t, torch.nn.Parameter) and t not in self._owner:
-                self._owner[t] = stage
-                if t.requires_grad:
+            if isinstance(t, torch.nn.Parameter):
+                if t not in self._owner and t.requires_grad:
                     self._hooks.append(t.register_post_accumulate_grad_hook(self._own_grad))
+                self._owner[t] = stage
             self._charge(t, stage, kind)
 
     def _own_grad(self, param: Tensor) -> None:

@@ -5,6 +5,7 @@ one stage per device and placed; then ``self(x)`` inside the user's steps runs t
 (autograd-driven GPipe), and Lightning's own ``loss.backward()`` runs the pipelined backward.
 """
 
+import os
 import re
 from collections.abc import Mapping
 from contextlib import ExitStack, nullcontext
@@ -24,7 +25,11 @@ from lightning_pipe.capture import capture
 from lightning_pipe.meter import MemoryMeter
 from lightning_pipe.microbatch import batch_size, scatter
 from lightning_pipe.microlog import LogCollector
+from lightning_pipe import report
 from lightning_pipe.partition import balance_by_weight, check_stage_count
+from lightning_pipe.partitioners import PARTITIONERS, Partitioner
+from lightning_pipe.plan import Plan, make_plan
+from lightning_pipe.profile import Profile, profile_graph
 from lightning_pipe.pipeline import Pipeline
 from lightning_pipe import schedule as schedules
 from lightning_pipe.schedule import Schedule
@@ -41,15 +46,21 @@ class MemoryPipeStrategy(ParallelStrategy):
 
     Args:
         chunks: micro-batches per batch; every batch must hold at least this many samples.
-        schedule: pipeline schedule; only ``"gpipe"`` (autograd-driven) is available yet.
-        balance: graph nodes per stage, in order; by default an even split by parameter bytes.
+        schedule: ``"gpipe"`` (autograd-driven), ``"1f1b"`` or ``"2bw"`` (schedule-driven).
+        balance: graph nodes per stage, in order; overrides the planner.
         leaf_modules: submodule names (``"blocks.3"``) or class names (``"Block"``) that
             tracing keeps as single nodes, e.g. code torch.fx cannot trace.
+        planner: how to split: ``"dawnpiper"`` (memory-centric, default), ``"capslog"``
+            (lowest peak), ``"time"``, ``"params"``, ``"uniform"``; ``None``: an even split
+            by parameter bytes, no profiling.
+        memory_limit: bytes per stage device, as a number or a string such as ``"2GiB"``;
+            one value for all stages or one per stage. Default: each device's memory shared
+            by the stages on it. With ``measure_memory``, going over it raises
+            :class:`~lightning_pipe.meter.StageOutOfMemoryError`.
+        host_bandwidth: bytes per second between a device and host memory; lets the planner
+            swap activations to the host. ``None``: the planner only recomputes.
         measure_memory: meter every stage's memory from its live tensors while running
             (``strategy.meter``); costs some speed.
-        memory_limit: bytes per stage device, as a number or a string such as ``"2GiB"``;
-            one value for all stages or one per stage. With ``measure_memory``, a stage
-            going over it raises :class:`~lightning_pipe.meter.StageOutOfMemoryError`.
     """
 
     strategy_name = "memory_pipe"
@@ -60,24 +71,36 @@ class MemoryPipeStrategy(ParallelStrategy):
         schedule: Schedule = "gpipe",
         balance: Optional[list[int]] = None,
         leaf_modules: Optional[list[str]] = None,
-        measure_memory: bool = False,
+        planner: Optional[Partitioner] = "dawnpiper",
         memory_limit: Optional[Union[MemoryLimit, list[MemoryLimit]]] = None,
+        host_bandwidth: Optional[float] = None,
+        measure_memory: bool = False,
     ) -> None:
         super().__init__()
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
         if schedule not in ("gpipe", "1f1b", "2bw"):
             raise ValueError(f"schedule must be one of 'gpipe', '1f1b', '2bw', got {schedule!r}.")
+        if planner is not None and planner not in PARTITIONERS:
+            raise ValueError(f"planner must be one of {list(PARTITIONERS)} or None, got {planner!r}.")
+        if host_bandwidth is not None and host_bandwidth <= 0:
+            raise ValueError(f"host_bandwidth must be positive (bytes per second), got {host_bandwidth}.")
         if balance is not None and any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
         self.chunks = chunks
         self.schedule = schedule
         self.balance = balance
         self.leaf_modules = leaf_modules or []
-        self.measure_memory = measure_memory
+        self.planner = planner
         self.memory_limit = _parse_limits(memory_limit)
+        self.host_bandwidth = host_bandwidth
+        self.measure_memory = measure_memory
         self.program: Optional[Program] = None
+        self.profile: Optional[Profile] = None
+        self.plan: Optional[Plan] = None
         self.meter: Optional[MemoryMeter] = None
+        self._needs_plan = False
+        self._pipeline: Optional[Pipeline] = None
         self._scheduled: Optional[ScheduledPipeline] = None
         self._versions: Optional[WeightVersions] = None
         self._stepping = False
@@ -135,42 +158,77 @@ class MemoryPipeStrategy(ParallelStrategy):
             if self.schedule == "2bw":
                 self._versions = WeightVersions(self.lightning_module.parameters())
         if self.meter is not None:
+            self._own_memory()
             self._metering.enter_context(self.meter)
             self._metering.enter_context(self.meter.saved_tensors_hooks())
-            if self._versions is not None:
-                for stage in self.program.stages:
-                    stale = [v for p, v in zip(self._versions.params, self._versions.stale) if any(p is o for o in stage.owned)]
-                    self.meter.own(stage.index, stale)
 
     def model_to_device(self) -> None:
-        """Capture, split and place the module, and route its ``forward`` through the pipeline."""
+        """Capture, split and place the module, and route its ``forward`` through the pipeline.
+
+        The first split is the user's ``balance`` or an even split by parameter bytes; with a
+        ``planner`` and no ``balance``, the first forward call profiles one micro-batch, plans
+        and re-splits before it runs.
+        """
         module = self.lightning_module
         assert module is not None and self.parallel_devices
         devices = list(self.parallel_devices)
-        captured = capture(module, self.leaf_modules)
-        check_stage_count(len(captured.nodes), len(devices))
-        balance = self.balance or balance_by_weight(captured.param_bytes(), len(devices))
-        self.program = build(captured, module, balance, devices)
-        self.meter = None
-        if self.measure_memory:
-            self.meter = MemoryMeter(len(devices), self._capacities())
-            for stage in self.program.stages:
-                self.meter.own(stage.index, stage.owned)
-        pipeline = Pipeline(self.program, module, self.chunks, self.root_device, self.meter)
+        self._captured = capture(module, self.leaf_modules)
+        check_stage_count(len(self._captured.nodes), len(devices))
+        self.meter = MemoryMeter(len(devices), self._capacities()) if self.measure_memory else None
+        balance = self.balance or balance_by_weight(self._captured.param_bytes(), len(devices))
+        self.program = build(self._captured, module, balance, devices)
+        self._pipeline = Pipeline(self.program, module, self.chunks, self.root_device, self.meter)
         if self.schedule != "gpipe":
             self._scheduled = ScheduledPipeline(self.program, self.root_device, self.meter)
-        scheduled = self._scheduled
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if scheduled is not None and scheduled.active:
-                return scheduled(module, *args, **kwargs)
-            return pipeline(*args, **kwargs)
-
+        self._needs_plan = self.planner is not None and self.balance is None
         # An instance attribute shadows the class's forward without registering a submodule,
         # so state_dict keys stay those of the plain module.
-        module.forward = forward
+        module.forward = self._forward
         module._device = self.root_device
         rank_zero_info(self.describe())
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._needs_plan:
+            self._plan_from(args, kwargs)
+        if self._scheduled is not None and self._scheduled.active:
+            return self._scheduled(self.lightning_module, *args, **kwargs)
+        return self._pipeline(*args, **kwargs)
+
+    def _plan_from(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Profile one micro-batch of this call's inputs, plan, and re-split to the plan."""
+        assert self.planner is not None and self.parallel_devices
+        self._needs_plan = False
+        whole_batch = not (self._scheduled is not None and self._scheduled.active)
+        sample_args, sample_kwargs = scatter((args, kwargs), self.chunks)[0] if whole_batch else (args, kwargs)
+        optimizer = self.optimizers[0] if self.optimizers else None
+        with torch.enable_grad():
+            self.profile = profile_graph(self._captured, sample_args, sample_kwargs, optimizer=optimizer)
+        devices = list(self.parallel_devices)
+        capacities = self._capacities() or _device_capacities(devices)
+        self.plan = make_plan(self.profile, capacities, self.planner, self.schedule, self.chunks, self.host_bandwidth)
+        policies = {n.name: p for n, p in zip(self._captured.nodes, self.plan.policies) if p != "keep"}
+        self.program = build(self._captured, self.lightning_module, self.plan.balance, devices, policies)
+        for runner in (self._pipeline, self._scheduled):
+            if runner is not None:
+                runner.program = self.program
+        for optimizer in self.optimizers:
+            _state_to_param_devices(optimizer)
+        if self._versions is not None:
+            self._versions.follow_params()
+        self._own_memory()
+        report.show(self.plan, devices)
+        logger = self.lightning_module.trainer.logger if self.lightning_module._trainer else None
+        if logger is not None and logger.log_dir is not None:
+            report.save(self.plan, logger.log_dir)
+
+    def _own_memory(self) -> None:
+        """Charge parameters, buffers and 2BW's stale weights to the stage owning them."""
+        if self.meter is None or self.program is None:
+            return
+        stale = dict(zip(map(id, self._versions.params), self._versions.stale)) if self._versions else {}
+        for stage in self.program.stages:
+            self.meter.own(stage.index, stage.owned)
+            self.meter.own(stage.index, [stale[id(t)] for t in stage.owned if id(t) in stale])
 
     def describe(self) -> str:
         """The per-stage split as a text table."""
@@ -302,6 +360,17 @@ class MemoryPipeStrategy(ParallelStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="Memory-centric pipeline parallelism in one process"
         )
+
+
+def _device_capacities(devices: list[torch.device]) -> list[int]:
+    """Each device's memory, shared evenly by the stages placed on it."""
+    total = {}
+    for device in set(devices):
+        if device.type == "cuda":
+            total[device] = torch.cuda.get_device_properties(device).total_memory
+        else:
+            total[device] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return [total[d] // devices.count(d) for d in devices]
 
 
 def _loss_of(output: Any) -> Tensor:

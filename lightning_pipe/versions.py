@@ -38,6 +38,10 @@ class WeightVersions:
             for p, s in zip(self.params, self.stale):
                 s.copy_(p)
 
+    def follow_params(self) -> None:
+        """Keep each stale copy on its parameter's device after the parameters moved."""
+        self.stale = [s.to(p.device) for p, s in zip(self.params, self.stale)]
+
     def _swap(self) -> None:
         for k, p in enumerate(self.params):
             p.data, self.stale[k] = self.stale[k], p.data

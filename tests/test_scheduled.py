@@ -72,7 +72,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
         model, data = make("gpt", dim=64, context=16)
-        strategy = MemoryPipeStrategy(chunks=chunks, schedule=schedule, measure_memory=True)
+        strategy = MemoryPipeStrategy(chunks=chunks, schedule=schedule, planner=None, measure_memory=True)
         trainer(strategy, stages, max_steps=1).fit(model, loader(data, 16))
         peaks[schedule] = [m.kind_peaks["activations"] for m in strategy.meter.stages]
     for s in range(stages):
