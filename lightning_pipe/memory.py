@@ -91,6 +91,7 @@ class CostModel:
         self.forward_ms = [n.forward_ms for n in nodes]
         self.backward_ms = [n.backward_ms for n in nodes]
         self.saved = [n.saved_bytes for n in nodes]
+        self.last_saver = [n.last_saver for n in nodes]
         self.output = [n.output_bytes for n in nodes]
         self._params = _prefix([n.param_bytes for n in nodes])
         self._state = _prefix([n.grad_bytes + n.optimizer_bytes for n in nodes])
@@ -121,6 +122,11 @@ class CostModel:
     def stashed(self, lo: int, hi: int) -> int:
         """Saved bytes of one micro-batch when every node is kept."""
         return self._saved[hi] - self._saved[lo]
+
+    def freeable(self, a: int, b: int) -> int:
+        """Saved bytes that recomputing or swapping nodes ``[a, b)`` takes off the device:
+        those of a node whose stashed storages no node after ``b - 1`` keeps too."""
+        return sum(self.saved[k] for k in range(a, b) if self.last_saver[k] < b)
 
     def compute_ms(self, lo: int, hi: int) -> float:
         """Forward plus backward time of one micro-batch."""
@@ -174,12 +180,11 @@ class CostModel:
         restore = 0
         for i, policy in policies.items():
             if policy == "swap":
-                stashed -= self.saved[i]
+                stashed -= self.freeable(i, i + 1)
                 restore = max(restore, self.saved[i])
         for a, b in regions(policies):
-            region_saved = self._saved[b] - self._saved[a]
-            stashed += self.region_inputs(a, b, lo, policies) - region_saved
-            restore = max(restore, region_saved)
+            stashed += self.region_inputs(a, b, lo, policies) - self.freeable(a, b)
+            restore = max(restore, self._saved[b] - self._saved[a])
         return StagePeak(
             static=self.static(lo, hi, weight_versions),
             activations=round(in_flight * stashed),

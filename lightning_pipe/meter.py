@@ -95,6 +95,7 @@ class MemoryMeter(TorchDispatchMode):
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> stage
         self._hooks: list[Any] = []
+        self.last_saver: dict[int, int] = {}  # stage that made a saved storage -> last stage saving it
         self._tag = f"lightning_pipe.stage.{id(self)}"  # meters may nest (profiling while metering)
         self._local = threading.local()
         self._lock = threading.RLock()  # finalizers may fire inside a locked update
@@ -247,6 +248,10 @@ class MemoryMeter(TorchDispatchMode):
 
         def pack(t: Tensor) -> Tensor:
             self.mark([t], "activations")
+            entry = self._entries.get(t.untyped_storage())
+            saver = getattr(self._local, "stage", None)
+            if entry is not None and saver is not None:
+                self.last_saver[entry.stage] = max(self.last_saver.get(entry.stage, -1), saver)
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)

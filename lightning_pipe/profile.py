@@ -47,6 +47,9 @@ class NodeProfile:
         backward_bytes: peak bytes the node's backward adds: fresh gradients of its
             parameters and inputs, and workspace.
         output_grad_bytes: bytes of the gradient that flows back into the node's output.
+        last_saver: index of the last node that keeps for backward a storage this node
+            made (-1: none, or not measured). Recomputing or swapping this node frees its
+            saved bytes only together with that node.
     """
 
     name: str
@@ -61,6 +64,7 @@ class NodeProfile:
     users: list[int] = field(default_factory=list)
     backward_bytes: int = 0
     output_grad_bytes: int = 0
+    last_saver: int = -1
 
 
 @dataclass
@@ -171,7 +175,7 @@ def profile_graph(
     profiles = []
     for k, node in enumerate(captured.nodes):
         grad_bytes = sum(_nbytes(p) for p in params[k] if p.requires_grad)
-        forward_transient, saved, backward_growth = memory[k]
+        forward_transient, saved, backward_growth, last_saver = memory[k]
         value = runner.env[node]
         profiles.append(
             NodeProfile(
@@ -187,6 +191,7 @@ def profile_graph(
                 users=sorted(index.get(u, -1) for u in node.users),
                 backward_bytes=max(backward_growth, 0),
                 output_grad_bytes=_tensor_bytes([t for t in tree_flatten(value)[0] if _needs_grad(t)]),
+                last_saver=last_saver,
             )
         )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -202,9 +207,9 @@ def profile_graph(
     )
 
 
-def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[tuple[int, int, int]]:
-    """Per node: forward workspace, bytes it allocated that backward keeps, and the growth
-    while backward runs; one meter "stage" per node."""
+def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[tuple[int, int, int, int]]:
+    """Per node: forward workspace, bytes it allocated that backward keeps, the growth while
+    backward runs, and the last node keeping its bytes; one meter "stage" per node."""
     index = {node: k for k, node in enumerate(nodes)}
     meter = MemoryMeter(len(nodes))
     forward_transient = [0] * len(nodes)
@@ -229,7 +234,8 @@ def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[tuple[i
             grads = torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
             del grads
         growth = [m.peak - s for m, s in zip(meter.stages, start)]
-    return list(zip(forward_transient, saved, growth))
+    last_saver = [meter.last_saver.get(k, -1) for k in range(len(nodes))]
+    return list(zip(forward_transient, saved, growth, last_saver))
 
 
 class _NodeRunner(fx.Interpreter):
