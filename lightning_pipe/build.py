@@ -49,7 +49,7 @@ class Segment:
         if self.policy == "recompute":
             return checkpoint(self._forward, device, *args, use_reentrant=False)
         if self.policy == "swap":
-            hooks = swap.to_host()
+            hooks = swap.to_host(args)
             with hooks:
                 outputs = self._forward(device, *args)
             swap.prefetch(outputs, hooks.swapped)

@@ -178,10 +178,9 @@ class CostModel:
         group of stages as one."""
         stashed = self.stashed(lo, hi)
         restore = 0
-        for i, policy in policies.items():
-            if policy == "swap":
-                stashed -= self.freeable(i, i + 1)
-                restore = max(restore, self.saved[i])
+        for a, b in regions(policies, "swap"):  # a run of swapped nodes is loaded back at once
+            stashed -= self.freeable(a, b)
+            restore = max(restore, self._saved[b] - self._saved[a])
         for a, b in regions(policies):
             stashed += self.region_inputs(a, b, lo, policies) - self.freeable(a, b)
             restore = max(restore, self._saved[b] - self._saved[a])
@@ -193,10 +192,10 @@ class CostModel:
         )
 
 
-def regions(policies: Mapping[int, Policy]) -> list[tuple[int, int]]:
-    """Maximal runs ``[a, b)`` of consecutive recomputed nodes."""
+def regions(policies: Mapping[int, Policy], policy: Policy = "recompute") -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of consecutive nodes with ``policy``."""
     runs: list[tuple[int, int]] = []
-    for i in sorted(i for i, p in policies.items() if p == "recompute"):
+    for i in sorted(i for i, p in policies.items() if p == policy):
         if runs and runs[-1][1] == i:
             runs[-1] = (runs[-1][0], i + 1)
         else:

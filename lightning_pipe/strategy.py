@@ -39,6 +39,7 @@ from lightning_pipe.versions import WeightVersions
 __all__ = ["MemoryPipeStrategy"]
 
 MemoryLimit = Union[int, str]
+_PLANNING_HEADROOM = 0.9  # the planner fills each stage to at most this share of its limit
 
 
 class MemoryPipeStrategy(ParallelStrategy):
@@ -205,7 +206,9 @@ class MemoryPipeStrategy(ParallelStrategy):
             self.profile = profile_graph(self._captured, sample_args, sample_kwargs, optimizer=optimizer)
         devices = list(self.parallel_devices)
         capacities = self._capacities() or _device_capacities(devices)
-        self.plan = make_plan(self.profile, capacities, self.planner, self.schedule, self.chunks, self.host_bandwidth)
+        # Plan below the limit: the memory model's workspace and boundary terms are estimates.
+        targets = [int(c * _PLANNING_HEADROOM) for c in capacities]
+        self.plan = make_plan(self.profile, targets, self.planner, self.schedule, self.chunks, self.host_bandwidth)
         policies = {n.name: p for n, p in zip(self._captured.nodes, self.plan.policies) if p != "keep"}
         self.program = build(self._captured, self.lightning_module, self.plan.balance, devices, policies)
         for runner in (self._pipeline, self._scheduled):

@@ -138,3 +138,30 @@ def test_schedule_driven_needs_automatic_optimization():
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
     with pytest.raises(ValueError, match="needs automatic optimization"):
         trainer(MemoryPipeStrategy(chunks=2, schedule="1f1b"), 2).fit(Manual(), data)
+
+
+@pytest.mark.parametrize("schedule, host_bandwidth", [("gpipe", None), ("1f1b", None), ("gpipe", 1e11)])
+def test_planned_recompute_and_swap_fit_a_capacity_plain_gpipe_exceeds(schedule, host_bandwidth):
+    """A per-stage capacity that the unoptimised split overflows (the meter raises) is met by
+    the planner's split with recompute (and swap, given a host link), with single-device
+    parameters."""
+    from lightning_pipe.meter import StageOutOfMemoryError
+
+    def run(**kwargs):
+        model, data = make("gpt", dim=64, context=32)
+        strategy = MemoryPipeStrategy(chunks=4, schedule=schedule, measure_memory=True, **kwargs)
+        trainer(strategy, 2, max_steps=2).fit(model, loader(data, 16))
+        return model, strategy
+
+    _, unlimited = run(planner=None)
+    balance = [len(s.node_names) for s in unlimited.program.stages]
+    limit = int(max(unlimited.meter.peaks()) * 0.85)
+    with pytest.raises(StageOutOfMemoryError):
+        run(planner=None, balance=balance, memory_limit=limit)
+    model, planned = run(memory_limit=limit, host_bandwidth=host_bandwidth)
+    chosen = set(planned.plan.policies) - {"keep"}
+    assert ("swap" in chosen) if host_bandwidth else (chosen == {"recompute"})
+    assert all(peak <= limit for peak in planned.meter.peaks())
+    reference, data = make("gpt", dim=64, context=32)
+    trainer("auto", 1, max_steps=2).fit(reference, loader(data, 16))
+    assert max_rel_diff(model, reference) < 1e-5

@@ -4,14 +4,15 @@ from lightning_pipe import swap
 from lightning_pipe.meter import MemoryMeter
 
 
-def test_swapped_views_come_back_equal():
-    base = torch.randn(6, 8)
-    view = base[2:5, 1:7]
-    s = swap.Swapped(view)
-    assert s.nbytes == base.numel() * 4
-    back = s.load()
-    assert torch.equal(back, view) and back.shape == view.shape
-    assert back.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+def test_views_of_one_storage_share_one_host_copy_and_come_back_equal():
+    base = torch.randn(6, 8, requires_grad=True)
+    expected = torch.autograd.grad(((base * 2)[:3] * (base * 2)[3:]).sum(), base)[0]
+    hooks = swap.to_host(inputs=(base,))
+    with hooks:
+        x = base * 2  # made inside the region
+        out = (x[:3] * x[3:]).sum()  # mul saves two views of x's one storage
+    assert len(hooks.swapped) == 1 and hooks.swapped[0].nbytes == 6 * 8 * 4
+    assert torch.equal(torch.autograd.grad(out, base)[0], expected)
 
 
 def test_saved_tensors_go_to_host_and_gradients_are_unchanged():
@@ -22,7 +23,7 @@ def test_saved_tensors_go_to_host_and_gradients_are_unchanged():
     with hooks:
         out = torch.tanh(x @ w) * 2
     kinds = [type(s) for s in hooks.swapped]
-    assert kinds and all(k is swap.Swapped for k in kinds)  # x and tanh's result; not w
+    assert kinds and all(k is swap.Swapped for k in kinds)  # x and tanh's result; not w (a parameter)
     swap.prefetch(out, hooks.swapped)
     got = torch.autograd.grad(out.sum(), [x, w])
     assert all(s.loaded is not None for s in hooks.swapped)  # prefetched when backward began
