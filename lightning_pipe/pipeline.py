@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.fx.node import map_aggregate
 
 from lightning_pipe.build import Program, Stage
+from lightning_pipe.clock import StageClock
 from lightning_pipe.dependency import fork, join
 from lightning_pipe.meter import MemoryMeter
 from lightning_pipe.microbatch import gather, scatter
@@ -32,6 +33,7 @@ class Pipeline:
         chunks: int,
         output_device: torch.device,
         meter: Optional[MemoryMeter] = None,
+        clock: Optional[StageClock] = None,
     ) -> None:
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
@@ -40,6 +42,7 @@ class Pipeline:
         self.chunks = chunks
         self.output_device = output_device
         self.meter = meter
+        self.clock = clock
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self.program.bind(args, kwargs)
@@ -63,7 +66,10 @@ class Pipeline:
                 if k is not None:
                     envs[i - 1][forked], phony = fork(envs[i - 1][forked])
                     inputs[k] = join(inputs[k], phony)
-            outputs = stage(*inputs)
+            with self.clock.forward(stage.index) if self.clock else nullcontext():
+                outputs = stage(*inputs)
+        if self.clock and torch.is_grad_enabled():
+            self.clock.watch_backward(outputs, stage.index)
         if self.meter:
             self.meter.tag_backward(outputs, stage.index)
             self.meter.mark(outputs, "boundary")

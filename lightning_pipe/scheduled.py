@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.fx.node import map_aggregate
 
 from lightning_pipe.build import Program
+from lightning_pipe.clock import StageClock
 from lightning_pipe.meter import MemoryMeter
 from lightning_pipe.transport import move
 
@@ -77,10 +78,17 @@ class _Record:
 class ScheduledPipeline:
     """Forward of one micro-batch at a time, backward one stage at a time."""
 
-    def __init__(self, program: Program, output_device: torch.device, meter: Optional[MemoryMeter] = None) -> None:
+    def __init__(
+        self,
+        program: Program,
+        output_device: torch.device,
+        meter: Optional[MemoryMeter] = None,
+        clock: Optional[StageClock] = None,
+    ) -> None:
         self.program = program
         self.output_device = output_device
         self.meter = meter
+        self.clock = clock
         self.microbatch = 0  # set by the caller before each micro-batch's forward
         self.active = False  # the module's forward is routed here only while True
         self._records: dict[tuple[int, int], _Record] = {}
@@ -100,7 +108,8 @@ class ScheduledPipeline:
                     if name in made and isinstance(value, Tensor) and value.requires_grad:
                         value = record.inputs[name] = value.detach().requires_grad_()
                     inputs.append(value)
-                outputs = stage(*inputs)
+                with self.clock.forward(stage.index) if self.clock else nullcontext():
+                    outputs = stage(*inputs)
             if self.meter:
                 self.meter.tag_backward(outputs, stage.index)
                 self.meter.mark(outputs, "boundary")
@@ -131,7 +140,8 @@ class ScheduledPipeline:
         record = self._records.pop((microbatch, stage))
         pairs = [(t, grads.pop(n)) for n, t in record.outputs.items() if n in grads and isinstance(t, Tensor)]
         if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [move(g, t.device) for t, g in pairs])
+            with self.clock.backward(stage) if self.clock else nullcontext():
+                torch.autograd.backward([t for t, _ in pairs], [move(g, t.device) for t, g in pairs])
         for name, leaf in record.inputs.items():
             if leaf.grad is not None:
                 _add(grads, name, leaf.grad)

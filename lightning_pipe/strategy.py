@@ -7,6 +7,7 @@ one stage per device and placed; then ``self(x)`` inside the user's steps runs t
 
 import os
 import re
+import time
 from collections.abc import Mapping
 from contextlib import ExitStack, nullcontext
 from typing import Any, Optional, Union
@@ -22,6 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_pipe.build import Program, build
 from lightning_pipe.capture import capture
+from lightning_pipe.clock import StageClock
 from lightning_pipe.meter import MemoryMeter
 from lightning_pipe.microbatch import batch_size, scatter
 from lightning_pipe.microlog import LogCollector
@@ -34,6 +36,7 @@ from lightning_pipe.pipeline import Pipeline
 from lightning_pipe import schedule as schedules
 from lightning_pipe.schedule import Schedule
 from lightning_pipe.scheduled import ScheduledPipeline, global_order
+from lightning_pipe.simulate import StageTime, simulate
 from lightning_pipe.versions import WeightVersions
 
 __all__ = ["MemoryPipeStrategy"]
@@ -105,6 +108,8 @@ class MemoryPipeStrategy(ParallelStrategy):
         self._scheduled: Optional[ScheduledPipeline] = None
         self._versions: Optional[WeightVersions] = None
         self._stepping = False
+        self._step_start = 0.0
+        self.clock = StageClock(0)
         self._metering = ExitStack()
 
     @property
@@ -176,11 +181,12 @@ class MemoryPipeStrategy(ParallelStrategy):
         self._captured = capture(module, self.leaf_modules)
         check_stage_count(len(self._captured.nodes), len(devices))
         self.meter = MemoryMeter(len(devices), self._capacities()) if self.measure_memory else None
+        self.clock = StageClock(len(devices))
         balance = self.balance or balance_by_weight(self._captured.param_bytes(), len(devices))
         self.program = build(self._captured, module, balance, devices)
-        self._pipeline = Pipeline(self.program, module, self.chunks, self.root_device, self.meter)
+        self._pipeline = Pipeline(self.program, module, self.chunks, self.root_device, self.meter, self.clock)
         if self.schedule != "gpipe":
-            self._scheduled = ScheduledPipeline(self.program, self.root_device, self.meter)
+            self._scheduled = ScheduledPipeline(self.program, self.root_device, self.meter, self.clock)
         self._needs_plan = self.planner is not None and self.balance is None
         # An instance attribute shadows the class's forward without registering a submodule,
         # so state_dict keys stay those of the plain module.
@@ -272,9 +278,37 @@ class MemoryPipeStrategy(ParallelStrategy):
         return limits
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.clock.reset()
+        self._step_start = time.perf_counter()
         if self._scheduled is None:
             return super().training_step(*args, **kwargs)
         return self._scheduled_training_step(*args, **kwargs)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        self.clock.end_backward()
+
+    def _log_metrics(self) -> None:
+        """Per-stage memory and time, step time and bubble, to every logger at
+        ``log_every_n_steps``."""
+        trainer = self.lightning_module.trainer
+        if not trainer.loggers or not trainer._logger_connector.should_update_logs:
+            return
+        stages = len(self.clock.forward_ms)
+        metrics: dict[str, float] = {"pipe/step_ms": (time.perf_counter() - self._step_start) * 1e3}
+        for s in range(stages):
+            metrics[f"pipe/stage{s}/forward_ms"] = self.clock.forward_ms[s]
+            metrics[f"pipe/stage{s}/backward_ms"] = self.clock.backward_ms[s]
+            if self.meter is not None:
+                metrics[f"pipe/stage{s}/peak_bytes"] = self.meter.stages[s].peak
+                metrics[f"pipe/stage{s}/activation_bytes"] = self.meter.stages[s].kind_peaks["activations"]
+            if self.plan is not None:
+                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = self.plan.stages[s].peak.total
+        times = [StageTime(f / self.chunks, b / self.chunks) for f, b in zip(self.clock.forward_ms, self.clock.backward_ms)]
+        metrics["pipe/bubble_fraction"] = simulate(times, schedules.actions(self.schedule, self.chunks, stages)).bubble
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        if self.meter is not None:
+            self.meter.reset_peaks()  # the next log reports the peaks since this one
 
     def _scheduled_training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
         """One batch under 1F1B or 2BW: ``training_step`` per micro-batch, each backward at its
@@ -328,6 +362,7 @@ class MemoryPipeStrategy(ParallelStrategy):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             self._stepping = False
+        self._log_metrics()
         if self.meter is not None:
             self.meter.own_optimizer_state(optimizer)
         return output
