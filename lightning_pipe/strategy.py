@@ -307,8 +307,6 @@ class MemoryPipeStrategy(ParallelStrategy):
         metrics["pipe/bubble_fraction"] = simulate(times, schedules.actions(self.schedule, self.chunks, stages)).bubble
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
-        if self.meter is not None:
-            self.meter.reset_peaks()  # the next log reports the peaks since this one
 
     def _scheduled_training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
         """One batch under 1F1B or 2BW: ``training_step`` per micro-batch, each backward at its
