@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 from torch.fx.node import map_aggregate
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_pipe.build import Program
 from lightning_pipe.clock import StageClock
@@ -67,12 +68,15 @@ def global_order(per_stage: Sequence[Sequence[Any]]) -> list[Step]:
     return order
 
 
+Key = tuple[str, int]  # a value's name and the index of a tensor among its pytree leaves
+
+
 @dataclass
 class _Record:
     """What a micro-batch left at one stage for its backward."""
 
-    inputs: dict[str, Tensor] = field(default_factory=dict)  # detached leaves
-    outputs: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[Key, Tensor] = field(default_factory=dict)  # detached leaves
+    outputs: dict[Key, Tensor] = field(default_factory=dict)
 
 
 class ScheduledPipeline:
@@ -92,8 +96,8 @@ class ScheduledPipeline:
         self.microbatch = 0  # set by the caller before each micro-batch's forward
         self.active = False  # the module's forward is routed here only while True
         self._records: dict[tuple[int, int], _Record] = {}
-        self._output_leaves: dict[int, dict[str, Tensor]] = {}
-        self._grads: dict[int, dict[str, Tensor]] = {}  # pending output gradients by value name
+        self._output_leaves: dict[int, dict[Key, Tensor]] = {}
+        self._grads: dict[int, dict[Key, Tensor]] = {}  # pending output gradients
 
     def __call__(self, root: nn.Module, *args: Any, **kwargs: Any) -> Any:
         i = self.microbatch
@@ -105,27 +109,24 @@ class ScheduledPipeline:
                 inputs = []
                 for name in stage.inputs:
                     value = move(env[name], stage.device)
-                    if name in made and isinstance(value, Tensor) and value.requires_grad:
-                        value = record.inputs[name] = value.detach().requires_grad_()
+                    if name in made:  # cut autograd at the stage boundary
+                        value = _cut(name, value, record.inputs)
                     inputs.append(value)
                 with self.clock.forward(stage.index) if self.clock else nullcontext():
                     outputs = stage(*inputs)
             if self.meter:
                 self.meter.tag_backward(outputs, stage.index)
                 self.meter.mark(outputs, "boundary")
-            record.outputs = dict(zip(stage.outputs, outputs))
+            for name, value in zip(stage.outputs, outputs):
+                record.outputs.update(_tensors(name, value))
             self._records[i, stage.index] = record
-            env.update(record.outputs)
+            env.update(zip(stage.outputs, outputs))
             made.update(stage.outputs)
-        leaves: dict[str, Tensor] = {}
-
-        def leave(name: str) -> Any:
-            value = move(env[name], self.output_device)
-            if name in made and isinstance(value, Tensor) and value.requires_grad:
-                value = leaves.setdefault(name, value.detach().requires_grad_())
-            return value
-
-        output = map_aggregate(self.program.output, leave)
+        leaves: dict[Key, Tensor] = {}
+        output = map_aggregate(
+            self.program.output,
+            lambda name: _cut(name, move(env[name], self.output_device), leaves) if name in made else env[name],
+        )
         self._output_leaves[i] = leaves
         return output
 
@@ -134,21 +135,36 @@ class ScheduledPipeline:
         grads = self._grads.setdefault(microbatch, {})
         if loss is not None:
             loss.backward()
-            for name, leaf in self._output_leaves.pop(microbatch).items():
+            for key, leaf in self._output_leaves.pop(microbatch).items():
                 if leaf.grad is not None:
-                    _add(grads, name, leaf.grad)
+                    _add(grads, key, leaf.grad)
         record = self._records.pop((microbatch, stage))
-        pairs = [(t, grads.pop(n)) for n, t in record.outputs.items() if n in grads and isinstance(t, Tensor)]
+        pairs = [(t, grads.pop(key)) for key, t in record.outputs.items() if key in grads]
         if pairs:
             with self.clock.backward(stage) if self.clock else nullcontext():
                 torch.autograd.backward([t for t, _ in pairs], [move(g, t.device) for t, g in pairs])
-        for name, leaf in record.inputs.items():
+        for key, leaf in record.inputs.items():
             if leaf.grad is not None:
-                _add(grads, name, leaf.grad)
+                _add(grads, key, leaf.grad)
         if not self._records.keys() & {(microbatch, s) for s in range(len(self.program.stages))}:
             self._grads.pop(microbatch, None)
 
 
-def _add(grads: dict[str, Tensor], name: str, grad: Tensor) -> None:
+def _tensors(name: str, value: Any) -> dict[Key, Tensor]:
+    leaves = tree_flatten(value)[0]
+    return {(name, k): t for k, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad}
+
+
+def _cut(name: str, value: Any, leaves: dict[Key, Tensor]) -> Any:
+    """``value`` with every tensor that needs grad replaced by a detached leaf (kept in
+    ``leaves``; one leaf per tensor however often the value is read)."""
+    flat, spec = tree_flatten(value)
+    for k, t in enumerate(flat):
+        if isinstance(t, Tensor) and t.requires_grad:
+            flat[k] = leaves.setdefault((name, k), t.detach().requires_grad_())
+    return tree_unflatten(flat, spec)
+
+
+def _add(grads: dict[Key, Tensor], key: Key, grad: Tensor) -> None:
     # A value read by several stages gets the sum of their gradients.
-    grads[name] = grads[name] + move(grad, grads[name].device) if name in grads else grad
+    grads[key] = grads[key] + move(grad, grads[key].device) if key in grads else grad

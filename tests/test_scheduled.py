@@ -165,3 +165,18 @@ def test_planned_recompute_and_swap_fit_a_capacity_plain_gpipe_exceeds(schedule,
     reference, data = make("gpt", dim=64, context=32)
     trainer("auto", 1, max_steps=2).fit(reference, loader(data, 16))
     assert max_rel_diff(model, reference) < 1e-5
+
+
+def test_1f1b_with_a_tuple_crossing_the_cut():
+    """The cut right after ``chunk``: the value sent between stages is a tuple of tensors."""
+    from lightning_pipe.capture import capture
+
+    nodes = [n.name for n in capture(make("encdec")[0]).nodes]
+    k = nodes.index("chunk") + 1
+    results = []
+    for schedule in ("gpipe", "1f1b"):
+        model, data = make("encdec")
+        strategy = MemoryPipeStrategy(chunks=4, schedule=schedule, balance=[k, len(nodes) - k])
+        trainer(strategy, 2, max_steps=2).fit(model, loader(data, 8))
+        results.append(model)
+    assert max_rel_diff(results[1], results[0]) < 1e-6
