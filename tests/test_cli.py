@@ -44,7 +44,8 @@ def test_lightning_pipe_plan_prints_every_partitioner_with_its_max_microbatch(ca
     for name in ("dawnpiper", "capslog", "time", "params", "uniform"):
         assert f"== {name}: largest micro-batch that fits: " in out
     largest = {line.split()[1].rstrip(":"): int(line.split()[-1]) for line in out.splitlines() if line.startswith("== ")}
-    assert largest["dawnpiper"] >= largest["time"] >= 4  # 64 MiB holds far more than the 4 profiled
+    assert set(largest) == {"dawnpiper", "capslog", "time", "params", "uniform"}
+    assert min(largest.values()) > 4  # 64 MiB per stage holds far more than the 4 samples profiled
 
 
 def test_lightning_pipe_plan_reads_a_lightningcli_config(capsys):
