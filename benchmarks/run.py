@@ -1,0 +1,617 @@
+"""Side-by-side benchmark of the planners, by real execution, in one run.
+
+    python -m benchmarks.run --quick     # under 8 minutes on a 2-core CPU
+    python -m benchmarks.run --full
+
+Writes ``benchmarks/results.json`` and ``docs/benchmarks.md``; every number in the markdown
+comes from this run. Memory is the strategy's metered per-stage bytes (all stages share the
+CPU, so device statistics cannot tell them apart); capacities are enforced by the meter.
+"""
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+from torch.utils.data import default_collate
+
+from benchmarks.models import Bench, suite
+from benchmarks.planner_speed import transformer_like
+from examples.models import loader
+from lightning_pipe.capture import capture
+from lightning_pipe.memory import CostModel, stage_ranges
+from lightning_pipe.meter import StageOutOfMemoryError
+from lightning_pipe.partitioners import PARTITIONERS, partition
+from lightning_pipe.plan import InfeasiblePlanError, make_plan, max_microbatch
+from lightning_pipe.profile import Profile, profile_graph
+from lightning_pipe.schedule import in_flight, weight_versions
+from lightning_pipe.strategy import _PLANNING_HEADROOM, MemoryPipeStrategy
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNKS = 4
+REFERENCE_MICROBATCH = 8
+CAPACITY_SHARE = 0.6  # per-stage capacity: this share of the unplanned even split's max peak
+PIPELINING_REASON = (
+    "not measured: this benchmark runs in one process, and torch.distributed.pipelining needs one "
+    "process per stage (a gloo process group started with torchrun or mp.spawn); launching and "
+    "validating that was not done within the time given to write this benchmark."
+)
+
+
+@dataclass
+class Settings:
+    """What one run measures: quick keeps the whole run under 8 minutes on 2 CPU cores."""
+
+    memory_runs: list[tuple[str, int]]  # (model, stage count)
+    schedules_on: list[str]
+    schedules_off: list[str]
+    max_probes: int
+    timed_steps: int
+    warmup_steps: int = 3
+
+
+QUICK = Settings([("gpt", 4), ("unet", 4), ("gpt", 8)], ["gpipe", "1f1b"], ["gpipe"], 8, 8)
+FULL = Settings([(m, s) for m in ("bert", "gpt", "t5", "unet") for s in (4, 8)], ["gpipe", "1f1b"], ["gpipe", "1f1b"], 8, 20)
+GRAPH_SIZES = [(n, s) for n in (1_000, 5_000, 20_000) for s in (4, 16, 64)]  # planning is fast: both modes
+
+
+# --- running one fit ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Hide Lightning's and the planner's per-fit output: a run makes hundreds of fits."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+class StepTimer(Callback):
+    """Wall time of each training step, and the strategy's summed stage compute time."""
+
+    def __init__(self) -> None:
+        self.step_ms: list[float] = []
+        self.stage_ms: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self.step_ms.append((time.perf_counter() - self._start) * 1e3)
+        clock = getattr(trainer.strategy, "clock", None)
+        if clock is not None:
+            self.stage_ms.append(sum(clock.forward_ms) + sum(clock.backward_ms))
+
+
+def fit(model: LightningModule, data: Any, batch: int, strategy: Any, devices: int, steps: int = 1) -> StepTimer:
+    """Train ``steps`` batches of ``batch`` samples; returns the step timings."""
+    timer = StepTimer()
+    trainer = Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+    )
+    with quiet():
+        trainer.fit(model, loader(data, batch))
+    return timer
+
+
+def sample_profile(bench: Bench, microbatch: int) -> Profile:
+    """Profile one micro-batch outside any strategy: the partitioners' input for runs
+    without memory optimisation, and the base for predictions at other sizes."""
+    model = bench.model()
+    data = bench.data(microbatch)
+    batch = default_collate([data[i] for i in range(microbatch)])
+    with quiet():
+        optimizer = model.configure_optimizers()
+        return profile_graph(capture(model), model.inputs(batch), optimizer=optimizer)
+
+
+# --- memory efficiency: the largest micro-batch that really trains --------------------------
+
+
+@dataclass
+class Probe:
+    """One real run at a micro-batch size: whether it fitted, and predicted vs metered peaks."""
+
+    microbatch: int
+    fits: bool
+    error: str = ""
+    predicted: list[int] = field(default_factory=list)
+    metered: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    """One row of the memory table."""
+
+    model: str
+    stages: int
+    planner: str
+    schedule: str
+    memopt: bool
+    capacity: int
+    max_microbatch: int = 0
+    exact: bool = False
+    predicted_max: Optional[int] = None
+    probes: list[Probe] = field(default_factory=list)
+
+    @property
+    def limited_by(self) -> str:
+        """Why the next size up did not fit: the planner refused, or the run went over."""
+        above = [p for p in self.probes if not p.fits and p.microbatch > self.max_microbatch]
+        return min(above, key=lambda p: p.microbatch).error if above else ""
+
+
+def run_probe(bench: Bench, config: Config, microbatch: int, profile: Profile) -> Probe:
+    """One training step at ``microbatch``; out of memory or no feasible plan = does not fit."""
+    if config.memopt:
+        strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=config.planner,
+                                      memory_limit=config.capacity, measure_memory=True)
+    else:
+        balance = off_balance(config, profile.scaled(microbatch))
+        strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=None, balance=balance,
+                                      memory_limit=config.capacity, measure_memory=True)
+    try:
+        fit(bench.model(), bench.data(microbatch * CHUNKS), microbatch * CHUNKS, strategy, config.stages)
+    except (StageOutOfMemoryError, InfeasiblePlanError) as error:
+        return Probe(microbatch, False, type(error).__name__)
+    if config.memopt:
+        predicted = [s.peak.total for s in strategy.plan.stages]
+    else:
+        predicted = unoptimised_peaks(config, profile.scaled(microbatch), strategy.balance)
+    return Probe(microbatch, True, "", predicted, strategy.meter.peaks())
+
+
+def off_balance(config: Config, profile: Profile) -> list[int]:
+    """The partitioner's balance alone, planned below the limit as the strategy plans."""
+    capacities = [int(config.capacity * _PLANNING_HEADROOM)] * config.stages
+    return partition(config.planner, profile, capacities, in_flight(config.schedule, CHUNKS, config.stages),
+                     weight_versions=weight_versions(config.schedule))
+
+
+def unoptimised_peaks(config: Config, profile: Profile, balance: list[int]) -> list[int]:
+    """The cost model's per-stage peak of ``balance`` with every activation kept."""
+    model, flight = CostModel(profile), in_flight(config.schedule, CHUNKS, config.stages)
+    versions = weight_versions(config.schedule)
+    return [model.peak(r.start, r.stop, flight[s], {}, versions).total for s, r in enumerate(stage_ranges(balance))]
+
+
+def search(fits: Callable[[int], bool], guess: int, limit: int) -> tuple[int, bool]:
+    """Largest ``n >= 1`` with ``fits(n)`` (0 if none), in at most ``limit`` probes: from
+    ``guess``, steps doubling up or down until the answer is bracketed, then bisection.
+    The flag says whether the answer is bracketed exactly (``n`` fits, ``n + 1`` does not)."""
+    known: dict[int, bool] = {}
+    lo, hi, step = 0, None, 1
+    n = max(1, guess)
+    while len(known) < limit:
+        known[n] = fits(n)
+        lo, hi = (n, hi) if known[n] else (lo, n)
+        if hi is None:
+            n = lo + step
+        elif lo == 0 and hi > 1:
+            n = max(1, hi - step)
+        elif hi - lo > 1:
+            n = (lo + hi) // 2
+        else:
+            break
+        step *= 2
+    return lo, hi is not None and hi - lo == 1
+
+
+def memory_config(bench: Bench, config: Config, profile: Profile, guess: int, limit: int) -> Config:
+    """Fill ``config`` with its largest trainable micro-batch and every probe's peaks."""
+
+    def fits(microbatch: int) -> bool:
+        config.probes.append(run_probe(bench, config, microbatch, profile))
+        return config.probes[-1].fits
+
+    config.max_microbatch, config.exact = search(fits, guess, limit)
+    return config
+
+
+def predicted_max(profile: Profile, config: Config) -> Optional[int]:
+    """The planner's own prediction of the largest micro-batch (``None``: not even one)."""
+    capacities = [int(config.capacity * _PLANNING_HEADROOM)] * config.stages
+    try:
+        return max_microbatch(profile, capacities, config.planner, config.schedule, CHUNKS)
+    except InfeasiblePlanError:
+        return None
+
+
+def reference_capacity(bench: Bench, stages: int) -> int:
+    """Per-stage capacity: a share of the max metered stage peak of the unplanned even split
+    at the reference micro-batch, so memory binds for every planner."""
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, planner=None, measure_memory=True)
+    fit(bench.model(), bench.data(REFERENCE_MICROBATCH * CHUNKS), REFERENCE_MICROBATCH * CHUNKS, strategy, stages)
+    return int(CAPACITY_SHARE * max(strategy.meter.peaks()))
+
+
+def memory_benchmark(benches: dict[str, Bench], settings: Settings, profiles: dict[str, Profile]) -> list[Config]:
+    """Every planner x schedule x memory optimisation on/off, per model and stage count."""
+    configs: list[Config] = []
+    variants = [(s, True) for s in settings.schedules_on] + [(s, False) for s in settings.schedules_off]
+    for name, stages in settings.memory_runs:
+        bench = benches[name]
+        capacity = reference_capacity(bench, stages)
+        for schedule, memopt in variants:
+            for planner in PARTITIONERS:
+                config = Config(name, stages, planner, schedule, memopt, capacity)
+                if memopt:
+                    config.predicted_max = predicted_max(profiles[name], config)
+                    guess = config.predicted_max or 1
+                else:  # without recompute it fits at most what the planned run fitted
+                    guess = next((c.max_microbatch for c in configs if c.memopt and (c.model, c.stages, c.schedule, c.planner)
+                                  == (name, stages, schedule, planner)), REFERENCE_MICROBATCH)
+                configs.append(memory_config(bench, config, profiles[name], guess, settings.max_probes))
+                print(f"  {name} x{stages} {schedule:<5} {planner:<9} memopt={'on ' if memopt else 'off'} "
+                      f"max micro-batch {config.max_microbatch}{'' if config.exact else '+'} "
+                      f"({len(config.probes)} runs)", flush=True)
+    return configs
+
+
+def accuracy(configs: list[Config]) -> list[dict[str, Any]]:
+    """Predicted vs metered per-stage peaks over every run that fitted, all planners together
+    (they share one cost model). Under-prediction is what turns into out-of-memory."""
+    rows = []
+    for key in dict.fromkeys((c.model, c.stages, c.memopt) for c in configs):
+        pairs = [(p, m) for c in configs if (c.model, c.stages, c.memopt) == key
+                 for probe in c.probes if probe.fits for p, m in zip(probe.predicted, probe.metered)]
+        if pairs:
+            errors = [abs(p - m) / m for p, m in pairs]
+            rows.append({"model": key[0], "stages": key[1], "memopt": key[2], "stage_runs": len(pairs),
+                         "max_rel_error": max(errors), "mean_rel_error": statistics.fmean(errors),
+                         "max_under": max(0.0, max((m - p) / m for p, m in pairs))})
+    return rows
+
+
+def ratios(configs: list[Config]) -> list[dict[str, Any]]:
+    """Headline: dawnpiper's largest micro-batch over time's and params'."""
+    rows = []
+    for c in configs:
+        if c.planner != "dawnpiper":
+            continue
+        peers = {p.planner: p.max_microbatch for p in configs
+                 if (p.model, p.stages, p.schedule, p.memopt) == (c.model, c.stages, c.schedule, c.memopt)}
+        rows.append({"model": c.model, "stages": c.stages, "schedule": c.schedule, "memopt": c.memopt,
+                     "dawnpiper": c.max_microbatch,
+                     "vs_time": c.max_microbatch / peers["time"] if peers["time"] else None,
+                     "vs_params": c.max_microbatch / peers["params"] if peers["params"] else None})
+    return rows
+
+
+# --- simulated step time at equal batch -----------------------------------------------------
+
+
+def simulated(profiles: dict[str, Profile], configs: list[Config]) -> list[dict[str, Any]]:
+    """Each planner's plan at the largest micro-batch every memory-optimised planner trained,
+    priced by the simulator (not measured)."""
+    rows = []
+    groups = {(c.model, c.stages, c.schedule, c.capacity) for c in configs if c.memopt}
+    for name, stages, schedule, capacity in sorted(groups):
+        sizes = [c.max_microbatch for c in configs if c.memopt and (c.model, c.stages, c.schedule) == (name, stages, schedule)]
+        microbatch = max(1, min(sizes))
+        capacities = [int(capacity * _PLANNING_HEADROOM)] * stages
+        for planner in PARTITIONERS:
+            row = {"model": name, "stages": stages, "schedule": schedule, "microbatch": microbatch, "planner": planner}
+            try:
+                plan = make_plan(profiles[name].scaled(microbatch), capacities, planner, schedule, CHUNKS)
+                row.update(step_ms=plan.step_ms, bubble=plan.bubble)
+            except InfeasiblePlanError:
+                row.update(step_ms=None, bubble=None)
+            rows.append(row)
+    return rows
+
+
+# --- planner time vs graph size -------------------------------------------------------------
+
+
+def planner_time(sizes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """``make_plan`` with dawnpiper on synthetic transformer-like graphs, capacity set so
+    memory binds (85% of the compute-balanced split's fullest stage, as planner_speed)."""
+    rows = []
+    for nodes, stages in sizes:
+        profile = transformer_like(nodes)
+        chunks = 2 * stages
+        flight = in_flight("1f1b", chunks, stages)
+        model = CostModel(profile)
+        timed = partition("time", profile, [1 << 60] * stages, flight)
+        worst = max(model.peak(r.start, r.stop, flight[s]).total for s, r in enumerate(stage_ranges(timed)))
+        start = time.perf_counter()
+        try:
+            make_plan(profile, [int(0.85 * worst)] * stages, "dawnpiper", "1f1b", chunks)
+            feasible = True
+        except InfeasiblePlanError:
+            feasible = False
+        rows.append({"nodes": nodes, "stages": stages, "seconds": time.perf_counter() - start, "feasible": feasible})
+        print(f"  planner {nodes} nodes x {stages} stages: {rows[-1]['seconds']:.3f} s", flush=True)
+    return rows
+
+
+# --- runtime overhead -----------------------------------------------------------------------
+
+
+def median_after(values: list[float], warmup: int) -> float:
+    return statistics.median(values[warmup:])
+
+
+def overhead(bench: Bench, settings: Settings, batch: int = 32) -> dict[str, Any]:
+    """Step time of plain Lightning vs a 1-stage pipeline on the same model and batch, and a
+    4-stage pipeline's step time vs the sum of its stages' compute times."""
+    steps = settings.warmup_steps + settings.timed_steps
+    plain = fit(bench.model(), bench.data(batch * steps), batch, "auto", 1, steps)
+    one = fit(bench.model(), bench.data(batch * steps), batch, MemoryPipeStrategy(chunks=1, planner=None), 1, steps)
+    four = fit(bench.model(), bench.data(batch * steps), batch, MemoryPipeStrategy(chunks=CHUNKS, planner=None), 4, steps)
+    w = settings.warmup_steps
+    return {
+        "model": bench.name, "batch": batch, "timed_steps": settings.timed_steps,
+        "plain_ms": median_after(plain.step_ms, w), "pipe1_ms": median_after(one.step_ms, w),
+        "pipe4_ms": median_after(four.step_ms, w), "pipe4_stage_sum_ms": median_after(four.stage_ms, w),
+    }
+
+
+# --- peers ----------------------------------------------------------------------------------
+
+
+def sequential(width: int = 256, depth: int = 16) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+class SequentialModule(LightningModule):
+    """The peer's nn.Sequential as a LightningModule, for our strategy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = sequential()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def sequential_data(size: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(size, 256, generator=g), torch.randint(10, (size,), generator=g))
+
+
+def metered_sequential_peaks(batch: int) -> list[int]:
+    """Our per-stage peaks on the peer model, from a separate metered step (metering costs time)."""
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, planner="time", measure_memory=True)
+    fit(SequentialModule(), sequential_data(batch), batch, strategy, 4)
+    return strategy.meter.peaks()
+
+
+def torchgpipe_steps(batch: int, steps: int) -> tuple[list[float], list[int]]:
+    """torchgpipe's GPipe with its own balance_by_time over 4 CPU partitions, no checkpointing."""
+    from torchgpipe import GPipe
+    from torchgpipe.balance import balance_by_time
+
+    model = sequential()
+    x, y = sequential_data(batch).tensors
+    balance = balance_by_time(4, model, x[: batch // CHUNKS], device=torch.device("cpu"))
+    pipe = GPipe(model, balance, devices=["cpu"] * 4, chunks=CHUNKS, checkpoint="never")
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(pipe(x), y).backward()
+        optimizer.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times, list(balance)
+
+
+def peers(settings: Settings, batch: int = 64) -> dict[str, Any]:
+    """torchgpipe next to our strategy (planner 'time', gpipe) on the same sequential model."""
+    steps = settings.warmup_steps + settings.timed_steps
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, planner="time")
+    ours = fit(SequentialModule(), sequential_data(batch * steps), batch, strategy, 4, steps)
+    result: dict[str, Any] = {
+        "batch": batch, "chunks": CHUNKS, "stages": 4,
+        "ours_ms": median_after(ours.step_ms, settings.warmup_steps), "ours_balance": strategy.plan.balance,
+        "ours_peaks": metered_sequential_peaks(batch),
+        "memory": "torchgpipe's not measured: it has no per-partition memory meter, and on CPU every "
+                  "partition shares one allocator, so its partitions' peaks cannot be told apart.",
+        "pipelining": PIPELINING_REASON,
+    }
+    try:
+        import torchgpipe
+    except ImportError:
+        result["torchgpipe"] = "skipped: not installed (pip install torchgpipe==0.0.7 --no-deps)"
+        return result
+    times, balance = torchgpipe_steps(batch, steps)
+    result.update(torchgpipe=f"measured, version {torchgpipe.__version__}", torchgpipe_ms=median_after(times, settings.warmup_steps),
+                  torchgpipe_balance=balance)
+    return result
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "lightning": lightning.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def table(head: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows])
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The generated docs page: every number comes from ``results``."""
+    m = results["machine"]
+    configs = [Config(**{**c, "probes": [Probe(**p) for p in c["probes"]]}) for c in results["memory"]]
+    parts = [
+        "# Benchmarks",
+        f"Generated by `python -m benchmarks.run --{results['mode']}` on {m['date']} (do not edit by hand; "
+        f"took {results['seconds']:.0f} s). Machine: {m['platform']}, {m['processor']}, {m['cpu_count']} CPUs; "
+        f"Python {m['python']}, torch {m['torch']}, lightning {m['lightning']}.",
+        "## Largest trainable micro-batch (real execution)",
+        f"{CHUNKS} micro-batches per batch. Each configuration trains one step per probe under a per-stage "
+        f"capacity of {CAPACITY_SHARE:.0%} of the largest metered stage peak of the unplanned even split at "
+        f"micro-batch {REFERENCE_MICROBATCH}; a run that raises `StageOutOfMemoryError` or `InfeasiblePlanError` "
+        f"does not fit. *memopt off*: the partitioner's balance with no recompute or swap. `+`: the probe cap "
+        f"({results['settings']['max_probes']}) was reached before the answer was bracketed. "
+        f"*predicted*: the planner's own `max_microbatch`. *next size up*: what stopped the smallest "
+        f"size that did not fit.",
+        table(["model", "stages", "schedule", "memopt", "capacity", "planner", "max micro-batch", "predicted", "next size up", "runs"],
+              [[c.model, c.stages, c.schedule, "on" if c.memopt else "off", _mib(c.capacity), c.planner,
+                f"{c.max_microbatch}{'' if c.exact else '+'}", c.predicted_max if c.memopt else None, c.limited_by or None,
+                len(c.probes)]
+               for c in configs]),
+        "### Ratios: dawnpiper over time and params",
+        table(["model", "stages", "schedule", "memopt", "dawnpiper", "÷ time", "÷ params"],
+              [[r["model"], r["stages"], r["schedule"], "on" if r["memopt"] else "off", r["dawnpiper"], r["vs_time"],
+                r["vs_params"]] for r in results["ratios"]]),
+        "## Prediction accuracy of per-stage peaks",
+        "Predicted peak (memopt on: `plan.stages[s].peak.total`; off: the cost model's peak of the balance with "
+        "every activation kept) against the metered peak, over every stage of every run that fitted, all planners "
+        "together (they share one cost model; per-run values are in `benchmarks/results.json`). *Worst "
+        "under-prediction*: the largest (metered - predicted) / metered, the error that ends in out-of-memory.",
+        table(["model", "stages", "memopt", "stage runs", "max rel. error", "mean rel. error", "worst under-prediction"],
+              [[r["model"], r["stages"], "on" if r["memopt"] else "off", r["stage_runs"], f"{r['max_rel_error']:.1%}",
+                f"{r['mean_rel_error']:.1%}", f"{r['max_under']:.1%}"] for r in results["accuracy"]]),
+        "## Simulated step time at equal batch (simulated, not measured)",
+        "`plan.step_ms` and `plan.bubble` from the planner's event simulation, at the largest micro-batch every "
+        "memory-optimised planner trained for that model and schedule, planned offline from this run's own profile "
+        "of one micro-batch (profiled times vary between runs, so a time-driven balance can differ from the one "
+        "the real run used). – : no feasible plan from that profile.",
+        table(["model", "stages", "schedule", "micro-batch", "planner", "simulated step ms", "simulated bubble"],
+              [[r["model"], r["stages"], r["schedule"], r["microbatch"], r["planner"], r["step_ms"],
+                None if r["bubble"] is None else f"{r['bubble']:.1%}"] for r in results["simulated"]]),
+        "## Planner time vs graph size",
+        "`make_plan` with dawnpiper, 1F1B, 2 x stages micro-batches, on `benchmarks.planner_speed.transformer_like` "
+        "profiles with capacity at 85% of the compute-balanced split's fullest stage. One timing each.",
+        table(["nodes", "stages", "seconds", "feasible"],
+              [[r["nodes"], r["stages"], f"{r['seconds']:.3f}", r["feasible"]] for r in results["planner_time"]]),
+        _overhead_section(results["overhead"]),
+        _peer_section(results["peers"]),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def _overhead_section(o: dict[str, Any]) -> str:
+    return "\n\n".join([
+        "## Runtime overhead (measured)",
+        f"Model `{o['model']}`, batch {o['batch']}, median of {o['timed_steps']} steps after warm-up.",
+        table(["run", "step ms", "vs plain"], [
+            ["plain Lightning (strategy='auto')", o["plain_ms"], 1.0],
+            ["1-stage pipeline (chunks=1, planner=None)", o["pipe1_ms"], o["pipe1_ms"] / o["plain_ms"]],
+            [f"4-stage pipeline (gpipe, chunks={CHUNKS})", o["pipe4_ms"], o["pipe4_ms"] / o["plain_ms"]],
+            ["  sum of its stages' forward + backward", o["pipe4_stage_sum_ms"], o["pipe4_stage_sum_ms"] / o["plain_ms"]],
+        ]),
+        f"The 4-stage step takes {o['pipe4_ms'] / o['pipe4_stage_sum_ms']:.2f} x the sum of its stage compute times "
+        f"(one process runs every stage in turn, so the sum is the floor; the rest is the pipeline's own work). "
+        f"Its stages compute on micro-batches of {o['batch'] // CHUNKS}, which on a CPU is slower per sample than "
+        f"the whole batch.",
+    ])
+
+
+def _peer_section(p: dict[str, Any]) -> str:
+    rows = [[f"lightning_pipe (planner='time', gpipe)", p["ours_ms"], p["ours_balance"]]]
+    if "torchgpipe_ms" in p:
+        rows.append(["torchgpipe (balance_by_time, checkpoint='never')", p["torchgpipe_ms"], p["torchgpipe_balance"]])
+    return "\n\n".join([
+        "## Peers (measured)",
+        f"nn.Sequential of 16 Linear(256)+ReLU and a head, batch {p['batch']}, {p['chunks']} micro-batches over "
+        f"{p['stages']} CPU partitions; median step time.",
+        table(["system", "step ms", "balance (layers/nodes per stage)"], rows),
+        f"- torchgpipe: {p['torchgpipe']}",
+        f"- Peak memory: lightning_pipe's metered per-stage peaks (separate step with `measure_memory=True`): "
+        f"{', '.join(_mib(n) for n in p['ours_peaks'])}; {p['memory']}",
+        f"- torch.distributed.pipelining: {p['pipelining']}",
+    ])
+
+
+def summary(results: dict[str, Any]) -> str:
+    lines = ["", "Headline: dawnpiper's largest trainable micro-batch over time's and params'"]
+    for r in results["ratios"]:
+        lines.append(f"  {r['model']:<5} x{r['stages']} {r['schedule']:<5} memopt={'on ' if r['memopt'] else 'off'} "
+                     f"dawnpiper {r['dawnpiper']:>3}  / time {_cell(r['vs_time'])}  / params {_cell(r['vs_params'])}")
+    for r in results["accuracy"]:
+        lines.append(f"  peak prediction {r['model']:<5} x{r['stages']} memopt={'on ' if r['memopt'] else 'off'} "
+                     f"max {r['max_rel_error']:.1%} mean {r['mean_rel_error']:.1%} "
+                     f"under {r['max_under']:.1%} over {r['stage_runs']} stage runs")
+    o = results["overhead"]
+    lines.append(f"  overhead: plain {o['plain_ms']:.1f} ms, 1-stage pipe {o['pipe1_ms']:.1f} ms, "
+                 f"4-stage {o['pipe4_ms']:.1f} ms vs stage sum {o['pipe4_stage_sum_ms']:.1f} ms "
+                 f"(x{o['pipe4_ms'] / o['pipe4_stage_sum_ms']:.2f})")
+    p = results["peers"]
+    theirs = f"{p['torchgpipe_ms']:.1f} ms" if "torchgpipe_ms" in p else p["torchgpipe"]
+    lines.append(f"  peers (sequential, 4 stages): lightning_pipe {p['ours_ms']:.1f} ms, torchgpipe {theirs}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="small sizes, under 8 minutes on 2 CPU cores (default)")
+    mode.add_argument("--full", action="store_true", help="all models, 4 and 8 stages, all graph sizes")
+    parser.add_argument("--out", type=Path, default=ROOT, help="root under which benchmarks/ and docs/ are written")
+    args = parser.parse_args(argv)
+    settings = FULL if args.full else QUICK
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    start = time.perf_counter()
+    benches = suite(full=args.full)
+    print("memory efficiency (real runs):", flush=True)
+    profiles = {name: sample_profile(benches[name], REFERENCE_MICROBATCH) for name, _ in settings.memory_runs}
+    configs = memory_benchmark(benches, settings, profiles)
+    results: dict[str, Any] = {
+        "mode": "full" if args.full else "quick", "machine": machine(), "settings": asdict(settings),
+        "memory": [asdict(c) for c in configs], "ratios": ratios(configs), "accuracy": accuracy(configs),
+        "simulated": simulated(profiles, configs), "planner_time": planner_time(GRAPH_SIZES),
+        "overhead": overhead(benches["gpt"], settings), "peers": peers(settings),
+    }
+    results["seconds"] = time.perf_counter() - start
+    for path, text in ((args.out / "benchmarks" / "results.json", json.dumps(results, indent=1)),
+                       (args.out / "docs" / "benchmarks.md", markdown(results))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    print(summary(results))
+    print(f"wrote {args.out / 'benchmarks' / 'results.json'} and {args.out / 'docs' / 'benchmarks.md'} "
+          f"in {results['seconds']:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()
