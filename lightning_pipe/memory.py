@@ -5,7 +5,7 @@
 static: parameters (one copy per weight version the schedule keeps), gradients and optimizer
 state the stage owns; stashed: activation bytes one micro-batch leaves for backward;
 in_flight: micro-batches whose activations a schedule holds at once (GPipe: all of them);
-transient: the largest node workspace, plus the largest set of bytes brought back at once
+transient: the largest workspace of a node's forward or backward, plus the largest set of bytes brought back at once
 for the backward of a recomputed region or a swapped node; boundary: the stage's outputs of
 one micro-batch that are not already stashed.
 
@@ -98,7 +98,9 @@ class CostModel:
         self._saved = _prefix(self.saved)
         self._forward = _prefix(self.forward_ms)
         self._compute = _prefix([n.forward_ms + n.backward_ms for n in nodes])
-        self._transient = _sparse_max([n.transient_bytes for n in nodes])
+        # A stage's backward runs with its micro-batches still stashed, so a node's backward
+        # growth (fresh gradients, workspace) counts as much as its forward workspace.
+        self._transient = _sparse_max([max(n.transient_bytes, n.backward_bytes) for n in nodes])
         self.producers: list[list[int]] = [[] for _ in nodes]
         for j, n in enumerate(nodes):
             for u in n.users:
@@ -136,7 +138,7 @@ class CostModel:
         return self._forward[hi] - self._forward[lo]
 
     def transient(self, lo: int, hi: int) -> int:
-        """Largest workspace of a node in the range."""
+        """Largest workspace of a node's forward or backward in the range."""
         level = (hi - lo).bit_length() - 1
         table = self._transient[level]
         return max(table[lo], table[hi - (1 << level)])

@@ -2,9 +2,11 @@
 
 The user's ``training_step`` runs once per micro-batch and its ``self(x)`` runs that micro-
 batch's forward through every stage at once, so a micro-batch's forwards are contiguous.
-Stages are cut apart in autograd (each stage's inputs are detached leaves) so that one
-stage's backward can run on its own: its outputs' gradients arrive from the stages that read
-them, and the gradients of its inputs go back to the stages that made them.
+Stages are cut apart in autograd so that one stage's backward can run on its own: its
+outputs' gradients arrive from the stages that read them, and the gradients of its inputs go
+back to the stages that made them. Between its forward and backward a micro-batch holds no
+boundary value beyond what autograd saves: a stage keeps only the gradient edges of its
+outputs, and its inputs hand their gradients over without being leaves that must stay alive.
 """
 
 from collections.abc import Sequence
@@ -15,6 +17,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 from torch.fx.node import map_aggregate
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_pipe.build import Program
@@ -73,10 +76,10 @@ Key = tuple[str, int]  # a value's name and the index of a tensor among its pytr
 
 @dataclass
 class _Record:
-    """What a micro-batch left at one stage for its backward."""
+    """What a micro-batch left at one stage for its backward: where its outputs enter
+    autograd (edges, not tensors, so the output values can be freed once read)."""
 
-    inputs: dict[Key, Tensor] = field(default_factory=dict)  # detached leaves
-    outputs: dict[Key, Tensor] = field(default_factory=dict)
+    outputs: dict[Key, GradientEdge] = field(default_factory=dict)
 
 
 class ScheduledPipeline:
@@ -105,12 +108,13 @@ class ScheduledPipeline:
         env = {**self.program.bind(args, kwargs), **self.program.attribute_values(root)}
         for stage in self.program.stages:
             record = _Record()
+            received: dict[Key, Tensor] = {}
             with self.meter.running(stage.index) if self.meter else nullcontext():
                 inputs = []
                 for name in stage.inputs:
                     value = move(env[name], stage.device)
                     if name in made:  # cut autograd at the stage boundary
-                        value = _cut(name, value, record.inputs)
+                        value = _receive(name, value, received, self._grads.setdefault(i, {}))
                     inputs.append(value)
                 with self.clock.forward(stage.index) if self.clock else nullcontext():
                     outputs = stage(*inputs)
@@ -118,7 +122,7 @@ class ScheduledPipeline:
                 self.meter.tag_backward(outputs, stage.index)
                 self.meter.mark(outputs, "boundary")
             for name, value in zip(stage.outputs, outputs):
-                record.outputs.update(_tensors(name, value))
+                record.outputs.update((key, get_gradient_edge(t)) for key, t in _tensors(name, value).items())
             self._records[i, stage.index] = record
             env.update(zip(stage.outputs, outputs))
             made.update(stage.outputs)
@@ -139,13 +143,12 @@ class ScheduledPipeline:
                 if leaf.grad is not None:
                     _add(grads, key, leaf.grad)
         record = self._records.pop((microbatch, stage))
-        pairs = [(t, grads.pop(key)) for key, t in record.outputs.items() if key in grads]
+        pairs = [(edge, grads.pop(key)) for key, edge in record.outputs.items() if key in grads]
         if pairs:
+            device = self.program.stages[stage].device
             with self.clock.backward(stage) if self.clock else nullcontext():
-                torch.autograd.backward([t for t, _ in pairs], [move(g, t.device) for t, g in pairs])
-        for key, leaf in record.inputs.items():
-            if leaf.grad is not None:
-                _add(grads, key, leaf.grad)
+                # the stage's inputs add their gradients to ``grads`` (see _Receive)
+                torch.autograd.backward([e for e, _ in pairs], [move(g, device) for _, g in pairs])
         if not self._records.keys() & {(microbatch, s) for s in range(len(self.program.stages))}:
             self._grads.pop(microbatch, None)
 
@@ -153,6 +156,37 @@ class ScheduledPipeline:
 def _tensors(name: str, value: Any) -> dict[Key, Tensor]:
     leaves = tree_flatten(value)[0]
     return {(name, k): t for k, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad}
+
+
+def _receive(name: str, value: Any, received: dict[Key, Tensor], grads: dict[Key, Tensor]) -> Any:
+    """``value`` as a stage's input: every tensor that needs grad becomes the output of a
+    :class:`_Receive` (one per tensor however often the stage reads the value)."""
+    flat, spec = tree_flatten(value)
+    for k, t in enumerate(flat):
+        if isinstance(t, Tensor) and t.requires_grad:
+            if (name, k) not in received:
+                received[name, k] = _Receive.apply(_PHONY, t.detach(), grads, (name, k))
+            flat[k] = received[name, k]
+    return tree_unflatten(flat, spec)
+
+
+_PHONY = torch.empty(0, requires_grad=True)  # makes _Receive's output require grad
+
+
+class _Receive(torch.autograd.Function):
+    """Identity whose backward adds the gradient to the micro-batch's pending gradients,
+    where the producing stage's backward picks it up. Unlike a detached leaf, nothing here
+    holds the value, so it lives only as long as the stage's own graph saves it."""
+
+    @staticmethod
+    def forward(ctx: Any, phony: Tensor, x: Tensor, grads: dict[Key, Tensor], key: Key) -> Tensor:  # type: ignore[override]
+        ctx.grads, ctx.key = grads, key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:  # type: ignore[override]
+        _add(ctx.grads, ctx.key, grad)
+        return None, None, None, None
 
 
 def _cut(name: str, value: Any, leaves: dict[Key, Tensor]) -> Any:

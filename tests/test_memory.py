@@ -4,9 +4,10 @@ from lightning_pipe.memory import CostModel, predict_peaks, stage_ranges
 from lightning_pipe.profile import NodeProfile, Profile
 
 
-def node(i, saved, out=None, params=0, transient=0, users=None, f=1.0):
+def node(i, saved, out=None, params=0, transient=0, users=None, f=1.0, backward=0):
     out = saved if out is None else out
-    return NodeProfile(f"n{i}", f, 2 * f, out, saved, transient, params, params, 2 * params, users=users or [i + 1])
+    return NodeProfile(f"n{i}", f, 2 * f, out, saved, transient, params, params, 2 * params, users=users or [i + 1],
+                       backward_bytes=backward)
 
 
 def random_profile(n, seed):
@@ -16,12 +17,14 @@ def random_profile(n, seed):
         users = sorted({i + 1, min(n - 1, i + rnd.randint(1, 4))}) if i < n - 1 else [-1]
         if rnd.random() < 0.1:
             users.append(-1)
-        nodes.append(node(i, rnd.randint(0, 900), rnd.randint(0, 900), rnd.randint(0, 50), rnd.randint(0, 300), users))
+        nodes.append(node(i, rnd.randint(0, 900), rnd.randint(0, 900), rnd.randint(0, 50), rnd.randint(0, 300), users,
+                          backward=rnd.randint(0, 300)))
     return Profile(nodes, "cpu", "float32", 4, input_bytes=100, input_users=[0])
 
 
 def reference(profile, balance, in_flight):
-    """The formula as first written: a direct sum per stage."""
+    """The formula as first written: a direct sum per stage; the workspace is a node's
+    forward or backward one, whichever is larger (the stage's stash is alive in both)."""
     out = []
     for s, r in enumerate(stage_ranges(balance)):
         ns = [profile.nodes[i] for i in r]
@@ -30,7 +33,8 @@ def reference(profile, balance, in_flight):
         boundary = sum(
             max(0, n.output_bytes - n.saved_bytes) for n in ns if any(u >= r.stop or u < 0 for u in n.users)
         )
-        out.append(static + in_flight[s] * stashed + max(n.transient_bytes for n in ns) + boundary)
+        workspace = max(max(n.transient_bytes, n.backward_bytes) for n in ns)
+        out.append(static + in_flight[s] * stashed + workspace + boundary)
     return out
 
 
@@ -48,7 +52,7 @@ def test_range_queries_match_brute_force():
     for lo in range(30):
         for hi in range(lo + 1, 31):
             ns = profile.nodes[lo:hi]
-            assert model.transient(lo, hi) == max(n.transient_bytes for n in ns)
+            assert model.transient(lo, hi) == max(max(n.transient_bytes, n.backward_bytes) for n in ns)
             assert model.stashed(lo, hi) == sum(n.saved_bytes for n in ns)
             leaving = [n for n in ns if any(u >= hi or u < 0 for u in n.users)]
             assert model.boundary(lo, hi) == sum(max(0, n.output_bytes - n.saved_bytes) for n in leaving)

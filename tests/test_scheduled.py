@@ -77,8 +77,41 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
         peaks[schedule] = [m.kind_peaks["activations"] for m in strategy.meter.stages]
     for s in range(stages):
         per_microbatch = peaks["gpipe"][s] / chunks  # GPipe holds all 8 micro-batches at once
-        assert peaks["1f1b"][s] == pytest.approx((stages - s) * per_microbatch, rel=0.02), (s, peaks)
+        # (slightly under: a 1F1B stage keeps no boundary value beyond what autograd saves)
+        assert peaks["1f1b"][s] == pytest.approx((stages - s) * per_microbatch, rel=0.05), (s, peaks)
         assert peaks["1f1b"][s] < peaks["gpipe"][s]
+
+
+class _Shifted(LightningModule):
+    """Linear layers each followed by ``+ 1``: a Linear's output is saved by no one, so
+    once the next stage has read it nothing should keep it."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) + 1.0
+        return x
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_1f1b_frees_a_boundary_value_once_the_next_stage_read_it():
+    chunks, batch, width = 4, 32, 256
+    data = torch.utils.data.TensorDataset(torch.randn(batch, width))
+    strategy = MemoryPipeStrategy(chunks=chunks, schedule="1f1b", balance=[1, 2, 2, 3], planner=None,
+                                  measure_memory=True)
+    trainer(strategy, 4, max_steps=1).fit(_Shifted(width), torch.utils.data.DataLoader(data, batch_size=batch))
+    one_microbatch = batch // chunks * width * 4
+    # stage 0 sends layers.0's output to stage 1; 1F1B holds 4 micro-batches in flight at
+    # stage 0, but only the one being handed over is alive
+    assert strategy.meter.stages[0].kind_peaks["boundary"] == one_microbatch
 
 
 def _delayed_reference(family, optimizer, steps, batch_size=8):
