@@ -16,7 +16,15 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from examples.models import GPT, EncoderDecoder, ImageDataset, Seq2SeqDataset, TokenDataset, UNet, _Trainable
+from examples.models import (
+    GPT,
+    EncoderDecoder,
+    ImageDataset,
+    Seq2SeqDataset,
+    TokenDataset,
+    UNet,
+    _Trainable,
+)
 
 
 class BidirectionalAttention(nn.Module):

@@ -19,7 +19,7 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -27,10 +27,16 @@ from typing import Any, Optional
 import lightning
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch import Tensor, nn
 from torch.utils.data import default_collate
 
 from benchmarks.models import Bench, suite
+from benchmarks.peers import (
+    ProcessMeter,
+    SequentialModule,
+    pipelining_steps,
+    sequential_data,
+    torchgpipe_steps,
+)
 from benchmarks.planner_speed import transformer_like
 from examples.models import loader
 from lightning_pipe.capture import capture
@@ -47,11 +53,6 @@ CHUNKS = 4
 REFERENCE_MICROBATCH = 8
 STEPS = 2  # step 1 has no gradients or optimizer state during its forward: step 2 is the steady peak
 CAPACITY_SHARE = 0.6  # per-stage capacity: this share of the unplanned even split's max peak
-PIPELINING_REASON = (
-    "not measured: this benchmark runs in one process, and torch.distributed.pipelining needs one "
-    "process per stage (a gloo process group started with torchrun or mp.spawn); launching and "
-    "validating that was not done within the time given to write this benchmark."
-)
 
 
 @dataclass
@@ -101,12 +102,13 @@ class StepTimer(Callback):
             self.stage_ms.append(sum(clock.forward_ms) + sum(clock.backward_ms))
 
 
-def fit(model: LightningModule, data: Any, batch: int, strategy: Any, devices: int, steps: int = 1) -> StepTimer:
+def fit(model: LightningModule, data: Any, batch: int, strategy: Any, devices: int, steps: int = 1,
+        callbacks: Sequence[Callback] = ()) -> StepTimer:
     """Train ``steps`` batches of ``batch`` samples; returns the step timings."""
     timer = StepTimer()
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, *callbacks],
     )
     with quiet():
         trainer.fit(model, loader(data, batch))
@@ -371,84 +373,48 @@ def overhead(bench: Bench, settings: Settings, batch: int = 32) -> dict[str, Any
 # --- peers ----------------------------------------------------------------------------------
 
 
-def sequential(width: int = 256, depth: int = 16) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
+def ours_process_peak(batch: int) -> int:
+    """Our whole process's peak bytes during the last of ``STEPS`` steps, on the peers' meter."""
+    meter = ProcessMeter()
+    module = SequentialModule()
+    meter.own(0, module.parameters())
+
+    class LastStep(Callback):
+        def on_train_batch_start(self, trainer: Trainer, module: LightningModule, batch: Any, index: int) -> None:
+            if index == STEPS - 1:
+                meter.reset_peaks()
+
+    with meter:
+        fit(module, sequential_data(batch * STEPS), batch, MemoryPipeStrategy(chunks=CHUNKS, planner="time"), 4,
+            STEPS, [LastStep()])
+    return meter.peak
 
 
-class SequentialModule(LightningModule):
-    """The peer's nn.Sequential as a LightningModule, for our strategy."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = sequential()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        return nn.functional.cross_entropy(self(batch[0]), batch[1])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def sequential_data(size: int) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(size, 256, generator=g), torch.randint(10, (size,), generator=g))
-
-
-def metered_sequential_peaks(batch: int) -> list[int]:
-    """Our per-stage peaks on the peer model, from a separate metered step (metering costs time)."""
-    strategy = MemoryPipeStrategy(chunks=CHUNKS, planner="time", measure_memory=True)
-    fit(SequentialModule(), sequential_data(batch), batch, strategy, 4)
-    return strategy.meter.peaks()
-
-
-def torchgpipe_steps(batch: int, steps: int) -> tuple[list[float], list[int]]:
-    """torchgpipe's GPipe with its own balance_by_time over 4 CPU partitions, no checkpointing."""
-    from torchgpipe import GPipe
-    from torchgpipe.balance import balance_by_time
-
-    model = sequential()
-    x, y = sequential_data(batch).tensors
-    balance = balance_by_time(4, model, x[: batch // CHUNKS], device=torch.device("cpu"))
-    pipe = GPipe(model, balance, devices=["cpu"] * 4, chunks=CHUNKS, checkpoint="never")
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(pipe(x), y).backward()
-        optimizer.step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times, list(balance)
-
-
-def peers(settings: Settings, batch: int = 64) -> dict[str, Any]:
-    """torchgpipe next to our strategy (planner 'time', gpipe) on the same sequential model."""
-    steps = settings.warmup_steps + settings.timed_steps
+def peers(settings: Settings, batch: int = 64, stages: int = 4) -> dict[str, Any]:
+    """Our strategy (planner 'time', gpipe), torchgpipe (its own balance_by_time) and
+    torch.distributed.pipelining (our split, one gloo process per stage) on one nn.Sequential."""
+    steps, w = settings.warmup_steps + settings.timed_steps, settings.warmup_steps
     strategy = MemoryPipeStrategy(chunks=CHUNKS, planner="time")
-    ours = fit(SequentialModule(), sequential_data(batch * steps), batch, strategy, 4, steps)
+    ours = fit(SequentialModule(), sequential_data(batch * steps), batch, strategy, stages, steps)
+    metered = MemoryPipeStrategy(chunks=CHUNKS, planner="time", measure_memory=True)
+    fit(SequentialModule(), sequential_data(batch * STEPS), batch, metered, stages, STEPS)
+    balance = strategy.plan.balance
+    pipelining = pipelining_steps(balance, batch, CHUNKS, steps, w)
     result: dict[str, Any] = {
-        "batch": batch, "chunks": CHUNKS, "stages": 4,
-        "ours_ms": median_after(ours.step_ms, settings.warmup_steps), "ours_balance": strategy.plan.balance,
-        "ours_peaks": metered_sequential_peaks(batch),
-        "memory": "torchgpipe's not measured: it has no per-partition memory meter, and on CPU every "
-                  "partition shares one allocator, so its partitions' peaks cannot be told apart.",
-        "pipelining": PIPELINING_REASON,
+        "batch": batch, "chunks": CHUNKS, "stages": stages, "torch": torch.__version__,
+        "ours_ms": median_after(ours.step_ms, w), "ours_balance": balance,
+        "ours_peaks": metered.meter.peaks(), "ours_process_peak": ours_process_peak(batch),
+        "pipelining_ms": median_after(pipelining["step_ms"], w), "pipelining_peaks": pipelining["peaks"],
+        "pipelining_threads": pipelining["threads"],
     }
     try:
         import torchgpipe
     except ImportError:
-        result["torchgpipe"] = "skipped: not installed (pip install torchgpipe==0.0.7 --no-deps)"
+        result["torchgpipe"] = "skipped: not installed (pip install torchgpipe==0.0.7)"
         return result
-    times, balance = torchgpipe_steps(batch, steps)
-    result.update(torchgpipe=f"measured, version {torchgpipe.__version__}", torchgpipe_ms=median_after(times, settings.warmup_steps),
-                  torchgpipe_balance=balance)
+    theirs = torchgpipe_steps(batch, CHUNKS, stages, steps, w)
+    result.update(torchgpipe=f"measured, version {torchgpipe.__version__}", torchgpipe_ms=median_after(theirs["step_ms"], w),
+                  torchgpipe_balance=theirs["balance"], torchgpipe_process_peak=theirs["process_peak"])
     return result
 
 
@@ -552,18 +518,27 @@ def _overhead_section(o: dict[str, Any]) -> str:
 
 
 def _peer_section(p: dict[str, Any]) -> str:
-    rows = [[f"lightning_pipe (planner='time', gpipe)", p["ours_ms"], p["ours_balance"]]]
+    rows = [["lightning_pipe (planner='time', gpipe), one process", p["ours_ms"], p["ours_balance"],
+             ", ".join(_mib(n) for n in p["ours_peaks"]), _mib(p["ours_process_peak"])],
+            [f"torch.distributed.pipelining {p['torch']} (ScheduleGPipe, gloo, a process per stage)", p["pipelining_ms"],
+             p["ours_balance"], ", ".join(_mib(n) for n in p["pipelining_peaks"]),
+             f"{_mib(sum(p['pipelining_peaks']))} (sum over its processes)"]]
     if "torchgpipe_ms" in p:
-        rows.append(["torchgpipe (balance_by_time, checkpoint='never')", p["torchgpipe_ms"], p["torchgpipe_balance"]])
+        rows.append(["torchgpipe (its balance_by_time, checkpoint='never'), one process", p["torchgpipe_ms"],
+                     p["torchgpipe_balance"], "not separable", _mib(p["torchgpipe_process_peak"])])
     return "\n\n".join([
         "## Peers (measured)",
-        f"nn.Sequential of 16 Linear(256)+ReLU and a head, batch {p['batch']}, {p['chunks']} micro-batches over "
-        f"{p['stages']} CPU partitions; median step time.",
-        table(["system", "step ms", "balance (layers/nodes per stage)"], rows),
+        f"nn.Sequential of 16 Linear(256)+ReLU and a head, SGD, batch {p['batch']}, {p['chunks']} micro-batches over "
+        f"{p['stages']} CPU stages; median step time. torch.distributed.pipelining gets our planner's split.",
+        table(["system", "step ms", "split (layers per stage)", "peak per stage", "peak of the process"], rows),
+        "- Peaks are live tensor bytes observed by our meter's dispatch mode, never a formula: per stage from "
+        "`measure_memory=True` for lightning_pipe, per rank process for torch.distributed.pipelining (its receive "
+        "buffers included), and for the whole process where stages share one (torchgpipe's partitions share one "
+        "allocator and thread, so they cannot be told apart; its worker threads are metered too).",
+        f"- torch.distributed.pipelining runs {p['stages']} processes on this machine's cores, "
+        f"{p['pipelining_threads']} intra-op thread(s) each, and exchanges activations over gloo; its step time is "
+        "the slowest rank's. Its static shapes need the batch to divide evenly into micro-batches.",
         f"- torchgpipe: {p['torchgpipe']}",
-        f"- Peak memory: lightning_pipe's metered per-stage peaks (separate step with `measure_memory=True`): "
-        f"{', '.join(_mib(n) for n in p['ours_peaks'])}; {p['memory']}",
-        f"- torch.distributed.pipelining: {p['pipelining']}",
     ])
 
 
@@ -582,7 +557,8 @@ def summary(results: dict[str, Any]) -> str:
                  f"(x{o['pipe4_ms'] / o['pipe4_stage_sum_ms']:.2f})")
     p = results["peers"]
     theirs = f"{p['torchgpipe_ms']:.1f} ms" if "torchgpipe_ms" in p else p["torchgpipe"]
-    lines.append(f"  peers (sequential, 4 stages): lightning_pipe {p['ours_ms']:.1f} ms, torchgpipe {theirs}")
+    lines.append(f"  peers (sequential, 4 stages): lightning_pipe {p['ours_ms']:.1f} ms, torchgpipe {theirs}, "
+                 f"torch.distributed.pipelining {p['pipelining_ms']:.1f} ms")
     return "\n".join(lines)
 
 
