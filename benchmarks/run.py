@@ -40,12 +40,12 @@ from benchmarks.peers import (
 from benchmarks.planner_speed import transformer_like
 from examples.models import loader
 from lightning_pipe.capture import capture
-from lightning_pipe.memory import CostModel, stage_ranges
+from lightning_pipe.memory import CostModel, predict_peaks, stage_ranges
 from lightning_pipe.meter import StageOutOfMemoryError
 from lightning_pipe.partitioners import PARTITIONERS, partition
 from lightning_pipe.plan import InfeasiblePlanError, make_plan, max_microbatch
 from lightning_pipe.profile import Profile, profile_graph
-from lightning_pipe.schedule import in_flight, weight_versions
+from lightning_pipe.schedule import gradient_waits, in_flight, weight_versions
 from lightning_pipe.strategy import _PLANNING_HEADROOM, MemoryPipeStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,9 +191,10 @@ def off_balance(config: Config, profile: Profile) -> list[int]:
 
 def unoptimised_peaks(config: Config, profile: Profile, balance: list[int]) -> list[int]:
     """The cost model's per-stage peak of ``balance`` with every activation kept."""
-    model, flight = CostModel(profile), in_flight(config.schedule, CHUNKS, config.stages)
-    versions = weight_versions(config.schedule)
-    return [model.peak(r.start, r.stop, flight[s], {}, versions).total for s, r in enumerate(stage_ranges(balance))]
+    peaks = predict_peaks(profile, balance, in_flight(config.schedule, CHUNKS, config.stages),
+                          weight_versions=weight_versions(config.schedule),
+                          waits=gradient_waits(config.schedule, CHUNKS, config.stages))
+    return [p.total for p in peaks]
 
 
 def search(fits: Callable[[int], bool], guess: int, limit: int) -> tuple[int, bool]:

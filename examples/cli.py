@@ -12,8 +12,9 @@ from lightning.pytorch.cli import LightningCLI
 
 sys.path.insert(0, os.path.dirname(__file__))  # so "models.GPT" resolves when run as a script
 
-import lightning_pipe  # noqa: E402,F401  (registers the "memory_pipe" strategy name)
 from models import SyntheticData  # noqa: E402
+
+import lightning_pipe  # noqa: E402,F401  (registers the "memory_pipe" strategy name)
 
 
 def main(args: Optional[list[str]] = None) -> LightningCLI:

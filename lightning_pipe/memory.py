@@ -7,7 +7,8 @@ state the stage owns; stashed: activation bytes one micro-batch leaves for backw
 in_flight: micro-batches whose activations a schedule holds at once (GPipe: all of them);
 transient: the largest workspace of a node's forward or backward, plus the largest set of bytes brought back at once
 for the backward of a recomputed region or a swapped node; boundary: the stage's outputs of
-one micro-batch that are not already stashed.
+one micro-batch that are not already stashed, plus the gradients waiting at the stage (see
+:meth:`CostModel.waiting_gradients`).
 
 Per node, a policy says where its saved bytes live between forward and backward: ``keep``
 (on the device), ``swap`` (in host memory: no device bytes while in flight) or ``recompute``
@@ -19,7 +20,7 @@ contiguous node range in O(1) when every node is kept.
 """
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -44,6 +45,10 @@ class StagePeak:
     def total(self) -> int:
         return self.static + self.activations + self.transient + self.boundary
 
+    def waiting(self, gradients: int) -> "StagePeak":
+        """This peak with ``gradients`` bytes of waiting gradients added to the boundary."""
+        return replace(self, boundary=self.boundary + gradients)
+
 
 def stage_ranges(balance: Sequence[int]) -> list[range]:
     """Node index ranges of the stages of a balance."""
@@ -60,16 +65,19 @@ def predict_peaks(
     in_flight: Sequence[int],
     policies: Sequence[Policy] = (),
     weight_versions: int = 1,
+    waits: Sequence[Sequence[int]] = (),
 ) -> list[StagePeak]:
     """Predicted peak of every stage; ``in_flight[s]`` micro-batches hold activations at once.
 
     ``policies`` gives one policy per node (all kept when empty); ``weight_versions`` is the
-    number of parameter copies the schedule keeps (2 for PipeDream-2BW).
+    number of parameter copies the schedule keeps (2 for PipeDream-2BW); ``waits`` is the
+    schedule's :func:`~lightning_pipe.schedule.gradient_waits` (none wait when empty).
     """
     model = CostModel(profile)
     chosen = {i: p for i, p in enumerate(policies) if p != "keep"}
+    waiting = model.waiting_gradients(balance, waits)
     return [
-        model.peak(r.start, r.stop, in_flight[s], {i: chosen[i] for i in r if i in chosen}, weight_versions)
+        model.peak(r.start, r.stop, in_flight[s], {i: chosen[i] for i in r if i in chosen}, weight_versions).waiting(waiting[s])
         for s, r in enumerate(stage_ranges(balance))
     ]
 
@@ -93,6 +101,7 @@ class CostModel:
         self.saved = [n.saved_bytes for n in nodes]
         self.last_saver = [n.last_saver for n in nodes]
         self.output = [n.output_bytes for n in nodes]
+        self.users = [n.users for n in nodes]
         self._params = _prefix([n.param_bytes for n in nodes])
         self._state = _prefix([n.grad_bytes + n.optimizer_bytes for n in nodes])
         self._saved = _prefix(self.saved)
@@ -150,6 +159,23 @@ class CostModel:
                 break
             total += sent
         return total
+
+    def waiting_gradients(self, balance: Sequence[int], waits: Sequence[Sequence[int]]) -> list[int]:
+        """Per stage, bytes of gradients computed for earlier stages that wait there for their
+        producer's backward. A schedule that runs backward stage by stage (1F1B, 2BW) completes
+        a value's gradient in the backward of the last stage reading it, ``s``, and keeps it on
+        that stage's device until its producer ``p`` runs that micro-batch's backward: up to
+        ``waits[p][s]`` micro-batches at once. Only a whole split determines this, so the
+        partitioners' search leaves it out and checks it once a split is chosen."""
+        waiting = [0] * len(balance)
+        if not waits:
+            return waiting
+        stage_of = [s for s, count in enumerate(balance) for _ in range(count)]
+        for i, users in enumerate(self.users):
+            p = stage_of[i]
+            last = max((len(balance) - 1 if u < 0 else stage_of[u] for u in users), default=p)
+            waiting[last] += self.output[i] * waits[p][last]
+        return waiting
 
     def static(self, lo: int, hi: int, weight_versions: int = 1) -> int:
         return weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo]

@@ -17,7 +17,7 @@ Capacities are per stage device and may differ (heterogeneous devices).
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 from lightning_pipe.memory import CostModel, stage_ranges
@@ -34,13 +34,15 @@ PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params
 @dataclass
 class Stages:
     """What a partitioner plans for: a cost model, and per stage its device's capacity (bytes)
-    and the micro-batches it holds at once; the schedule's weight copies; the host link."""
+    and the micro-batches it holds at once; the schedule's weight copies; the host link; the
+    schedule's :func:`~lightning_pipe.schedule.gradient_waits` (none wait when empty)."""
 
     model: CostModel
     capacities: Sequence[int]
     in_flight: Sequence[int]
     weight_versions: int = 1
     host_bandwidth: Optional[float] = None
+    waits: Sequence[Sequence[int]] = ()
     _optima: dict[tuple[int, int, int], StageOptimum] = field(default_factory=dict, repr=False)
 
     @property
@@ -55,6 +57,20 @@ class Stages:
                 self.model, lo, hi, self.in_flight[s], self.capacities[s], self.weight_versions, self.host_bandwidth
             )
         return self._optima[key]
+
+    def placed(self, balance: Sequence[int]) -> list[StageOptimum]:
+        """Every stage of ``balance`` optimised under its capacity less the gradients that
+        wait at it (:meth:`CostModel.waiting_gradients`, known only for a whole split)."""
+        waiting = self.model.waiting_gradients(balance, self.waits)
+        optima = []
+        for s, r in enumerate(stage_ranges(balance)):
+            if waiting[s] == 0:
+                optima.append(self.optimum(r.start, r.stop, s))
+                continue
+            found = optimize_stage(self.model, r.start, r.stop, self.in_flight[s], self.capacities[s] - waiting[s],
+                                   self.weight_versions, self.host_bandwidth)
+            optima.append(replace(found, peak=found.peak.waiting(waiting[s])))
+        return optima
 
     def stage_time(self, lo: int, hi: int, s: int) -> float:
         """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation;

@@ -14,7 +14,7 @@ from lightning_pipe.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.optimize import StageOptimum
 from lightning_pipe.partitioners import Partitioner, Stages, lowest_peak_balance, split
 from lightning_pipe.profile import Profile
-from lightning_pipe.schedule import Schedule, actions, in_flight, weight_versions
+from lightning_pipe.schedule import Schedule, actions, gradient_waits, in_flight, weight_versions
 from lightning_pipe.simulate import StageTime, simulate
 
 __all__ = ["InfeasiblePlanError", "Plan", "StageReport", "make_plan", "max_microbatch"]
@@ -209,10 +209,10 @@ def _attempt(
 ) -> tuple[Stages, list[int], list[StageOptimum]]:
     """Split and optimise every stage; the caller checks whether all fit."""
     flight = in_flight(schedule, chunks, len(capacities))
-    stages = Stages(CostModel(profile), list(capacities), flight, weight_versions(schedule), host_bandwidth)
+    waits = gradient_waits(schedule, chunks, len(capacities))
+    stages = Stages(CostModel(profile), list(capacities), flight, weight_versions(schedule), host_bandwidth, waits)
     balance = split(partitioner, stages)
-    optima = [stages.optimum(r.start, r.stop, s) for s, r in enumerate(stage_ranges(balance))]
-    return stages, balance, optima
+    return stages, balance, stages.placed(balance)
 
 
 def _infeasible(
@@ -220,7 +220,7 @@ def _infeasible(
 ) -> InfeasiblePlanError:
     """Explain what does not fit and what to change, with the lowest peak any plan reaches."""
     floor = lowest_peak_balance(stages)
-    peaks = [stages.optimum(r.start, r.stop, s).peak.total for s, r in enumerate(stage_ranges(floor))]
+    peaks = [o.peak.total for o in stages.placed(floor)]
     worst = max(range(stages.count), key=lambda s: peaks[s] / stages.capacities[s])
     bad = next(s for s, o in enumerate(optima) if not o.fits)
     if all(p <= c for p, c in zip(peaks, stages.capacities)):

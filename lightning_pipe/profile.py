@@ -7,10 +7,10 @@ activation-like counts scale linearly with the micro-batch size (:meth:`Profile.
 
 import inspect
 import json
-from contextlib import nullcontext
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Union

@@ -1,9 +1,12 @@
 """Schedules: the order in which (micro-batch, stage) tasks run."""
 
-from collections.abc import Iterator
-from typing import Literal, NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, NamedTuple, Optional
 
-__all__ = ["Action", "Schedule", "actions", "clock_cycles", "in_flight", "weight_versions"]
+__all__ = [
+    "Action", "Schedule", "Step", "actions", "clock_cycles", "global_order", "gradient_waits", "in_flight",
+    "weight_versions",
+]
 
 
 def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[int, int]]]:
@@ -70,6 +73,67 @@ def in_flight(schedule: Schedule, num_microbatches: int, num_stages: int) -> lis
             most = max(most, held)
         counts.append(most)
     return counts
+
+
+class Step(NamedTuple):
+    """One step of the single-process order: the forward of a micro-batch through every
+    stage (``stage`` is ``None``), or one stage's backward of a micro-batch."""
+
+    kind: str
+    microbatch: int
+    stage: Optional[int]
+
+
+def global_order(per_stage: Sequence[Sequence[Any]]) -> list[Step]:
+    """Merge per-stage action lists (items with ``kind``, ``microbatch``, ``stage``) into one
+    order that keeps every stage's own order, runs each micro-batch's forward through all
+    stages at once, and a stage's backward only after the stage after it."""
+    lists = [[a for a in actions if a.kind in ("forward", "backward")] for actions in per_stage]
+    last = len(lists) - 1
+    position = [0] * len(lists)
+    done: set[tuple[int, int]] = set()
+    forwarded: set[int] = set()
+    order: list[Step] = []
+    while any(p < len(a) for p, a in zip(position, lists)):
+        nxt = [a[p] if p < len(a) else None for p, a in zip(position, lists)]
+        ready = [
+            s for s in range(last + 1)
+            if nxt[s] is not None and nxt[s].kind == "backward" and nxt[s].microbatch in forwarded
+            and (s == last or (nxt[s].microbatch, s + 1) in done)
+        ]
+        if ready:
+            s = ready[0]
+            order.append(Step("backward", nxt[s].microbatch, s))
+            done.add((nxt[s].microbatch, s))
+            position[s] += 1
+        elif all(a is not None and a.kind == "forward" and a.microbatch == nxt[0].microbatch for a in nxt):
+            order.append(Step("forward", nxt[0].microbatch, None))
+            forwarded.add(nxt[0].microbatch)
+            position = [p + 1 for p in position]
+        else:
+            raise ValueError(
+                f"The schedule cannot run in one process with whole-micro-batch forwards: "
+                f"stuck with next actions {nxt}."
+            )
+    return order
+
+
+def gradient_waits(schedule: Schedule, num_microbatches: int, num_stages: int) -> list[list[int]]:
+    """``[p][s]``: the most micro-batches whose gradient for stage ``p``'s outputs, computed by
+    stage ``s``, wait for ``p``'s backward while other steps of the single-process order run
+    (the gradient a backward has just made is part of that backward's workspace). Under
+    GPipe, autograd hands every gradient straight on: none wait."""
+    waits = [[0] * num_stages for _ in range(num_stages)]
+    if schedule == "gpipe":
+        return waits
+    done = [0] * num_stages
+    for step in global_order(actions(schedule, num_microbatches, num_stages)):
+        for s in range(num_stages):
+            for p in range(s):
+                waits[p][s] = max(waits[p][s], done[s] - done[p])
+        if step.kind == "backward":
+            done[step.stage] += 1
+    return waits
 
 
 def weight_versions(schedule: Schedule) -> int:

@@ -9,15 +9,16 @@ boundary value beyond what autograd saves: a stage keeps only the gradient edges
 outputs, and its inputs hand their gradients over without being leaves that must stay alive.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from functools import partial
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.fx.node import map_aggregate
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_pipe.build import Program
@@ -25,50 +26,7 @@ from lightning_pipe.clock import StageClock
 from lightning_pipe.meter import MemoryMeter
 from lightning_pipe.transport import move
 
-__all__ = ["ScheduledPipeline", "Step", "global_order"]
-
-
-class Step(NamedTuple):
-    """One step of the single-process order: the forward of a micro-batch through every
-    stage (``stage`` is ``None``), or one stage's backward of a micro-batch."""
-
-    kind: str
-    microbatch: int
-    stage: Optional[int]
-
-
-def global_order(per_stage: Sequence[Sequence[Any]]) -> list[Step]:
-    """Merge per-stage action lists (items with ``kind``, ``microbatch``, ``stage``) into one
-    order that keeps every stage's own order, runs each micro-batch's forward through all
-    stages at once, and a stage's backward only after the stage after it."""
-    lists = [[a for a in actions if a.kind in ("forward", "backward")] for actions in per_stage]
-    last = len(lists) - 1
-    position = [0] * len(lists)
-    done: set[tuple[int, int]] = set()
-    forwarded: set[int] = set()
-    order: list[Step] = []
-    while any(p < len(a) for p, a in zip(position, lists)):
-        nxt = [a[p] if p < len(a) else None for p, a in zip(position, lists)]
-        ready = [
-            s for s in range(last, -1, -1)
-            if nxt[s] is not None and nxt[s].kind == "backward" and nxt[s].microbatch in forwarded
-            and (s == last or (nxt[s].microbatch, s + 1) in done)
-        ]
-        if ready:
-            s = ready[0]
-            order.append(Step("backward", nxt[s].microbatch, s))
-            done.add((nxt[s].microbatch, s))
-            position[s] += 1
-        elif all(a is not None and a.kind == "forward" and a.microbatch == nxt[0].microbatch for a in nxt):
-            order.append(Step("forward", nxt[0].microbatch, None))
-            forwarded.add(nxt[0].microbatch)
-            position = [p + 1 for p in position]
-        else:
-            raise ValueError(
-                f"The schedule cannot run in one process with whole-micro-batch forwards: "
-                f"stuck with next actions {nxt}."
-            )
-    return order
+__all__ = ["ScheduledPipeline"]
 
 
 Key = tuple[str, int]  # a value's name and the index of a tensor among its pytree leaves
@@ -100,7 +58,7 @@ class ScheduledPipeline:
         self.active = False  # the module's forward is routed here only while True
         self._records: dict[tuple[int, int], _Record] = {}
         self._output_leaves: dict[int, dict[Key, Tensor]] = {}
-        self._grads: dict[int, dict[Key, Tensor]] = {}  # pending output gradients
+        self._grads: dict[int, dict[Key, tuple[int, Tensor]]] = {}  # waiting gradients and their holder
 
     def __call__(self, root: nn.Module, *args: Any, **kwargs: Any) -> Any:
         i = self.microbatch
@@ -114,7 +72,7 @@ class ScheduledPipeline:
                 for name in stage.inputs:
                     value = move(env[name], stage.device)
                     if name in made:  # cut autograd at the stage boundary
-                        value = _receive(name, value, received, self._grads.setdefault(i, {}))
+                        value = _receive(name, value, received, partial(self._deliver, i, stage.index))
                     inputs.append(value)
                 with self.clock.forward(stage.index) if self.clock else nullcontext():
                     outputs = stage(*inputs)
@@ -136,21 +94,36 @@ class ScheduledPipeline:
 
     def backward(self, microbatch: int, stage: int, loss: Optional[Tensor] = None) -> None:
         """Run ``stage``'s backward of ``microbatch``; the last stage's first runs ``loss``'s."""
-        grads = self._grads.setdefault(microbatch, {})
         if loss is not None:
             loss.backward()
             for key, leaf in self._output_leaves.pop(microbatch).items():
                 if leaf.grad is not None:
-                    _add(grads, key, leaf.grad)
+                    self._deliver(microbatch, len(self.program.stages) - 1, key, leaf.grad)
+        grads = self._grads.setdefault(microbatch, {})
         record = self._records.pop((microbatch, stage))
-        pairs = [(edge, grads.pop(key)) for key, edge in record.outputs.items() if key in grads]
+        pairs = [(edge, grads.pop(key)[1]) for key, edge in record.outputs.items() if key in grads]
         if pairs:
             device = self.program.stages[stage].device
             with self.clock.backward(stage) if self.clock else nullcontext():
-                # the stage's inputs add their gradients to ``grads`` (see _Receive)
+                # the stage's inputs deliver their gradients (see _Receive)
                 torch.autograd.backward([e for e, _ in pairs], [move(g, device) for _, g in pairs])
         if not self._records.keys() & {(microbatch, s) for s in range(len(self.program.stages))}:
             self._grads.pop(microbatch, None)
+
+    def _deliver(self, microbatch: int, stage: int, key: Key, grad: Tensor) -> None:
+        """Keep a gradient ``stage``'s backward computed for an earlier stage's output until
+        that stage's backward. A value read by several stages gets the sum of their gradients,
+        held where the first arrived (the last reader's device, which stashes fewer
+        micro-batches than the producer under 1F1B); the meter charges it there too."""
+        grads = self._grads.setdefault(microbatch, {})
+        if key in grads:
+            holder, total = grads[key]
+            grad = total + move(grad, total.device)
+        else:
+            holder = stage
+        grads[key] = holder, grad
+        if self.meter:
+            self.meter.own(holder, [grad], "boundary")
 
 
 def _tensors(name: str, value: Any) -> dict[Key, Tensor]:
@@ -158,14 +131,14 @@ def _tensors(name: str, value: Any) -> dict[Key, Tensor]:
     return {(name, k): t for k, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad}
 
 
-def _receive(name: str, value: Any, received: dict[Key, Tensor], grads: dict[Key, Tensor]) -> Any:
+def _receive(name: str, value: Any, received: dict[Key, Tensor], deliver: Callable[[Key, Tensor], None]) -> Any:
     """``value`` as a stage's input: every tensor that needs grad becomes the output of a
     :class:`_Receive` (one per tensor however often the stage reads the value)."""
     flat, spec = tree_flatten(value)
     for k, t in enumerate(flat):
         if isinstance(t, Tensor) and t.requires_grad:
             if (name, k) not in received:
-                received[name, k] = _Receive.apply(_PHONY, t.detach(), grads, (name, k))
+                received[name, k] = _Receive.apply(_PHONY, t.detach(), deliver, (name, k))
             flat[k] = received[name, k]
     return tree_unflatten(flat, spec)
 
@@ -174,18 +147,18 @@ _PHONY = torch.empty(0, requires_grad=True)  # makes _Receive's output require g
 
 
 class _Receive(torch.autograd.Function):
-    """Identity whose backward adds the gradient to the micro-batch's pending gradients,
-    where the producing stage's backward picks it up. Unlike a detached leaf, nothing here
+    """Identity whose backward delivers the gradient to where the producing stage's backward
+    picks it up. Unlike a detached leaf, nothing here
     holds the value, so it lives only as long as the stage's own graph saves it."""
 
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, x: Tensor, grads: dict[Key, Tensor], key: Key) -> Tensor:  # type: ignore[override]
-        ctx.grads, ctx.key = grads, key
+    def forward(ctx: Any, phony: Tensor, x: Tensor, deliver: Callable[[Key, Tensor], None], key: Key) -> Tensor:  # type: ignore[override]
+        ctx.deliver, ctx.key = deliver, key
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:  # type: ignore[override]
-        _add(ctx.grads, ctx.key, grad)
+        ctx.deliver(ctx.key, grad)
         return None, None, None, None
 
 
@@ -198,7 +171,3 @@ def _cut(name: str, value: Any, leaves: dict[Key, Tensor]) -> Any:
             flat[k] = leaves.setdefault((name, k), t.detach().requires_grad_())
     return tree_unflatten(flat, spec)
 
-
-def _add(grads: dict[Key, Tensor], key: Key, grad: Tensor) -> None:
-    # A value read by several stages gets the sum of their gradients.
-    grads[key] = grads[key] + move(grad, grads[key].device) if key in grads else grad

@@ -21,21 +21,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_pipe import report
+from lightning_pipe import schedule as schedules
 from lightning_pipe.build import Program, build
 from lightning_pipe.capture import capture
 from lightning_pipe.clock import StageClock
 from lightning_pipe.meter import MemoryMeter
 from lightning_pipe.microbatch import batch_size, scatter
 from lightning_pipe.microlog import LogCollector
-from lightning_pipe import report
 from lightning_pipe.partition import balance_by_weight, check_stage_count
 from lightning_pipe.partitioners import PARTITIONERS, Partitioner
+from lightning_pipe.pipeline import Pipeline
 from lightning_pipe.plan import Plan, make_plan
 from lightning_pipe.profile import Profile, profile_graph
-from lightning_pipe.pipeline import Pipeline
-from lightning_pipe import schedule as schedules
-from lightning_pipe.schedule import Schedule
-from lightning_pipe.scheduled import ScheduledPipeline, global_order
+from lightning_pipe.schedule import Schedule, global_order
+from lightning_pipe.scheduled import ScheduledPipeline
 from lightning_pipe.simulate import StageTime, simulate
 from lightning_pipe.versions import WeightVersions
 
@@ -344,6 +344,8 @@ class MemoryPipeStrategy(ParallelStrategy):
                     if scaler is not None:
                         loss = scaler.scale(loss)
                 self._scheduled.backward(step.microbatch, step.stage, loss)
+                if loss is not None:  # its graph would keep the output leaf and its gradient alive
+                    losses[step.microbatch] = losses[step.microbatch].detach()
         batch_loss = sum(losses[i].detach() * (n / sum(sizes)) for i, n in enumerate(sizes))
         call._call_callback_hooks(trainer, "on_before_backward", batch_loss)
         call._call_lightning_module_hook(trainer, "on_before_backward", batch_loss)

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_pipe.schedule import Action, actions, in_flight, weight_versions
+from lightning_pipe.schedule import Action, actions, gradient_waits, in_flight, weight_versions
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
@@ -53,3 +53,12 @@ def test_weight_versions_and_bad_schedule():
     assert weight_versions("2bw") == 2 and weight_versions("1f1b") == 1 and weight_versions("gpipe") == 1
     with pytest.raises(ValueError, match="unknown schedule"):
         actions("zigzag", 2, 2)  # type: ignore[arg-type]
+
+
+def test_gradient_waits_follow_the_in_flight_difference():
+    # 1F1B: when stage s hands back micro-batch i's gradient, stage p < s still works through
+    # the s - p micro-batches it started before i; GPipe hands every gradient straight on.
+    for schedule in ("1f1b", "2bw"):
+        assert gradient_waits(schedule, 8, 4) == [[max(0, s - p) for s in range(4)] for p in range(4)]
+    assert gradient_waits("1f1b", 2, 4) == [[min(1, max(0, s - p)) for s in range(4)] for p in range(4)]
+    assert gradient_waits("gpipe", 8, 4) == [[0] * 4 for _ in range(4)]

@@ -8,8 +8,10 @@ from lightning.pytorch.loggers import CSVLogger
 
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
-from lightning_pipe.schedule import actions
-from lightning_pipe.scheduled import Step, global_order
+from lightning_pipe.capture import capture
+from lightning_pipe.memory import predict_peaks
+from lightning_pipe.profile import profile_graph
+from lightning_pipe.schedule import Step, actions, global_order, gradient_waits, in_flight
 from tests.helpers import make, max_rel_diff, trainer
 
 
@@ -112,6 +114,46 @@ def test_1f1b_frees_a_boundary_value_once_the_next_stage_read_it():
     # stage 0 sends layers.0's output to stage 1; 1F1B holds 4 micro-batches in flight at
     # stage 0, but only the one being handed over is alive
     assert strategy.meter.stages[0].kind_peaks["boundary"] == one_microbatch
+
+
+class _Skipped(LightningModule):
+    """Linear layers each followed by ``+ 1``, and the first one's output added again at the
+    end: a long skip whose gradient the last stage computes long before the first stage's
+    backward takes it."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        skip = self.layers[0](x)
+        x = skip + 1.0
+        for layer in self.layers[1:]:
+            x = layer(x) + 1.0
+        return x + skip
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("chunks", [4, 8])
+def test_1f1b_boundary_bytes_are_outputs_plus_waiting_gradients_as_predicted(chunks):
+    batch, width, balance = 32, 256, [1, 2, 2, 4]
+    data = torch.utils.data.TensorDataset(torch.randn(batch, width))
+    model = _Skipped(width)
+    strategy = MemoryPipeStrategy(chunks=chunks, schedule="1f1b", balance=balance, planner=None, measure_memory=True)
+    trainer(strategy, 4, max_steps=1).fit(model, torch.utils.data.DataLoader(data, batch_size=batch))
+    metered = [m.kind_peaks["boundary"] for m in strategy.meter.stages]
+    profile = profile_graph(capture(model), (data.tensors[0][: batch // chunks],), repeats=1, warmup=0)
+    waits = gradient_waits("1f1b", chunks, 4)
+    predicted = predict_peaks(profile, balance, in_flight("1f1b", chunks, 4), waits=waits)
+    assert metered == [p.boundary for p in predicted]
+    # the skip's gradient waits at the last stage for 3 micro-batches, its input's for 1; with
+    # its own output that is 5 micro-batches of boundary bytes, however many chunks run
+    assert metered[3] == 5 * batch // chunks * width * 4
 
 
 def _delayed_reference(family, optimizer, steps, batch_size=8):
