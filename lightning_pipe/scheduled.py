@@ -99,6 +99,7 @@ class ScheduledPipeline:
             for key, leaf in self._output_leaves.pop(microbatch).items():
                 if leaf.grad is not None:
                     self._deliver(microbatch, len(self.program.stages) - 1, key, leaf.grad)
+                    leaf.grad = None  # the user's graph may still hold the leaf; the gradient is handed on
         grads = self._grads.setdefault(microbatch, {})
         record = self._records.pop((microbatch, stage))
         pairs = [(edge, grads.pop(key)[1]) for key, edge in record.outputs.items() if key in grads]
@@ -115,6 +116,8 @@ class ScheduledPipeline:
         that stage's backward. A value read by several stages gets the sum of their gradients,
         held where the first arrived (the last reader's device, which stashes fewer
         micro-batches than the producer under 1F1B); the meter charges it there too."""
+        if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+            grad = grad.clone()  # a view (say, a slice of cat's gradient) would keep all its storage waiting
         grads = self._grads.setdefault(microbatch, {})
         if key in grads:
             holder, total = grads[key]

@@ -117,20 +117,21 @@ def test_1f1b_frees_a_boundary_value_once_the_next_stage_read_it():
 
 
 class _Skipped(LightningModule):
-    """Linear layers each followed by ``+ 1``, and the first one's output added again at the
-    end: a long skip whose gradient the last stage computes long before the first stage's
-    backward takes it."""
+    """Linear layers each followed by ``+ 1``, and the first one's output joined again at the
+    end (added, or concatenated: then its gradient is a slice of the output's): a long skip
+    whose gradient the last stage computes long before the first stage's backward takes it."""
 
-    def __init__(self, width: int = 256) -> None:
+    def __init__(self, width: int = 256, join: str = "add") -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+        self.join = join
 
     def forward(self, x):
         skip = self.layers[0](x)
         x = skip + 1.0
         for layer in self.layers[1:]:
             x = layer(x) + 1.0
-        return x + skip
+        return x + skip if self.join == "add" else torch.cat([x, skip], dim=1)
 
     def training_step(self, batch, batch_idx):
         return self(batch[0]).square().mean()
@@ -139,11 +140,11 @@ class _Skipped(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@pytest.mark.parametrize("chunks", [4, 8])
-def test_1f1b_boundary_bytes_are_outputs_plus_waiting_gradients_as_predicted(chunks):
+@pytest.mark.parametrize(("chunks", "join"), [(4, "add"), (8, "add"), (4, "cat")])
+def test_1f1b_boundary_bytes_are_outputs_plus_waiting_gradients_as_predicted(chunks, join):
     batch, width, balance = 32, 256, [1, 2, 2, 4]
     data = torch.utils.data.TensorDataset(torch.randn(batch, width))
-    model = _Skipped(width)
+    model = _Skipped(width, join)
     strategy = MemoryPipeStrategy(chunks=chunks, schedule="1f1b", balance=balance, planner=None, measure_memory=True)
     trainer(strategy, 4, max_steps=1).fit(model, torch.utils.data.DataLoader(data, batch_size=batch))
     metered = [m.kind_peaks["boundary"] for m in strategy.meter.stages]
@@ -152,8 +153,9 @@ def test_1f1b_boundary_bytes_are_outputs_plus_waiting_gradients_as_predicted(chu
     predicted = predict_peaks(profile, balance, in_flight("1f1b", chunks, 4), waits=waits)
     assert metered == [p.boundary for p in predicted]
     # the skip's gradient waits at the last stage for 3 micro-batches, its input's for 1; with
-    # its own output that is 5 micro-batches of boundary bytes, however many chunks run
-    assert metered[3] == 5 * batch // chunks * width * 4
+    # its own output (twice as wide when concatenated) that is 5 or 6 micro-batches of
+    # boundary bytes, however many chunks run
+    assert metered[3] == (5 if join == "add" else 6) * batch // chunks * width * 4
 
 
 def _delayed_reference(family, optimizer, steps, batch_size=8):
