@@ -1,6 +1,7 @@
 """Schedules: the order in which (micro-batch, stage) tasks run."""
 
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 from typing import Any, Literal, NamedTuple, Optional
 
 __all__ = [
@@ -118,22 +119,26 @@ def global_order(per_stage: Sequence[Sequence[Any]]) -> list[Step]:
     return order
 
 
-def gradient_waits(schedule: Schedule, num_microbatches: int, num_stages: int) -> list[list[int]]:
+@lru_cache(maxsize=64)
+def gradient_waits(schedule: Schedule, num_microbatches: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
     """``[p][s]``: the most micro-batches whose gradient for stage ``p``'s outputs, computed by
     stage ``s``, wait for ``p``'s backward while other steps of the single-process order run
     (the gradient a backward has just made is part of that backward's workspace). Under
     GPipe, autograd hands every gradient straight on: none wait."""
     waits = [[0] * num_stages for _ in range(num_stages)]
     if schedule == "gpipe":
-        return waits
+        return tuple(map(tuple, waits))
     done = [0] * num_stages
+    grown: Optional[int] = None  # the stage whose backward count grew in the previous step
     for step in global_order(actions(schedule, num_microbatches, num_stages)):
-        for s in range(num_stages):
-            for p in range(s):
-                waits[p][s] = max(waits[p][s], done[s] - done[p])
+        if grown is not None:  # only its differences to earlier stages can reach a new maximum
+            for p in range(grown):
+                waits[p][grown] = max(waits[p][grown], done[grown] - done[p])
+        grown = None
         if step.kind == "backward":
             done[step.stage] += 1
-    return waits
+            grown = step.stage
+    return tuple(map(tuple, waits))
 
 
 def weight_versions(schedule: Schedule) -> int:

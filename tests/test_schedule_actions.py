@@ -59,6 +59,6 @@ def test_gradient_waits_follow_the_in_flight_difference():
     # 1F1B: when stage s hands back micro-batch i's gradient, stage p < s still works through
     # the s - p micro-batches it started before i; GPipe hands every gradient straight on.
     for schedule in ("1f1b", "2bw"):
-        assert gradient_waits(schedule, 8, 4) == [[max(0, s - p) for s in range(4)] for p in range(4)]
-    assert gradient_waits("1f1b", 2, 4) == [[min(1, max(0, s - p)) for s in range(4)] for p in range(4)]
-    assert gradient_waits("gpipe", 8, 4) == [[0] * 4 for _ in range(4)]
+        assert gradient_waits(schedule, 8, 4) == tuple(tuple(max(0, s - p) for s in range(4)) for p in range(4))
+    assert gradient_waits("1f1b", 2, 4) == tuple(tuple(min(1, max(0, s - p)) for s in range(4)) for p in range(4))
+    assert gradient_waits("gpipe", 8, 4) == ((0,) * 4,) * 4
