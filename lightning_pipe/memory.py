@@ -5,8 +5,8 @@
 static: parameters (one copy per weight version the schedule keeps), gradients and optimizer
 state the stage owns; stashed: activation bytes one micro-batch leaves for backward;
 in_flight: micro-batches whose activations a schedule holds at once (GPipe: all of them);
-transient: the largest workspace of a node's forward or backward, plus the largest set of bytes brought back at once
-for the backward of a recomputed region or a swapped node; boundary: the stage's outputs of
+transient: the largest workspace of a node's forward or backward, plus the largest set of
+bytes brought back at once for the backward of a recomputed region or a swapped node; boundary: the stage's outputs of
 one micro-batch that are not already stashed, plus the gradients waiting at the stage (see
 :meth:`CostModel.waiting_gradients`).
 
