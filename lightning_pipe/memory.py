@@ -6,9 +6,9 @@ static: parameters (one copy per weight version the schedule keeps), gradients a
 state the stage owns; stashed: activation bytes one micro-batch leaves for backward;
 in_flight: micro-batches whose activations a schedule holds at once (GPipe: all of them);
 transient: the largest workspace of a node's forward or backward, plus the largest set of
-bytes brought back at once for the backward of a recomputed region or a swapped node; boundary: the stage's outputs of
-one micro-batch that are not already stashed, plus the gradients waiting at the stage (see
-:meth:`CostModel.waiting_gradients`).
+bytes brought back at once for the backward of a recomputed region or a swapped node;
+boundary: the stage's outputs of one micro-batch that are not already stashed, plus the
+gradients waiting at the stage (see :meth:`CostModel.waiting_gradients`).
 
 Per node, a policy says where its saved bytes live between forward and backward: ``keep``
 (on the device), ``swap`` (in host memory: no device bytes while in flight) or ``recompute``
@@ -77,7 +77,8 @@ def predict_peaks(
     chosen = {i: p for i, p in enumerate(policies) if p != "keep"}
     waiting = model.waiting_gradients(balance, waits)
     return [
-        model.peak(r.start, r.stop, in_flight[s], {i: chosen[i] for i in r if i in chosen}, weight_versions).waiting(waiting[s])
+        model.peak(r.start, r.stop, in_flight[s], {i: chosen[i] for i in r if i in chosen}, weight_versions)
+        .waiting(waiting[s])
         for s, r in enumerate(stage_ranges(balance))
     ]
 

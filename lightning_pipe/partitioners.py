@@ -43,18 +43,20 @@ class Stages:
     weight_versions: int = 1
     host_bandwidth: Optional[float] = None
     waits: Sequence[Sequence[int]] = ()
-    _optima: dict[tuple[int, int, int], StageOptimum] = field(default_factory=dict, repr=False)
+    _optima: dict[tuple[int, int, int, int], StageOptimum] = field(default_factory=dict, repr=False)
 
     @property
     def count(self) -> int:
         return len(self.capacities)
 
-    def optimum(self, lo: int, hi: int, s: int) -> StageOptimum:
-        """Memory optimisation of nodes ``[lo, hi)`` as stage ``s`` (cached)."""
-        key = (lo, hi, s)
+    def optimum(self, lo: int, hi: int, s: int, reserved: int = 0) -> StageOptimum:
+        """Memory optimisation of nodes ``[lo, hi)`` as stage ``s`` with ``reserved`` bytes of
+        its capacity taken by something else (cached)."""
+        key = (lo, hi, s, reserved)
         if key not in self._optima:
             self._optima[key] = optimize_stage(
-                self.model, lo, hi, self.in_flight[s], self.capacities[s], self.weight_versions, self.host_bandwidth
+                self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
+                self.host_bandwidth,
             )
         return self._optima[key]
 
@@ -62,15 +64,8 @@ class Stages:
         """Every stage of ``balance`` optimised under its capacity less the gradients that
         wait at it (:meth:`CostModel.waiting_gradients`, known only for a whole split)."""
         waiting = self.model.waiting_gradients(balance, self.waits)
-        optima = []
-        for s, r in enumerate(stage_ranges(balance)):
-            if waiting[s] == 0:
-                optima.append(self.optimum(r.start, r.stop, s))
-                continue
-            found = optimize_stage(self.model, r.start, r.stop, self.in_flight[s], self.capacities[s] - waiting[s],
-                                   self.weight_versions, self.host_bandwidth)
-            optima.append(replace(found, peak=found.peak.waiting(waiting[s])))
-        return optima
+        optima = [self.optimum(r.start, r.stop, s, waiting[s]) for s, r in enumerate(stage_ranges(balance))]
+        return [replace(o, peak=o.peak.waiting(w)) for o, w in zip(optima, waiting)]
 
     def stage_time(self, lo: int, hi: int, s: int) -> float:
         """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation;

@@ -116,14 +116,14 @@ class ScheduledPipeline:
         that stage's backward. A value read by several stages gets the sum of their gradients,
         held where the first arrived (the last reader's device, which stashes fewer
         micro-batches than the producer under 1F1B); the meter charges it there too."""
-        if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
-            grad = grad.clone()  # a view (say, a slice of cat's gradient) would keep all its storage waiting
         grads = self._grads.setdefault(microbatch, {})
         if key in grads:
             holder, total = grads[key]
             grad = total + move(grad, total.device)
         else:
             holder = stage
+            if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+                grad = grad.clone()  # a view (say, a slice of cat's gradient) would keep all its storage waiting
         grads[key] = holder, grad
         if self.meter:
             self.meter.own(holder, [grad], "boundary")

@@ -346,7 +346,7 @@ class MemoryPipeStrategy(ParallelStrategy):
                 self._scheduled.backward(step.microbatch, step.stage, loss)
                 if loss is not None:  # its graph would keep the output leaf and its gradient alive
                     losses[step.microbatch] = losses[step.microbatch].detach()
-        batch_loss = sum(losses[i].detach() * (n / sum(sizes)) for i, n in enumerate(sizes))
+        batch_loss = sum(losses[i] * (n / sum(sizes)) for i, n in enumerate(sizes))  # each detached after its backward
         call._call_callback_hooks(trainer, "on_before_backward", batch_loss)
         call._call_lightning_module_hook(trainer, "on_before_backward", batch_loss)
         call._call_callback_hooks(trainer, "on_after_backward")
