@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_pipe.meter import MemoryMeter
+from lightning_pipe.measure.meter import MemoryMeter
 
 LR = 0.01
 

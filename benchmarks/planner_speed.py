@@ -10,11 +10,11 @@ long compute, little memory; the others the reverse) for the largest micro-batch
 import random
 import time
 
-from lightning_pipe.memory import CostModel, stage_ranges
-from lightning_pipe.partitioners import Stages, partition
-from lightning_pipe.plan import max_microbatch
-from lightning_pipe.profile import NodeProfile, Profile
-from lightning_pipe.schedule import in_flight
+from lightning_pipe.plan.memory import CostModel, stage_ranges
+from lightning_pipe.plan.partitioners import Stages, partition
+from lightning_pipe.plan.plan import max_microbatch
+from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.schedule import in_flight
 
 MiB = 1 << 20
 

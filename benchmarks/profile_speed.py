@@ -8,8 +8,8 @@ import time
 import torch
 from torch import nn
 
-from lightning_pipe.capture import capture
-from lightning_pipe.profile import profile_graph
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.measure.profiler import profile_graph
 
 
 class Deep(nn.Module):

@@ -39,14 +39,15 @@ from benchmarks.peers import (
 )
 from benchmarks.planner_speed import transformer_like
 from examples.models import loader
-from lightning_pipe.capture import capture
-from lightning_pipe.memory import CostModel, predict_peaks, stage_ranges
-from lightning_pipe.meter import StageOutOfMemoryError
-from lightning_pipe.partitioners import PARTITIONERS, partition
-from lightning_pipe.plan import InfeasiblePlanError, make_plan, max_microbatch
-from lightning_pipe.profile import Profile, profile_graph
-from lightning_pipe.schedule import gradient_waits, in_flight, weight_versions
-from lightning_pipe.strategy import _PLANNING_HEADROOM, MemoryPipeStrategy
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.plan.memory import CostModel, predict_peaks, stage_ranges
+from lightning_pipe.measure.meter import StageOutOfMemoryError
+from lightning_pipe.plan.partitioners import PARTITIONERS, partition
+from lightning_pipe.plan.plan import InfeasiblePlanError, make_plan, max_microbatch
+from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.schedule import gradient_waits, in_flight, weight_versions
+from lightning_pipe.lightning.strategy import _PLANNING_HEADROOM, MemoryPipeStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 4

@@ -13,12 +13,12 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from lightning_pipe.capture import CaptureError, capture
-from lightning_pipe.microbatch import scatter
-from lightning_pipe.partitioners import PARTITIONERS
-from lightning_pipe.plan import InfeasiblePlanError, make_plan, max_microbatch
-from lightning_pipe.profile import profile_graph
-from lightning_pipe.strategy import parse_bytes
+from lightning_pipe.graph.capture import CaptureError, capture
+from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.plan.partitioners import PARTITIONERS
+from lightning_pipe.plan.plan import InfeasiblePlanError, make_plan, max_microbatch
+from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.units import parse_bytes
 
 __all__ = ["main"]
 

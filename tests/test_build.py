@@ -1,9 +1,9 @@
 import torch
 
 from examples.models import GPT, UNet
-from lightning_pipe.build import build
-from lightning_pipe.capture import capture
-from lightning_pipe.partition import balance_by_weight
+from lightning_pipe.runtime.build import build
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.plan.balance import balance_by_weight
 
 CPU = torch.device("cpu")
 
@@ -59,8 +59,8 @@ def test_stages_compose_to_the_original_forward():
 def _wide_run(policy, chunks=4):
     """Stage 1 of Wide (see test_meter) under ``policy``: output, grads, and stage 1's metered
     activation bytes after the forward."""
-    from lightning_pipe.meter import MemoryMeter
-    from lightning_pipe.pipeline import Pipeline
+    from lightning_pipe.measure.meter import MemoryMeter
+    from lightning_pipe.runtime.gpipe import Pipeline
     from tests.test_meter import Wide
 
     torch.manual_seed(0)
@@ -105,7 +105,7 @@ def test_recompute_replays_dropout_exactly():
         program = build(captured, model, [1, 2], [CPU, CPU], policies)
         model.zero_grad()
         torch.manual_seed(1)
-        from lightning_pipe.pipeline import Pipeline
+        from lightning_pipe.runtime.gpipe import Pipeline
 
         Pipeline(program, model, 2, CPU)(x).sum().backward()
         results.append([p.grad.clone() for p in model.parameters()])

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from examples.models import GPT
-from lightning_pipe.capture import CaptureError, capture
+from lightning_pipe.graph.capture import CaptureError, capture
 
 
 class Gate(nn.Module):

@@ -1,6 +1,6 @@
 import torch
 
-from lightning_pipe.dependency import fork, join
+from lightning_pipe.runtime.dependency import fork, join
 
 
 def _reaches(node, target) -> bool:

@@ -1,7 +1,7 @@
 import random
 
-from lightning_pipe.memory import CostModel, predict_peaks, stage_ranges
-from lightning_pipe.profile import NodeProfile, Profile
+from lightning_pipe.plan.memory import CostModel, predict_peaks, stage_ranges
+from lightning_pipe.plan.profile import NodeProfile, Profile
 
 
 def node(i, saved, out=None, params=0, transient=0, users=None, f=1.0, backward=0):

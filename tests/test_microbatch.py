@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_pipe.microbatch import gather, scatter
+from lightning_pipe.graph.microbatch import gather, scatter
 
 
 def test_scatter_splits_tensor_leaves_and_shares_the_rest():

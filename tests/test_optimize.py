@@ -1,8 +1,8 @@
 import math
 
-from lightning_pipe.memory import CostModel
-from lightning_pipe.optimize import optimize_stage, policy_time
-from lightning_pipe.profile import NodeProfile, Profile
+from lightning_pipe.plan.memory import CostModel
+from lightning_pipe.plan.optimize import optimize_stage, policy_time
+from lightning_pipe.plan.profile import NodeProfile, Profile
 
 
 def stage(specs):

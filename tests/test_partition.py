@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from lightning_pipe.partition import balance_by_weight, check_balance
+from lightning_pipe.plan.balance import balance_by_weight, check_balance
 
 
 def _brute_force(weights, k):

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from lightning_pipe.memory import CostModel, stage_ranges
-from lightning_pipe.partitioners import Stages, partition, split
-from lightning_pipe.profile import NodeProfile, Profile
+from lightning_pipe.plan.memory import CostModel, stage_ranges
+from lightning_pipe.plan.partitioners import Stages, partition, split
+from lightning_pipe.plan.profile import NodeProfile, Profile
 
 
 def chain(n, seed, conv_share=0.5):

@@ -3,10 +3,10 @@ import torch
 from torch import nn
 
 from examples.models import GPT, EncoderDecoder
-from lightning_pipe.build import build
-from lightning_pipe.capture import capture
-from lightning_pipe.partition import balance_by_weight
-from lightning_pipe.pipeline import Pipeline
+from lightning_pipe.runtime.build import build
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.plan.balance import balance_by_weight
+from lightning_pipe.runtime.gpipe import Pipeline
 
 CPU = torch.device("cpu")
 

@@ -2,11 +2,11 @@ import random
 
 import pytest
 
-from lightning_pipe.memory import stage_ranges
-from lightning_pipe.plan import InfeasiblePlanError, Plan, make_plan, max_microbatch
-from lightning_pipe.profile import NodeProfile, Profile
-from lightning_pipe.schedule import actions
-from lightning_pipe.simulate import StageTime, simulate
+from lightning_pipe.plan.memory import stage_ranges
+from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan, max_microbatch
+from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.schedule import actions
+from lightning_pipe.plan.simulate import StageTime, simulate
 
 
 def cnn_like(n=36, seed=0):

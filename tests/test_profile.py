@@ -3,8 +3,9 @@ import torch
 from torch import nn
 
 from examples.models import GPT, UNet
-from lightning_pipe.capture import capture
-from lightning_pipe.profile import Profile, profile_graph
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.plan.profile import Profile
 
 
 class MLP(nn.Module):

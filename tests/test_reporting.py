@@ -8,7 +8,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
-from lightning_pipe.plan import Plan
+from lightning_pipe.plan.plan import Plan
 from tests.helpers import make, trainer
 
 

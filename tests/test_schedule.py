@@ -1,4 +1,4 @@
-from lightning_pipe.schedule import clock_cycles
+from lightning_pipe.plan.schedule import clock_cycles
 
 
 def test_clock_cycles_cover_every_task_once_in_dependency_order():

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_pipe.schedule import Action, actions, gradient_waits, in_flight, weight_versions
+from lightning_pipe.plan.schedule import Action, actions, gradient_waits, in_flight, weight_versions
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])

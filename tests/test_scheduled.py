@@ -8,10 +8,10 @@ from lightning.pytorch.loggers import CSVLogger
 
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
-from lightning_pipe.capture import capture
-from lightning_pipe.memory import predict_peaks
-from lightning_pipe.profile import profile_graph
-from lightning_pipe.schedule import Step, actions, global_order, gradient_waits, in_flight
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.plan.memory import predict_peaks
+from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.plan.schedule import Step, actions, global_order, gradient_waits, in_flight
 from tests.helpers import make, max_rel_diff, trainer
 
 
@@ -222,7 +222,7 @@ def test_planned_recompute_and_swap_fit_a_capacity_plain_gpipe_exceeds(schedule,
     """A per-stage capacity that the unoptimised split overflows (the meter raises) is met by
     the planner's split with recompute (and swap, given a host link), with single-device
     parameters."""
-    from lightning_pipe.meter import StageOutOfMemoryError
+    from lightning_pipe.measure.meter import StageOutOfMemoryError
 
     def run(**kwargs):
         model, data = make("gpt", dim=64, context=32)
@@ -246,7 +246,7 @@ def test_planned_recompute_and_swap_fit_a_capacity_plain_gpipe_exceeds(schedule,
 
 def test_1f1b_with_a_tuple_crossing_the_cut():
     """The cut right after ``chunk``: the value sent between stages is a tuple of tensors."""
-    from lightning_pipe.capture import capture
+    from lightning_pipe.graph.capture import capture
 
     nodes = [n.name for n in capture(make("encdec")[0]).nodes]
     k = nodes.index("chunk") + 1

@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from lightning_pipe.schedule import Action, actions
-from lightning_pipe.simulate import StageTime, simulate
+from lightning_pipe.plan.schedule import Action, actions
+from lightning_pipe.plan.simulate import StageTime, simulate
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

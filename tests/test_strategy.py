@@ -141,7 +141,7 @@ def test_batch_smaller_than_chunks_is_a_clear_error():
 
 
 def test_user_balance_is_used():
-    from lightning_pipe.capture import capture
+    from lightning_pipe.graph.capture import capture
 
     model, data = make("unet")
     n = len(capture(UNet()).nodes)
@@ -179,7 +179,7 @@ def _run_module(module, devices, leaf_modules=None):
 
 
 def test_parse_bytes_reads_numbers_and_units():
-    from lightning_pipe.strategy import parse_bytes
+    from lightning_pipe.units import parse_bytes
 
     assert parse_bytes(1024) == 1024
     assert parse_bytes("2GiB") == 2 * 2**30
@@ -191,7 +191,7 @@ def test_parse_bytes_reads_numbers_and_units():
 
 
 def test_metered_fit_reports_stage_peaks_and_enforces_limits():
-    from lightning_pipe.meter import StageOutOfMemoryError
+    from lightning_pipe.measure.meter import StageOutOfMemoryError
 
     model, data = make("gpt")
     strategy = MemoryPipeStrategy(chunks=2, measure_memory=True)

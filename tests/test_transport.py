@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_pipe.transport import move
+from lightning_pipe.runtime.transport import move
 
 
 def test_move_keeps_structure_and_identity_on_same_device():

@@ -10,12 +10,13 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from lightning_pipe.memory import CostModel, StagePeak, stage_ranges
-from lightning_pipe.optimize import StageOptimum
-from lightning_pipe.partitioners import Partitioner, Stages, lowest_peak_balance, split
-from lightning_pipe.profile import Profile
-from lightning_pipe.schedule import Schedule, actions, gradient_waits, in_flight, weight_versions
-from lightning_pipe.simulate import StageTime, simulate
+from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
+from lightning_pipe.plan.optimize import StageOptimum
+from lightning_pipe.plan.partitioners import Partitioner, Stages, lowest_peak_balance, split
+from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.schedule import Schedule, actions, gradient_waits, in_flight, weight_versions
+from lightning_pipe.plan.simulate import StageTime, simulate
+from lightning_pipe.units import format_bytes
 
 __all__ = ["InfeasiblePlanError", "Plan", "StageReport", "make_plan", "max_microbatch"]
 
@@ -93,8 +94,8 @@ class Plan:
             p = r.peak
             rows.append(
                 [str(s), f"{r.start}-{r.stop - 1}"]
-                + [_bytes(v) for v in (r.param_bytes, p.static, p.activations, p.transient, p.boundary, p.total, cap)]
-                + [f"{r.time_ms:.2f}", _bytes(r.recomputed_bytes), _bytes(r.swapped_bytes)]
+                + [format_bytes(v) for v in (r.param_bytes, p.static, p.activations, p.transient, p.boundary, p.total, cap)]
+                + [f"{r.time_ms:.2f}", format_bytes(r.recomputed_bytes), format_bytes(r.swapped_bytes)]
             )
         widths = [max(len(row[k]) for row in rows) for k in range(len(head))]
         lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
@@ -103,14 +104,6 @@ class Plan:
             f"step {self.step_ms:.2f} ms, bubble {self.bubble:.1%}"
         )
         return "\n".join(lines)
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def make_plan(

@@ -1,4 +1,4 @@
-"""Run: GPipe over a built :class:`~lightning_pipe.build.Program`, driven by autograd.
+"""Run: GPipe over a built :class:`~lightning_pipe.runtime.build.Program`, driven by autograd.
 
 Calling the pipeline splits the inputs into micro-batches, runs every (micro-batch, stage)
 task in clock-cycle order and returns the merged output; ``backward`` on anything computed
@@ -12,13 +12,13 @@ import torch
 from torch import Tensor, nn
 from torch.fx.node import map_aggregate
 
-from lightning_pipe.build import Program, Stage
-from lightning_pipe.clock import StageClock
-from lightning_pipe.dependency import fork, join
-from lightning_pipe.meter import MemoryMeter
-from lightning_pipe.microbatch import gather, scatter
-from lightning_pipe.schedule import clock_cycles
-from lightning_pipe.transport import move
+from lightning_pipe.runtime.build import Program, Stage
+from lightning_pipe.measure.clock import StageClock
+from lightning_pipe.runtime.dependency import fork, join
+from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.graph.microbatch import gather, scatter
+from lightning_pipe.plan.schedule import clock_cycles
+from lightning_pipe.runtime.transport import move
 
 __all__ = ["Pipeline"]
 

@@ -18,7 +18,7 @@ device-host link (``None``: no swapping).
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lightning_pipe.memory import CostModel, Policy, StagePeak
+from lightning_pipe.plan.memory import CostModel, Policy, StagePeak
 
 __all__ = ["StageOptimum", "lowest_peak", "optimize_stage", "policy_time"]
 

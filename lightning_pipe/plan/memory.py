@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from lightning_pipe.profile import Profile
+from lightning_pipe.plan.profile import Profile
 
 __all__ = ["CostModel", "Policy", "StagePeak", "predict_peaks", "stage_ranges"]
 
@@ -71,7 +71,7 @@ def predict_peaks(
 
     ``policies`` gives one policy per node (all kept when empty); ``weight_versions`` is the
     number of parameter copies the schedule keeps (2 for PipeDream-2BW); ``waits`` is the
-    schedule's :func:`~lightning_pipe.schedule.gradient_waits` (none wait when empty).
+    schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits` (none wait when empty).
     """
     model = CostModel(profile)
     chosen = {i: p for i, p in enumerate(policies) if p != "keep"}

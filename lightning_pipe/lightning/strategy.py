@@ -6,42 +6,44 @@ one stage per device and placed; then ``self(x)`` inside the user's steps runs t
 """
 
 import os
-import re
 import time
 from collections.abc import Mapping
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from typing import Any, Optional, Union
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_pipe import report
-from lightning_pipe import schedule as schedules
-from lightning_pipe.build import Program, build
-from lightning_pipe.capture import capture
-from lightning_pipe.clock import StageClock
-from lightning_pipe.meter import MemoryMeter
-from lightning_pipe.microbatch import batch_size, scatter
-from lightning_pipe.microlog import LogCollector
-from lightning_pipe.partition import balance_by_weight, check_stage_count
-from lightning_pipe.partitioners import PARTITIONERS, Partitioner
-from lightning_pipe.pipeline import Pipeline
-from lightning_pipe.plan import Plan, make_plan
-from lightning_pipe.profile import Profile, profile_graph
-from lightning_pipe.schedule import Schedule, global_order
-from lightning_pipe.scheduled import ScheduledPipeline
-from lightning_pipe.simulate import StageTime, simulate
-from lightning_pipe.versions import WeightVersions
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
+from lightning_pipe.lightning.steps import ScheduledStep
+from lightning_pipe.measure.clock import StageClock
+from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.plan import report
+from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
+from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
+from lightning_pipe.plan.plan import Plan, make_plan
+from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.runtime.build import Program, build
+from lightning_pipe.runtime.gpipe import Pipeline
+from lightning_pipe.runtime.scheduled import ScheduledPipeline
+from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe.units import MemorySize, mib, parse_bytes
 
 __all__ = ["MemoryPipeStrategy"]
 
-MemoryLimit = Union[int, str]
 _PLANNING_HEADROOM = 0.9  # the planner fills each stage to at most this share of its limit
 
 
@@ -60,11 +62,13 @@ class MemoryPipeStrategy(ParallelStrategy):
         memory_limit: bytes per stage device, as a number or a string such as ``"2GiB"``;
             one value for all stages or one per stage. Default: each device's memory shared
             by the stages on it. With ``measure_memory``, going over it raises
-            :class:`~lightning_pipe.meter.StageOutOfMemoryError`.
+            :class:`~lightning_pipe.measure.meter.StageOutOfMemoryError`.
         host_bandwidth: bytes per second between a device and host memory; lets the planner
             swap activations to the host. ``None``: the planner only recomputes.
         measure_memory: meter every stage's memory from its live tensors while running
             (``strategy.meter``); costs some speed.
+        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's
+            own strategies; the Trainer fills them in when they are not given.
     """
 
     strategy_name = "memory_pipe"
@@ -76,11 +80,20 @@ class MemoryPipeStrategy(ParallelStrategy):
         balance: Optional[list[int]] = None,
         leaf_modules: Optional[list[str]] = None,
         planner: Optional[Partitioner] = "dawnpiper",
-        memory_limit: Optional[Union[MemoryLimit, list[MemoryLimit]]] = None,
+        memory_limit: Optional[Union[MemorySize, list[MemorySize]]] = None,
         host_bandwidth: Optional[float] = None,
         measure_memory: bool = False,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
         if schedule not in ("gpipe", "1f1b", "2bw"):
@@ -107,41 +120,50 @@ class MemoryPipeStrategy(ParallelStrategy):
         self._pipeline: Optional[Pipeline] = None
         self._scheduled: Optional[ScheduledPipeline] = None
         self._versions: Optional[WeightVersions] = None
+        self._step: Optional[ScheduledStep] = None
         self._stepping = False
         self._step_start = 0.0
         self.clock = StageClock(0)
         self._metering = ExitStack()
 
     @property
+    @override
     def root_device(self) -> torch.device:
         """The last stage's device: outputs, and so the loss and the labels, live there."""
         assert self.parallel_devices, "the Trainer has not assigned devices to the strategy yet"
         return self.parallel_devices[-1]
 
     @property
+    @override
     def global_rank(self) -> int:
         return 0
 
     @property
+    @override
     def local_rank(self) -> int:
         return 0
 
     @property
+    @override
     def node_rank(self) -> int:
         return 0
 
     @property
+    @override
     def world_size(self) -> int:
         return 1
 
     @property
+    @override
     def is_distributed(self) -> bool:
         return False
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": 1, "rank": 0}
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -163,11 +185,14 @@ class MemoryPipeStrategy(ParallelStrategy):
             trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward = True
             if self.schedule == "2bw":
                 self._versions = WeightVersions(self.lightning_module.parameters())
+            assert self._scheduled is not None
+            self._step = ScheduledStep(self._scheduled, self.schedule, self.chunks, self.precision_plugin, self._versions)
         if self.meter is not None:
             self._own_memory()
             self._metering.enter_context(self.meter)
             self._metering.enter_context(self.meter.saved_tensors_hooks())
 
+    @override
     def model_to_device(self) -> None:
         """Capture, split and place the module, and route its ``forward`` through the pipeline.
 
@@ -246,7 +271,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         for stage in self.program.stages:
             rows.append(
                 f"{stage.index:>5}  {str(stage.device):<8} {len(stage.node_names):>5}  "
-                f"{_mib(stage.param_bytes()):>10}  {stage.node_names[0]} .. {stage.node_names[-1]}"
+                f"{mib(stage.param_bytes()):>10}  {stage.node_names[0]} .. {stage.node_names[-1]}"
             )
         return "\n".join(rows)
 
@@ -259,9 +284,9 @@ class MemoryPipeStrategy(ParallelStrategy):
         cuda = MemoryMeter.cuda_peaks(devices)
         rows = [f"{'stage':>5}  {'current':>10}  {'peak':>10}  peak by kind" + ("  cuda peak" if cuda else "")]
         for k, memory in enumerate(self.meter.stages):
-            kinds = ", ".join(f"{kind} {_mib(n)}" for kind, n in memory.peak_by_kind.items() if n)
-            row = f"{k:>5}  {_mib(memory.total):>10}  {_mib(memory.peak):>10}  {kinds}"
-            rows.append(row + (f"  {_mib(cuda[k])}" if cuda else ""))
+            kinds = ", ".join(f"{kind} {mib(n)}" for kind, n in memory.peak_by_kind.items() if n)
+            row = f"{k:>5}  {mib(memory.total):>10}  {mib(memory.peak):>10}  {kinds}"
+            rows.append(row + (f"  {mib(cuda[k])}" if cuda else ""))
         return "\n".join(rows)
 
     def _capacities(self) -> Optional[list[int]]:
@@ -277,113 +302,55 @@ class MemoryPipeStrategy(ParallelStrategy):
             )
         return limits
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.clock.reset()
         self._step_start = time.perf_counter()
-        if self._scheduled is None:
+        if self._step is None:
             return super().training_step(*args, **kwargs)
-        return self._scheduled_training_step(*args, **kwargs)
+        return self._step(self.lightning_module, self.optimizers[0], self._stepping, *args, **kwargs)
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         self.clock.end_backward()
 
-    def _log_metrics(self) -> None:
-        """Per-stage memory and time, step time and bubble, to every logger at
-        ``log_every_n_steps``."""
-        trainer = self.lightning_module.trainer
-        if not trainer.loggers or not trainer._logger_connector.should_update_logs:
-            return
-        stages = len(self.clock.forward_ms)
-        metrics: dict[str, float] = {"pipe/step_ms": (time.perf_counter() - self._step_start) * 1e3}
-        for s in range(stages):
-            metrics[f"pipe/stage{s}/forward_ms"] = self.clock.forward_ms[s]
-            metrics[f"pipe/stage{s}/backward_ms"] = self.clock.backward_ms[s]
-            if self.meter is not None:
-                metrics[f"pipe/stage{s}/peak_bytes"] = self.meter.stages[s].peak
-                metrics[f"pipe/stage{s}/activation_bytes"] = self.meter.stages[s].kind_peaks["activations"]
-            if self.plan is not None:
-                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = self.plan.stages[s].peak.total
-        times = [StageTime(f / self.chunks, b / self.chunks) for f, b in zip(self.clock.forward_ms, self.clock.backward_ms)]
-        metrics["pipe/bubble_fraction"] = simulate(times, schedules.actions(self.schedule, self.chunks, stages)).bubble
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
-
-    def _scheduled_training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        """One batch under 1F1B or 2BW: ``training_step`` per micro-batch, each backward at its
-        place in the schedule, gradients scaled and zeroed as Lightning would."""
-        module, trainer = self.lightning_module, self.lightning_module.trainer
-        assert self._scheduled is not None and self.program is not None
-        microbatches = scatter(batch, self.chunks)
-        sizes = [batch_size(mb) for mb in microbatches]
-        accumulate = trainer.accumulate_grad_batches
-        optimizer = self.optimizers[0]
-        if batch_idx % accumulate == 0:
-            call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
-            call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
-            call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
-        stages = len(self.program.stages)
-        order = global_order(schedules.actions(self.schedule, self.chunks, stages))
-        logs = LogCollector(module, sizes)
-        losses: dict[int, Tensor] = {}
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        with self._versions.stale_weights() if self._versions else nullcontext():
-            for step in order:
-                if step.kind == "forward":
-                    self._scheduled.microbatch = step.microbatch
-                    with logs.microbatch(step.microbatch), self.precision_plugin.train_step_context():
-                        self._scheduled.active = True
-                        try:
-                            output = module.training_step(microbatches[step.microbatch], batch_idx, *args, **kwargs)
-                        finally:
-                            self._scheduled.active = False
-                    losses[step.microbatch] = _loss_of(output)
-                    continue
-                loss = None
-                if step.stage == stages - 1:
-                    loss = losses[step.microbatch] * (sizes[step.microbatch] / sum(sizes) / accumulate)
-                    if scaler is not None:
-                        loss = scaler.scale(loss)
-                self._scheduled.backward(step.microbatch, step.stage, loss)
-                if loss is not None:  # its graph would keep the output leaf and its gradient alive
-                    losses[step.microbatch] = losses[step.microbatch].detach()
-        batch_loss = sum(losses[i] * (n / sum(sizes)) for i, n in enumerate(sizes))  # each detached after its backward
-        call._call_callback_hooks(trainer, "on_before_backward", batch_loss)
-        call._call_lightning_module_hook(trainer, "on_before_backward", batch_loss)
-        call._call_callback_hooks(trainer, "on_after_backward")
-        call._call_lightning_module_hook(trainer, "on_after_backward")
-        logs.flush()
-        if self._versions is not None and self._stepping:
-            self._versions.advance()  # the optimizer is about to step: W(t) becomes the stale one
-        return batch_loss
-
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         self._stepping = True
         try:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             self._stepping = False
-        self._log_metrics()
+        module = self.lightning_module
+        step_ms = (time.perf_counter() - self._step_start) * 1e3
+        log_step_metrics(module.trainer, step_metrics(self.clock, self.meter, self.plan, self.schedule, self.chunks, step_ms))
         if self.meter is not None:
             self.meter.own_optimizer_state(optimizer)
         return output
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
             _state_to_param_devices(optimizer)
 
+    @override
     def reduce(self, tensor: Union[Tensor, Any], *args: Any, **kwargs: Any) -> Union[Tensor, Any]:
         return tensor
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         return tensor
 
+    @override
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None:
@@ -394,6 +361,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         super().teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Memory-centric pipeline parallelism in one process"
@@ -411,17 +379,6 @@ def _device_capacities(devices: list[torch.device]) -> list[int]:
     return [total[d] // devices.count(d) for d in devices]
 
 
-def _loss_of(output: Any) -> Tensor:
-    loss = output["loss"] if isinstance(output, Mapping) else output
-    if not isinstance(loss, Tensor):
-        raise ValueError(
-            "Under a schedule-driven pipeline, training_step must return the loss (a tensor or a "
-            "dict with 'loss') for every micro-batch; skipping a batch by returning None is not "
-            "supported."
-        )
-    return loss
-
-
 def _state_to_param_devices(optimizer: Optimizer) -> None:
     """Move each optimizer state tensor to its parameter's device (Lightning moves all of
     them to the root device); ``step`` counters stay where the optimizer keeps them."""
@@ -431,35 +388,10 @@ def _state_to_param_devices(optimizer: Optimizer) -> None:
                 state[key] = value.to(param.device)
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(value: MemoryLimit) -> int:
-    """Bytes from a number or a string such as ``"2GiB"``, ``"512 MB"`` or ``"1e9"``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    else:
-        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(value))
-        if match is None or match.group(2).upper() not in _UNITS:
-            raise ValueError(
-                f"Cannot read {value!r} as a memory size; use bytes or a number with a unit "
-                f"such as '512MiB', '2GiB' or '16GB'."
-            )
-        number = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-    if number <= 0:
-        raise ValueError(f"A memory size must be positive, got {value!r}.")
-    return number
-
-
-def _parse_limits(limit: Optional[Union[MemoryLimit, list[MemoryLimit]]]) -> Optional[list[int]]:
+def _parse_limits(limit: Optional[Union[MemorySize, list[MemorySize]]]) -> Optional[list[int]]:
     if limit is None:
         return None
     return [parse_bytes(v) for v in (limit if isinstance(limit, list) else [limit])]
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.2f} MiB"
 
 
 if MemoryPipeStrategy.strategy_name not in StrategyRegistry:

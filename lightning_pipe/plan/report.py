@@ -12,7 +12,8 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from lightning_pipe.plan import Plan  # noqa: E402
+from lightning_pipe.plan.plan import Plan  # noqa: E402
+from lightning_pipe.units import mib  # noqa: E402
 
 __all__ = ["save", "show", "table"]
 
@@ -29,9 +30,9 @@ def table(plan: Plan, devices: list[torch.device]) -> Table:
     for s, (r, cap) in enumerate(zip(plan.stages, plan.capacities)):
         peak = r.peak
         t.add_row(
-            str(s), str(devices[s]), f"{r.start}-{r.stop - 1}", _mib(r.param_bytes),
-            *(_mib(getattr(peak, k)) for k in _KINDS), _mib(peak.total), _mib(cap),
-            f"{r.time_ms:.2f}", _mib(r.recomputed_bytes), _mib(r.swapped_bytes),
+            str(s), str(devices[s]), f"{r.start}-{r.stop - 1}", mib(r.param_bytes),
+            *(mib(getattr(peak, k)) for k in _KINDS), mib(peak.total), mib(cap),
+            f"{r.time_ms:.2f}", mib(r.recomputed_bytes), mib(r.swapped_bytes),
         )
     t.caption = f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}"
     return t
@@ -71,7 +72,3 @@ def save(plan: Plan, folder: Union[str, Path]) -> None:
     fig.tight_layout()
     fig.savefig(folder / "plan.png", dpi=100)
     plt.close(fig)
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"

@@ -2,7 +2,7 @@
 
 The closed forms ((m + L - 1) * (f + b) and the like) hold only for equal stages; the planner
 compares plans whose stages differ in compute, recompute, exposed swap and transfer time, so it
-replays the schedule's per-stage action lists (:func:`lightning_pipe.schedule.actions`)
+replays the schedule's per-stage action lists (:func:`lightning_pipe.plan.schedule.actions`)
 instead: a task starts when its stage is free and its input has arrived.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_pipe.schedule import Action
+from lightning_pipe.plan.schedule import Action
 
 __all__ = ["Simulation", "StageTime", "simulate"]
 

@@ -1,131 +1,28 @@
-"""Profile: what each graph node costs in time and memory, measured on a sample micro-batch.
+"""Profiler: measure what each graph node costs in time and memory on a sample micro-batch.
 
-A :class:`Profile` is plain data (JSON round trip), so the planner can run on a saved profile
-with no model and no device. Byte counts are of real storages observed while the node ran;
-activation-like counts scale linearly with the micro-batch size (:meth:`Profile.scaled`).
+Nodes run one by one on the device that holds their parameters, so the whole model never has
+to sit on one device; bytes come from the memory meter, so they agree with metered stage peaks.
+The result is a :class:`~lightning_pipe.plan.profile.Profile`, plain data for the planner.
 """
 
 import inspect
-import json
 import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_pipe.capture import Captured
-from lightning_pipe.meter import MemoryMeter
-from lightning_pipe.microbatch import batch_size
-from lightning_pipe.transport import move
+from lightning_pipe.graph.capture import Captured
+from lightning_pipe.graph.microbatch import batch_size
+from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.plan.profile import NodeProfile, Profile
 
-__all__ = ["NodeProfile", "Profile", "profile_graph"]
-
-
-@dataclass
-class NodeProfile:
-    """Costs of one compute node of the captured graph, for one micro-batch.
-
-    Attributes:
-        name: the fx node name.
-        forward_ms / backward_ms: median wall time of the node's forward / backward.
-        output_bytes: bytes of the tensors the node returns.
-        saved_bytes: bytes of storages the node allocated that autograd keeps for backward
-            (whichever node saves them); each stashed storage is counted once, at its maker.
-        transient_bytes: peak bytes the node allocates beyond what outlives it (workspace).
-        param_bytes: bytes of parameters first used by this node (shared ones count once).
-        grad_bytes: bytes of the gradients of those parameters (trainable ones only).
-        optimizer_bytes: bytes of optimizer state for those parameters, measured with the
-            user's optimizer.
-        users: indices of the nodes reading this node's output; ``-1`` is the graph output.
-        backward_bytes: peak bytes the node's backward adds: fresh gradients of its
-            parameters and inputs, and workspace.
-        output_grad_bytes: bytes of the gradient that flows back into the node's output.
-        last_saver: index of the last node that keeps for backward a storage this node
-            made (-1: none, or not measured). Recomputing or swapping this node frees its
-            saved bytes only together with that node.
-    """
-
-    name: str
-    forward_ms: float
-    backward_ms: float
-    output_bytes: int
-    saved_bytes: int
-    transient_bytes: int
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    users: list[int] = field(default_factory=list)
-    backward_bytes: int = 0
-    output_grad_bytes: int = 0
-    last_saver: int = -1
-
-
-@dataclass
-class Profile:
-    """Per-node costs of a captured graph and the conditions they were measured under.
-
-    Attributes:
-        input_bytes: bytes of the graph inputs for one micro-batch.
-        input_users: indices of the nodes reading a graph input.
-        fake: bytes were measured on fake tensors and the times are zero.
-    """
-
-    nodes: list[NodeProfile]
-    device: str
-    dtype: str
-    microbatch_size: int
-    input_bytes: int = 0
-    input_users: list[int] = field(default_factory=list)
-    fake: bool = False
-
-    def scaled(self, microbatch_size: int) -> "Profile":
-        """Predict the profile at another micro-batch size: activation, output and
-        workspace bytes and node times scale linearly (a first-order model); parameters,
-        gradients and optimizer state are kept."""
-        if microbatch_size < 1:
-            raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}.")
-        f = microbatch_size / self.microbatch_size
-
-        def scale(n: int) -> int:
-            return round(n * f)
-
-        nodes = [
-            replace(
-                n,
-                output_bytes=scale(n.output_bytes),
-                saved_bytes=scale(n.saved_bytes),
-                transient_bytes=scale(n.transient_bytes),
-                backward_bytes=scale(max(n.backward_bytes - n.grad_bytes, 0)) + min(n.grad_bytes, n.backward_bytes),
-                output_grad_bytes=scale(n.output_grad_bytes),
-                forward_ms=n.forward_ms * f,
-                backward_ms=n.backward_ms * f,
-            )
-            for n in self.nodes
-        ]
-        return replace(self, nodes=nodes, microbatch_size=microbatch_size, input_bytes=scale(self.input_bytes))
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Profile":
-        data = json.loads(text)
-        data["nodes"] = [NodeProfile(**n) for n in data["nodes"]]
-        return cls(**data)
-
-    def save(self, path: Union[str, Path]) -> None:
-        Path(path).write_text(self.to_json())
-
-    @classmethod
-    def load(cls, path: Union[str, Path]) -> "Profile":
-        return cls.from_json(Path(path).read_text())
+__all__ = ["profile_graph"]
 
 
 def profile_graph(
@@ -142,7 +39,7 @@ def profile_graph(
 
     Each node runs on the device holding its parameters (else its first input), so a model
     already split over stage devices is profiled in place, never gathered on one device.
-    Bytes come from a :class:`~lightning_pipe.meter.MemoryMeter` that treats every node as
+    Bytes come from a :class:`~lightning_pipe.measure.meter.MemoryMeter` that treats every node as
     its own stage; times are medians of ``repeats`` runs after ``warmup`` runs. The model's
     parameters, gradients, buffers and the random number generators are left as they were.
 
@@ -249,7 +146,7 @@ class _NodeRunner(fx.Interpreter):
         return self.inputs[target]
 
     def run_on(self, node: fx.Node, device: torch.device) -> Any:
-        args, kwargs = move(self.fetch_args_kwargs_from_env(node), device)
+        args, kwargs = _to(self.fetch_args_kwargs_from_env(node), device)
         return self.call(node, args, kwargs)
 
     def call(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
@@ -277,7 +174,7 @@ def _device_of(node: fx.Node, runner: "_NodeRunner") -> torch.device:
 def _time_node(runner: _NodeRunner, node: fx.Node, repeats: int, warmup: int) -> tuple[float, float]:
     """Median forward and backward milliseconds of one node on fresh copies of its inputs."""
     device = _device_of(node, runner)
-    args, kwargs = move(runner.fetch_args_kwargs_from_env(node), device)
+    args, kwargs = _to(runner.fetch_args_kwargs_from_env(node), device)
     args, kwargs = tree_map(_fresh, (args, kwargs))
     forward_ms = _median_ms(lambda: runner.call(node, args, kwargs), device, repeats, warmup)
     out = runner.call(node, args, kwargs)
@@ -365,3 +262,8 @@ def _set_rng_state(state: tuple) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """Tensors of ``value`` on ``device`` (a differentiable copy where needed)."""
+    return tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, value)

@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
-from lightning_pipe.memory import CostModel, stage_ranges
-from lightning_pipe.optimize import StageOptimum, lowest_peak, optimize_stage
-from lightning_pipe.partition import balance_by_weight, check_stage_count
-from lightning_pipe.profile import Profile
+from lightning_pipe.plan.memory import CostModel, stage_ranges
+from lightning_pipe.plan.optimize import StageOptimum, lowest_peak, optimize_stage
+from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
+from lightning_pipe.plan.profile import Profile
 
 __all__ = ["PARTITIONERS", "Partitioner", "Stages", "lowest_peak_balance", "partition", "split"]
 
@@ -35,7 +35,7 @@ PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params
 class Stages:
     """What a partitioner plans for: a cost model, and per stage its device's capacity (bytes)
     and the micro-batches it holds at once; the schedule's weight copies; the host link; the
-    schedule's :func:`~lightning_pipe.schedule.gradient_waits` (none wait when empty)."""
+    schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits` (none wait when empty)."""
 
     model: CostModel
     capacities: Sequence[int]

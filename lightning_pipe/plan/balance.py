@@ -1,7 +1,7 @@
 """Partition: how many consecutive graph nodes each stage gets (a ``balance``).
 
 A balance is the hand-over format between whoever decides the split (the user, the
-even-by-parameters default here, a planner) and :mod:`lightning_pipe.build`.
+even-by-parameters default here, a planner) and :mod:`lightning_pipe.runtime.build`.
 """
 
 from collections.abc import Sequence

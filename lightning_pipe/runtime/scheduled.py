@@ -21,10 +21,10 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_pipe.build import Program
-from lightning_pipe.clock import StageClock
-from lightning_pipe.meter import MemoryMeter
-from lightning_pipe.transport import move
+from lightning_pipe.runtime.build import Program
+from lightning_pipe.measure.clock import StageClock
+from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.runtime.transport import move
 
 __all__ = ["ScheduledPipeline"]
 

@@ -19,10 +19,10 @@ from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe import swap
-from lightning_pipe.capture import Captured, get_attr
-from lightning_pipe.partition import check_balance
-from lightning_pipe.transport import move
+from lightning_pipe.runtime import swap
+from lightning_pipe.graph.capture import Captured, get_attr
+from lightning_pipe.plan.balance import check_balance
+from lightning_pipe.runtime.transport import move
 
 __all__ = ["Policy", "Program", "Segment", "Stage", "build"]
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_pipe.meter import not_charged
+from lightning_pipe.measure.meter import not_charged
 
 __all__ = ["Swapped", "prefetch", "to_host"]
 

@@ -1,0 +1,113 @@
+"""Profile data: what each graph node costs in time and memory, for one micro-batch.
+
+A :class:`Profile` is plain data (JSON round trip), so the planner can run on a saved profile
+with no model and no device. Byte counts are of real storages observed while the node ran;
+activation-like counts scale linearly with the micro-batch size (:meth:`Profile.scaled`).
+"""
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Union
+
+__all__ = ["NodeProfile", "Profile"]
+
+
+@dataclass
+class NodeProfile:
+    """Costs of one compute node of the captured graph, for one micro-batch.
+
+    Attributes:
+        name: the fx node name.
+        forward_ms / backward_ms: median wall time of the node's forward / backward.
+        output_bytes: bytes of the tensors the node returns.
+        saved_bytes: bytes of storages the node allocated that autograd keeps for backward
+            (whichever node saves them); each stashed storage is counted once, at its maker.
+        transient_bytes: peak bytes the node allocates beyond what outlives it (workspace).
+        param_bytes: bytes of parameters first used by this node (shared ones count once).
+        grad_bytes: bytes of the gradients of those parameters (trainable ones only).
+        optimizer_bytes: bytes of optimizer state for those parameters, measured with the
+            user's optimizer.
+        users: indices of the nodes reading this node's output; ``-1`` is the graph output.
+        backward_bytes: peak bytes the node's backward adds: fresh gradients of its
+            parameters and inputs, and workspace.
+        output_grad_bytes: bytes of the gradient that flows back into the node's output.
+        last_saver: index of the last node that keeps for backward a storage this node
+            made (-1: none, or not measured). Recomputing or swapping this node frees its
+            saved bytes only together with that node.
+    """
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    output_bytes: int
+    saved_bytes: int
+    transient_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    users: list[int] = field(default_factory=list)
+    backward_bytes: int = 0
+    output_grad_bytes: int = 0
+    last_saver: int = -1
+
+
+@dataclass
+class Profile:
+    """Per-node costs of a captured graph and the conditions they were measured under.
+
+    Attributes:
+        input_bytes: bytes of the graph inputs for one micro-batch.
+        input_users: indices of the nodes reading a graph input.
+        fake: bytes were measured on fake tensors and the times are zero.
+    """
+
+    nodes: list[NodeProfile]
+    device: str
+    dtype: str
+    microbatch_size: int
+    input_bytes: int = 0
+    input_users: list[int] = field(default_factory=list)
+    fake: bool = False
+
+    def scaled(self, microbatch_size: int) -> "Profile":
+        """Predict the profile at another micro-batch size: activation, output and
+        workspace bytes and node times scale linearly (a first-order model); parameters,
+        gradients and optimizer state are kept."""
+        if microbatch_size < 1:
+            raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}.")
+        f = microbatch_size / self.microbatch_size
+
+        def scale(n: int) -> int:
+            return round(n * f)
+
+        nodes = [
+            replace(
+                n,
+                output_bytes=scale(n.output_bytes),
+                saved_bytes=scale(n.saved_bytes),
+                transient_bytes=scale(n.transient_bytes),
+                backward_bytes=scale(max(n.backward_bytes - n.grad_bytes, 0)) + min(n.grad_bytes, n.backward_bytes),
+                output_grad_bytes=scale(n.output_grad_bytes),
+                forward_ms=n.forward_ms * f,
+                backward_ms=n.backward_ms * f,
+            )
+            for n in self.nodes
+        ]
+        return replace(self, nodes=nodes, microbatch_size=microbatch_size, input_bytes=scale(self.input_bytes))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        data = json.loads(text)
+        data["nodes"] = [NodeProfile(**n) for n in data["nodes"]]
+        return cls(**data)
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "Profile":
+        return cls.from_json(Path(path).read_text())
