@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ class ProcessMeter(MemoryMeter):
     def __init__(self) -> None:
         super().__init__(1)
 
-    def _stage_now(self) -> Optional[tuple[int, str]]:
+    def _stage_now(self) -> tuple[int, str] | None:
         return 0, "transient"
 
     @property

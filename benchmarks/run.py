@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning
 import torch
@@ -40,14 +40,14 @@ from benchmarks.peers import (
 from benchmarks.planner_speed import transformer_like
 from examples.models import loader
 from lightning_pipe.graph.capture import capture
-from lightning_pipe.plan.memory import CostModel, predict_peaks, stage_ranges
+from lightning_pipe.lightning.strategy import _PLANNING_HEADROOM, MemoryPipeStrategy
 from lightning_pipe.measure.meter import StageOutOfMemoryError
+from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.plan.memory import CostModel, predict_peaks, stage_ranges
 from lightning_pipe.plan.partitioners import PARTITIONERS, partition
 from lightning_pipe.plan.plan import InfeasiblePlanError, make_plan, max_microbatch
-from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import gradient_waits, in_flight, weight_versions
-from lightning_pipe.lightning.strategy import _PLANNING_HEADROOM, MemoryPipeStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 4
@@ -153,7 +153,7 @@ class Config:
     capacity: int
     max_microbatch: int = 0
     exact: bool = False
-    predicted_max: Optional[int] = None
+    predicted_max: int | None = None
     probes: list[Probe] = field(default_factory=list)
 
     @property
@@ -231,7 +231,7 @@ def memory_config(bench: Bench, config: Config, profile: Profile, guess: int, li
     return config
 
 
-def predicted_max(profile: Profile, config: Config) -> Optional[int]:
+def predicted_max(profile: Profile, config: Config) -> int | None:
     """The planner's own prediction of the largest micro-batch (``None``: not even one)."""
     capacities = [int(config.capacity * _PLANNING_HEADROOM)] * config.stages
     try:
@@ -564,7 +564,7 @@ def summary(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="small sizes, under 8 minutes on 2 CPU cores (default)")

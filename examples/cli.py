@@ -6,18 +6,17 @@
 
 import os
 import sys
-from typing import Optional
 
 from lightning.pytorch.cli import LightningCLI
 
 sys.path.insert(0, os.path.dirname(__file__))  # so "models.GPT" resolves when run as a script
 
-from models import SyntheticData  # noqa: E402
+from models import SyntheticData
 
-import lightning_pipe  # noqa: E402,F401  (registers the "memory_pipe" strategy name)
+import lightning_pipe  # noqa: F401  (registers the "memory_pipe" strategy name)
 
 
-def main(args: Optional[list[str]] = None) -> LightningCLI:
+def main(args: list[str] | None = None) -> LightningCLI:
     return LightningCLI(datamodule_class=SyntheticData, save_config_kwargs={"overwrite": True}, args=args)
 
 

@@ -8,16 +8,16 @@ import json
 import os
 import re
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import yaml
 
 from lightning_pipe.graph.capture import CaptureError, capture
 from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.partitioners import PARTITIONERS
 from lightning_pipe.plan.plan import InfeasiblePlanError, make_plan, max_microbatch
-from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.units import parse_bytes
 
 __all__ = ["main"]
@@ -26,7 +26,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-pipe", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="plan a model over a device spec")
@@ -128,7 +128,7 @@ def _devices(spec: str) -> list[int]:
     return [parse_bytes(part) for part in spec.split(",")]
 
 
-def _optimizer(model: torch.nn.Module) -> Optional[torch.optim.Optimizer]:
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer | None:
     """The model's own optimizer when it configures one, for optimizer-state bytes."""
     try:
         configured = model.configure_optimizers()

@@ -1,6 +1,6 @@
 """Shared test helpers: seeded Lightning runs and parameter comparison."""
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -36,7 +36,7 @@ def trainer(strategy: "str | Strategy" = "auto", devices: int = 1, **kwargs: Any
     )
 
 
-def max_rel_diff(a: LightningModule, b: LightningModule, keys: Optional[list[str]] = None) -> float:
+def max_rel_diff(a: LightningModule, b: LightningModule, keys: list[str] | None = None) -> float:
     """Largest relative difference ||a - b|| / ||b|| over the floating tensors of two state dicts."""
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()

@@ -1,9 +1,9 @@
 import torch
 
 from examples.models import GPT, UNet
-from lightning_pipe.runtime.build import build
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.plan.balance import balance_by_weight
+from lightning_pipe.runtime.build import build
 
 CPU = torch.device("cpu")
 
@@ -66,7 +66,7 @@ def _wide_run(policy, chunks=4):
     torch.manual_seed(0)
     model = Wide()
     captured = capture(model)
-    policies = {name: policy for name in ("l1", "act", "l2")} if policy != "keep" else {}
+    policies = dict.fromkeys(("l1", "act", "l2"), policy) if policy != "keep" else {}
     program = build(captured, model, [1, 3], [CPU, CPU], policies)
     meter = MemoryMeter(2)
     for stage in program.stages:

@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.runtime.build import build
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
+from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.gpipe import Pipeline
 
 CPU = torch.device("cpu")

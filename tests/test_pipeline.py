@@ -3,9 +3,9 @@ import torch
 from torch import nn
 
 from examples.models import GPT, EncoderDecoder
-from lightning_pipe.runtime.build import build
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.plan.balance import balance_by_weight
+from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.gpipe import Pipeline
 
 CPU = torch.device("cpu")

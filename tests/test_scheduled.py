@@ -9,8 +9,8 @@ from lightning.pytorch.loggers import CSVLogger
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture
-from lightning_pipe.plan.memory import predict_peaks
 from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.plan.memory import predict_peaks
 from lightning_pipe.plan.schedule import Step, actions, global_order, gradient_waits, in_flight
 from tests.helpers import make, max_rel_diff, trainer
 

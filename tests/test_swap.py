@@ -1,7 +1,7 @@
 import torch
 
-from lightning_pipe.runtime import swap
 from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.runtime import swap
 
 
 def test_views_of_one_storage_share_one_host_copy_and_come_back_equal():

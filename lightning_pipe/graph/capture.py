@@ -9,7 +9,7 @@ import os
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -82,7 +82,7 @@ class _Tracer(fx.Tracer):
         self.leaf_modules = set(leaf_modules)
         self.matched: set[str] = set()
         self.stack: list[tuple[str, str]] = []
-        self.failed_in: Optional[tuple[str, str]] = None
+        self.failed_in: tuple[str, str] | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         for key in (module_qualified_name, type(m).__name__):

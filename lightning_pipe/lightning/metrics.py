@@ -1,6 +1,5 @@
 """Per-stage memory and time of one training step, as metrics for Lightning's loggers."""
 
-from typing import Optional
 
 from lightning.pytorch import Trainer
 
@@ -15,8 +14,8 @@ __all__ = ["log_step_metrics", "step_metrics"]
 
 def step_metrics(
     clock: StageClock,
-    meter: Optional[MemoryMeter],
-    plan: Optional[Plan],
+    meter: MemoryMeter | None,
+    plan: Plan | None,
     schedule: Schedule,
     chunks: int,
     step_ms: float,

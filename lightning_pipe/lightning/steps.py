@@ -9,7 +9,7 @@ schedule's order, fires the hooks Lightning would have fired, and returns the ba
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
@@ -34,7 +34,7 @@ class ScheduledStep:
     schedule: Schedule
     chunks: int
     precision: Precision
-    versions: Optional[WeightVersions] = None
+    versions: WeightVersions | None = None
 
     def __call__(
         self, module: LightningModule, optimizer: Optimizer, stepping: bool, batch: Any, batch_idx: int,

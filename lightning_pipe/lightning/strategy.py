@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -77,16 +77,16 @@ class MemoryPipeStrategy(ParallelStrategy):
         self,
         chunks: int = 4,
         schedule: Schedule = "gpipe",
-        balance: Optional[list[int]] = None,
-        leaf_modules: Optional[list[str]] = None,
-        planner: Optional[Partitioner] = "dawnpiper",
-        memory_limit: Optional[Union[MemorySize, list[MemorySize]]] = None,
-        host_bandwidth: Optional[float] = None,
+        balance: list[int] | None = None,
+        leaf_modules: list[str] | None = None,
+        planner: Partitioner | None = "dawnpiper",
+        memory_limit: MemorySize | list[MemorySize] | None = None,
+        host_bandwidth: float | None = None,
         measure_memory: bool = False,
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -112,15 +112,15 @@ class MemoryPipeStrategy(ParallelStrategy):
         self.memory_limit = _parse_limits(memory_limit)
         self.host_bandwidth = host_bandwidth
         self.measure_memory = measure_memory
-        self.program: Optional[Program] = None
-        self.profile: Optional[Profile] = None
-        self.plan: Optional[Plan] = None
-        self.meter: Optional[MemoryMeter] = None
+        self.program: Program | None = None
+        self.profile: Profile | None = None
+        self.plan: Plan | None = None
+        self.meter: MemoryMeter | None = None
         self._needs_plan = False
-        self._pipeline: Optional[Pipeline] = None
-        self._scheduled: Optional[ScheduledPipeline] = None
-        self._versions: Optional[WeightVersions] = None
-        self._step: Optional[ScheduledStep] = None
+        self._pipeline: Pipeline | None = None
+        self._scheduled: ScheduledPipeline | None = None
+        self._versions: WeightVersions | None = None
+        self._step: ScheduledStep | None = None
         self._stepping = False
         self._step_start = 0.0
         self.clock = StageClock(0)
@@ -270,7 +270,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         rows = [f"{'stage':>5}  {'device':<8} {'nodes':>5}  {'params':>10}  first .. last node"]
         for stage in self.program.stages:
             rows.append(
-                f"{stage.index:>5}  {str(stage.device):<8} {len(stage.node_names):>5}  "
+                f"{stage.index:>5}  {stage.device!s:<8} {len(stage.node_names):>5}  "
                 f"{mib(stage.param_bytes()):>10}  {stage.node_names[0]} .. {stage.node_names[-1]}"
             )
         return "\n".join(rows)
@@ -289,7 +289,7 @@ class MemoryPipeStrategy(ParallelStrategy):
             rows.append(row + (f"  {mib(cuda[k])}" if cuda else ""))
         return "\n".join(rows)
 
-    def _capacities(self) -> Optional[list[int]]:
+    def _capacities(self) -> list[int] | None:
         assert self.parallel_devices
         stages = len(self.parallel_devices)
         limits = self.memory_limit
@@ -335,7 +335,7 @@ class MemoryPipeStrategy(ParallelStrategy):
             _state_to_param_devices(optimizer)
 
     @override
-    def reduce(self, tensor: Union[Tensor, Any], *args: Any, **kwargs: Any) -> Union[Tensor, Any]:
+    def reduce(self, tensor: Tensor | Any, *args: Any, **kwargs: Any) -> Tensor | Any:
         return tensor
 
     @override
@@ -347,7 +347,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         return obj
 
     @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         return tensor
 
     @override
@@ -388,7 +388,7 @@ def _state_to_param_devices(optimizer: Optimizer) -> None:
                 state[key] = value.to(param.device)
 
 
-def _parse_limits(limit: Optional[Union[MemorySize, list[MemorySize]]]) -> Optional[list[int]]:
+def _parse_limits(limit: MemorySize | list[MemorySize] | None) -> list[int] | None:
     if limit is None:
         return None
     return [parse_bytes(v) for v in (limit if isinstance(limit, list) else [limit])]

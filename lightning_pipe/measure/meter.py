@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -86,7 +86,7 @@ class MemoryMeter(TorchDispatchMode):
         capacities: per-stage byte limits (``None`` entries or list: unlimited).
     """
 
-    def __init__(self, num_stages: int, capacities: Optional[Sequence[Optional[int]]] = None) -> None:
+    def __init__(self, num_stages: int, capacities: Sequence[int | None] | None = None) -> None:
         super().__init__()
         if capacities is not None and len(capacities) != num_stages:
             raise ValueError(f"{len(capacities)} capacities given for {num_stages} stages.")
@@ -122,7 +122,7 @@ class MemoryMeter(TorchDispatchMode):
             node.metadata[self._tag] = stage
             stack.extend(f for f, _ in node.next_functions)
 
-    def _stage_now(self) -> Optional[tuple[int, str]]:
+    def _stage_now(self) -> tuple[int, str] | None:
         node = torch._C._current_autograd_node()
         if node is None:
             stage = getattr(self._local, "stage", None)
@@ -211,7 +211,7 @@ class MemoryMeter(TorchDispatchMode):
         with self._lock:
             self.stages[entry.stage].current[entry.kind] -= entry.nbytes
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         where = None if getattr(_flags, "off", False) else self._stage_now()
         if where is not None:
@@ -237,7 +237,7 @@ class MemoryMeter(TorchDispatchMode):
             m.kind_peaks = dict(m.current)
 
     @staticmethod
-    def cuda_peaks(devices: Sequence[torch.device]) -> Optional[list[int]]:
+    def cuda_peaks(devices: Sequence[torch.device]) -> list[int] | None:
         """``torch.cuda.max_memory_allocated`` per stage, when every stage has its own GPU."""
         if not all(d.type == "cuda" for d in devices) or len(set(devices)) != len(devices):
             return None

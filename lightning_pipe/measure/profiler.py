@@ -10,7 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, fx
@@ -28,9 +28,9 @@ __all__ = ["profile_graph"]
 def profile_graph(
     captured: Captured,
     args: tuple = (),
-    kwargs: Optional[dict[str, Any]] = None,
+    kwargs: dict[str, Any] | None = None,
     *,
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    optimizer: torch.optim.Optimizer | None = None,
     repeats: int = 3,
     warmup: int = 1,
     fake: bool = False,
@@ -221,7 +221,7 @@ def _median_ms(fn: Callable[[], Any], device: torch.device, repeats: int, warmup
     return statistics.median(times)
 
 
-def _optimizer_bytes(optimizer: Optional[torch.optim.Optimizer], params: list[torch.nn.Parameter]) -> dict[int, int]:
+def _optimizer_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch.nn.Parameter]) -> dict[int, int]:
     """State bytes per parameter for the optimizer's class and settings, measured by one step
     on a zero copy of each parameter in turn (never a copy of the whole model)."""
     if optimizer is None:

@@ -16,7 +16,6 @@ device-host link (``None``: no swapping).
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from lightning_pipe.plan.memory import CostModel, Policy, StagePeak
 
@@ -41,7 +40,7 @@ class StageOptimum:
 
 
 def policy_time(
-    model: CostModel, lo: int, hi: int, policies: dict[int, Policy], host_bandwidth: Optional[float]
+    model: CostModel, lo: int, hi: int, policies: dict[int, Policy], host_bandwidth: float | None
 ) -> tuple[float, float]:
     """(recompute, exposed swap) milliseconds per micro-batch of a stage's policies.
 
@@ -73,7 +72,7 @@ def optimize_stage(
     in_flight: float,
     capacity: float,
     weight_versions: int = 1,
-    host_bandwidth: Optional[float] = None,
+    host_bandwidth: float | None = None,
 ) -> StageOptimum:
     """Cheapest policies (by the greedy above) bringing stage ``[lo, hi)`` under ``capacity``."""
     base = model.peak(lo, hi, in_flight, {}, weight_versions)
@@ -106,7 +105,7 @@ def optimize_stage(
     def exposed(extra_late: float, extra_link: float) -> float:
         return max(late + extra_late, link + extra_link - compute)
 
-    def check() -> Optional[StageOptimum]:
+    def check() -> StageOptimum | None:
         nonlocal estimate, best
         found = _priced(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, dict(policies))
         if found.fits:
@@ -175,7 +174,7 @@ def _priced(
     in_flight: float,
     capacity: float,
     weight_versions: int,
-    host_bandwidth: Optional[float],
+    host_bandwidth: float | None,
     policies: dict[int, Policy],
 ) -> StageOptimum:
     peak = model.peak(lo, hi, in_flight, policies, weight_versions)
@@ -184,7 +183,7 @@ def _priced(
 
 
 def _lowest_memory_policies(
-    model: CostModel, lo: int, hi: int, host_bandwidth: Optional[float]
+    model: CostModel, lo: int, hi: int, host_bandwidth: float | None
 ) -> list[dict[int, Policy]]:
     """Low-memory policies to try when the greedy runs out of candidates, so a stage fits
     whenever one of them does: recompute in segments of 2, 4, 8, ... nodes with one kept
@@ -203,7 +202,7 @@ def _lowest_memory_policies(
 
 
 def lowest_peak(
-    model: CostModel, lo: int, hi: int, in_flight: float, weight_versions: int, host_bandwidth: Optional[float]
+    model: CostModel, lo: int, hi: int, in_flight: float, weight_versions: int, host_bandwidth: float | None
 ) -> int:
     """The lowest peak :func:`optimize_stage` can reach for the stage (capacity 0)."""
     return optimize_stage(model, lo, hi, in_flight, 0, weight_versions, host_bandwidth).peak.total

@@ -18,11 +18,11 @@ Capacities are per stage device and may differ (heterogeneous devices).
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, Optional
+from typing import Literal
 
+from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum, lowest_peak, optimize_stage
-from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.profile import Profile
 
 __all__ = ["PARTITIONERS", "Partitioner", "Stages", "lowest_peak_balance", "partition", "split"]
@@ -41,7 +41,7 @@ class Stages:
     capacities: Sequence[int]
     in_flight: Sequence[int]
     weight_versions: int = 1
-    host_bandwidth: Optional[float] = None
+    host_bandwidth: float | None = None
     waits: Sequence[Sequence[int]] = ()
     _optima: dict[tuple[int, int, int, int], StageOptimum] = field(default_factory=dict, repr=False)
 
@@ -112,7 +112,7 @@ def partition(
     in_flight: Sequence[int],
     *,
     weight_versions: int = 1,
-    host_bandwidth: Optional[float] = None,
+    host_bandwidth: float | None = None,
 ) -> list[int]:
     """Balance for ``len(capacities)`` stages by the partitioner ``name``."""
     if len(in_flight) != len(capacities):
@@ -154,7 +154,7 @@ def lowest_peak_balance(stages: Stages) -> list[int]:
 Cost = Callable[[int, int, int], float]
 
 
-def _fill_first(n: int, limits: Sequence[float], cost: Cost) -> Optional[list[int]]:
+def _fill_first(n: int, limits: Sequence[float], cost: Cost) -> list[int] | None:
     """CAPSlog's fill-first: each stage in turn takes the longest run of nodes whose cost stays
     within its limit (keeping a node for every later stage); the last takes the rest. Exact for
     costs that grow with the node range. ``None`` when the rest does not fit the last stage."""

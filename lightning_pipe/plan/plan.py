@@ -8,7 +8,6 @@ can be made offline from a saved profile and checked in.
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum
@@ -64,7 +63,7 @@ class Plan:
     capacities: list[int]
     microbatch_size: int
     chunks: int
-    host_bandwidth: Optional[float]
+    host_bandwidth: float | None
     balance: list[int]
     policies: list[str]
     stages: list[StageReport]
@@ -112,7 +111,7 @@ def make_plan(
     partitioner: Partitioner = "dawnpiper",
     schedule: Schedule = "1f1b",
     chunks: int = 1,
-    host_bandwidth: Optional[float] = None,
+    host_bandwidth: float | None = None,
 ) -> Plan:
     """Plan ``profile`` over one stage per capacity (bytes): split with ``partitioner``, then
     fit every stage with recompute and, given ``host_bandwidth`` (bytes/s), swap.
@@ -168,7 +167,7 @@ def max_microbatch(
     partitioner: Partitioner = "dawnpiper",
     schedule: Schedule = "1f1b",
     chunks: int = 1,
-    host_bandwidth: Optional[float] = None,
+    host_bandwidth: float | None = None,
 ) -> int:
     """The largest micro-batch size whose plan fits, predicting other sizes with
     :meth:`Profile.scaled` (doubling, then binary search).
@@ -198,7 +197,7 @@ def _attempt(
     partitioner: Partitioner,
     schedule: Schedule,
     chunks: int,
-    host_bandwidth: Optional[float],
+    host_bandwidth: float | None,
 ) -> tuple[Stages, list[int], list[StageOptimum]]:
     """Split and optimise every stage; the caller checks whether all fit."""
     flight = in_flight(schedule, chunks, len(capacities))

@@ -8,7 +8,6 @@ activation-like counts scale linearly with the micro-batch size (:meth:`Profile.
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Union
 
 __all__ = ["NodeProfile", "Profile"]
 
@@ -105,9 +104,9 @@ class Profile:
         data["nodes"] = [NodeProfile(**n) for n in data["nodes"]]
         return cls(**data)
 
-    def save(self, path: Union[str, Path]) -> None:
+    def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "Profile":
+    def load(cls, path: str | Path) -> "Profile":
         return cls.from_json(Path(path).read_text())

@@ -1,19 +1,18 @@
 """Report: a plan as a console table, a JSON file and a plot of memory and time per stage."""
 
 from pathlib import Path
-from typing import Union
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display needed
 
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from lightning_pipe.plan.plan import Plan  # noqa: E402
-from lightning_pipe.units import mib  # noqa: E402
+from lightning_pipe.plan.plan import Plan
+from lightning_pipe.units import mib
 
 __all__ = ["save", "show", "table"]
 
@@ -44,7 +43,7 @@ def show(plan: Plan, devices: list[torch.device]) -> None:
     console.print(table(plan, devices))
 
 
-def save(plan: Plan, folder: Union[str, Path]) -> None:
+def save(plan: Plan, folder: str | Path) -> None:
     """Write ``plan.json`` and ``plan.png`` (memory by kind against capacity, and time, per stage)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

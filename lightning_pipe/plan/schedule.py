@@ -2,7 +2,7 @@
 
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
-from typing import Any, Literal, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple
 
 __all__ = [
     "Action", "Schedule", "Step", "actions", "clock_cycles", "global_order", "gradient_waits", "in_flight",
@@ -82,7 +82,7 @@ class Step(NamedTuple):
 
     kind: str
     microbatch: int
-    stage: Optional[int]
+    stage: int | None
 
 
 def global_order(per_stage: Sequence[Sequence[Any]]) -> list[Step]:
@@ -129,7 +129,7 @@ def gradient_waits(schedule: Schedule, num_microbatches: int, num_stages: int) -
     if schedule == "gpipe":
         return tuple(map(tuple, waits))
     done = [0] * num_stages
-    grown: Optional[int] = None  # the stage whose backward count grew in the previous step
+    grown: int | None = None  # the stage whose backward count grew in the previous step
     for step in global_order(actions(schedule, num_microbatches, num_stages)):
         if grown is not None:  # only its differences to earlier stages can reach a new maximum
             for p in range(grown):

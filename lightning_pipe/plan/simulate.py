@@ -8,7 +8,6 @@ instead: a task starts when its stage is free and its input has arrived.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
 
 from lightning_pipe.plan.schedule import Action
 
@@ -78,7 +77,7 @@ def simulate(times: Sequence[StageTime], schedule: Sequence[Sequence[Action]]) -
 
 def _ready(
     action: Action, done: dict[tuple[str, int, int], float], times: Sequence[StageTime], count: int
-) -> Optional[float]:
+) -> float | None:
     """When the inputs of ``action`` are there; ``None`` while they are not yet computed."""
     s, i = action.stage, action.microbatch
     if action.kind == "forward":

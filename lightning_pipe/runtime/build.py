@@ -12,16 +12,16 @@ import inspect
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe.runtime import swap
 from lightning_pipe.graph.capture import Captured, get_attr
 from lightning_pipe.plan.balance import check_balance
+from lightning_pipe.runtime import swap
 from lightning_pipe.runtime.transport import move
 
 __all__ = ["Policy", "Program", "Segment", "Stage", "build"]
@@ -125,7 +125,7 @@ def build(
     root: nn.Module,
     balance: Sequence[int],
     devices: Sequence[torch.device],
-    policies: Optional[Mapping[str, Policy]] = None,
+    policies: Mapping[str, Policy] | None = None,
 ) -> Program:
     """Split ``captured`` by ``balance`` (nodes per stage) and place stage ``i`` on ``devices[i]``.
 

@@ -6,18 +6,18 @@ from that output runs the pipelined backward, micro-batches in reverse order per
 """
 
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.fx.node import map_aggregate
 
-from lightning_pipe.runtime.build import Program, Stage
-from lightning_pipe.measure.clock import StageClock
-from lightning_pipe.runtime.dependency import fork, join
-from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.graph.microbatch import gather, scatter
+from lightning_pipe.measure.clock import StageClock
+from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.plan.schedule import clock_cycles
+from lightning_pipe.runtime.build import Program, Stage
+from lightning_pipe.runtime.dependency import fork, join
 from lightning_pipe.runtime.transport import move
 
 __all__ = ["Pipeline"]
@@ -32,8 +32,8 @@ class Pipeline:
         root: nn.Module,
         chunks: int,
         output_device: torch.device,
-        meter: Optional[MemoryMeter] = None,
-        clock: Optional[StageClock] = None,
+        meter: MemoryMeter | None = None,
+        clock: StageClock | None = None,
     ) -> None:
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
@@ -49,14 +49,14 @@ class Pipeline:
         attributes = self.program.attribute_values(self.root)
         envs = [{**mb, **attributes} for mb in scatter(inputs, self.chunks)]
         stages = self.program.stages
-        previous: list[Optional[str]] = [None] * len(stages)  # forked output name per stage
+        previous: list[str | None] = [None] * len(stages)  # forked output name per stage
         for tick in clock_cycles(len(envs), len(stages)):
             for i, j in tick:
                 previous[j] = self._run(stages[j], envs, i, previous[j])
         outputs = [map_aggregate(self.program.output, env.__getitem__) for env in envs]
         return gather(outputs, self.output_device)
 
-    def _run(self, stage: Stage, envs: list[dict[str, Any]], i: int, forked: Optional[str]) -> Optional[str]:
+    def _run(self, stage: Stage, envs: list[dict[str, Any]], i: int, forked: str | None) -> str | None:
         env = envs[i]
         with self.meter.running(stage.index) if self.meter else nullcontext():
             inputs = [move(env[name], stage.device) for name in stage.inputs]
@@ -80,7 +80,7 @@ class Pipeline:
         return stage.outputs[k] if k is not None else None
 
 
-def _first_grad_tensor(values: list[Any]) -> Optional[int]:
+def _first_grad_tensor(values: list[Any]) -> int | None:
     for k, value in enumerate(values):
         if isinstance(value, Tensor) and value.requires_grad:
             return k

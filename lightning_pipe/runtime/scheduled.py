@@ -13,7 +13,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,9 +21,9 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_pipe.runtime.build import Program
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.runtime.build import Program
 from lightning_pipe.runtime.transport import move
 
 __all__ = ["ScheduledPipeline"]
@@ -47,8 +47,8 @@ class ScheduledPipeline:
         self,
         program: Program,
         output_device: torch.device,
-        meter: Optional[MemoryMeter] = None,
-        clock: Optional[StageClock] = None,
+        meter: MemoryMeter | None = None,
+        clock: StageClock | None = None,
     ) -> None:
         self.program = program
         self.output_device = output_device
@@ -92,7 +92,7 @@ class ScheduledPipeline:
         self._output_leaves[i] = leaves
         return output
 
-    def backward(self, microbatch: int, stage: int, loss: Optional[Tensor] = None) -> None:
+    def backward(self, microbatch: int, stage: int, loss: Tensor | None = None) -> None:
         """Run ``stage``'s backward of ``microbatch``; the last stage's first runs ``loss``'s."""
         if loss is not None:
             loss.backward()

@@ -9,7 +9,7 @@ buffers are not charged to any stage by the meter: they are not device memory.
 """
 
 from collections import defaultdict
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,7 +21,7 @@ from lightning_pipe.measure.meter import not_charged
 __all__ = ["Swapped", "prefetch", "to_host"]
 
 _streams: dict[torch.device, "torch.cuda.Stream"] = {}
-_pool: dict[tuple, list[tuple[Tensor, Optional[Any]]]] = defaultdict(list)  # reusable host buffers
+_pool: dict[tuple, list[tuple[Tensor, Any | None]]] = defaultdict(list)  # reusable host buffers
 
 
 class Swapped:
@@ -33,10 +33,10 @@ class Swapped:
         flat = tensor.as_strided((tensor.untyped_storage().nbytes() // tensor.element_size(),), (1,), 0)
         self.key = (flat.numel(), flat.dtype, self.device.type == "cuda")
         self.host = _host_buffer(self.key)
-        self.event: Optional[Any] = None
+        self.event: Any | None = None
         self.views = 0  # saved views still to be loaded; the device copy goes with the last
-        self.loaded: Optional[Tensor] = None
-        self.loaded_event: Optional[Any] = None
+        self.loaded: Tensor | None = None
+        self.loaded_event: Any | None = None
         if self.device.type == "cuda":
             stream = _stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
