@@ -1,25 +1,9 @@
-"""Shared test helpers: seeded Lightning runs and parameter comparison."""
+"""Shared test helpers: Lightning runs on the CPU and parameter comparison."""
 
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import Strategy
-
-from examples.models import GPT, EncoderDecoder, ImageDataset, Seq2SeqDataset, TokenDataset, UNet
-
-FAMILIES = {
-    "gpt": (GPT, TokenDataset),
-    "unet": (UNet, ImageDataset),
-    "encdec": (EncoderDecoder, Seq2SeqDataset),
-}
-
-
-def make(family: str, seed: int = 0, **kwargs: Any) -> tuple[LightningModule, Any]:
-    """A freshly seeded model of ``family`` and its dataset."""
-    model_cls, data_cls = FAMILIES[family]
-    torch.manual_seed(seed)
-    return model_cls(**kwargs), data_cls()
 
 
 def trainer(strategy: "str | Strategy" = "auto", devices: int = 1, **kwargs: Any) -> Trainer:

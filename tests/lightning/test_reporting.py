@@ -9,7 +9,8 @@ from lightning.pytorch.loggers import CSVLogger
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.plan.plan import Plan
-from tests.helpers import make, trainer
+from tests.helpers import trainer
+from tests.models import make
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

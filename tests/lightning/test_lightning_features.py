@@ -6,7 +6,8 @@ import torchmetrics
 
 from examples.models import EncoderDecoder, loader
 from lightning_pipe import MemoryPipeStrategy
-from tests.helpers import make, max_rel_diff, trainer
+from tests.helpers import max_rel_diff, trainer
+from tests.models import make
 
 PIPES = {
     "gpipe": lambda: (MemoryPipeStrategy(chunks=4), 3),

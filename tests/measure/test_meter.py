@@ -6,23 +6,9 @@ from lightning_pipe.graph.capture import capture
 from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.gpipe import Pipeline
+from tests.models import WIDE, Wide
 
 CPU = torch.device("cpu")
-WIDE = 4096
-
-
-class Wide(nn.Module):
-    """Stage 1 keeps one (batch, WIDE) float activation per micro-batch: ReLU's output."""
-
-    def __init__(self):
-        super().__init__()
-        self.l0 = nn.Linear(16, 16)
-        self.l1 = nn.Linear(16, WIDE)
-        self.act = nn.ReLU()
-        self.l2 = nn.Linear(WIDE, 1)
-
-    def forward(self, x):
-        return self.l2(self.act(self.l1(self.l0(x))))
 
 
 def _metered(model, balance, chunks, capacities=None):

@@ -61,7 +61,7 @@ def _wide_run(policy, chunks=4):
     activation bytes after the forward."""
     from lightning_pipe.measure.meter import MemoryMeter
     from lightning_pipe.runtime.gpipe import Pipeline
-    from tests.test_meter import Wide
+    from tests.models import Wide
 
     torch.manual_seed(0)
     model = Wide()

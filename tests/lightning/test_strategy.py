@@ -4,8 +4,8 @@ from lightning.pytorch.callbacks import Callback
 
 from examples.models import GPT, UNet, loader
 from lightning_pipe import CaptureError, MemoryPipeStrategy
-from tests.helpers import make, max_rel_diff, trainer
-from tests.test_capture import Untraceable
+from tests.helpers import max_rel_diff, trainer
+from tests.models import Untraceable, make
 
 
 def _fit(family, strategy="auto", devices=1, batch_size=8, **model_kwargs):
@@ -176,18 +176,6 @@ def _run_module(module, devices, leaf_modules=None):
     data = torch.utils.data.TensorDataset(torch.randn(8, 4))
     strategy = MemoryPipeStrategy(chunks=2, leaf_modules=leaf_modules)
     trainer(strategy, devices, max_steps=1).fit(Wrapper(), torch.utils.data.DataLoader(data, batch_size=4))
-
-
-def test_parse_bytes_reads_numbers_and_units():
-    from lightning_pipe.units import parse_bytes
-
-    assert parse_bytes(1024) == 1024
-    assert parse_bytes("2GiB") == 2 * 2**30
-    assert parse_bytes("512 MB") == 512 * 10**6
-    assert parse_bytes("1.5KiB") == 1536
-    for bad in ("lots", "2 parsecs", "-1GB", 0):
-        with pytest.raises(ValueError, match="memory size"):
-            parse_bytes(bad)
 
 
 def test_metered_fit_reports_stage_peaks_and_enforces_limits():

@@ -12,7 +12,8 @@ from lightning_pipe.graph.capture import capture
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.memory import predict_peaks
 from lightning_pipe.plan.schedule import Step, actions, global_order, gradient_waits, in_flight
-from tests.helpers import make, max_rel_diff, trainer
+from tests.helpers import max_rel_diff, trainer
+from tests.models import make
 
 
 def test_global_order_keeps_each_stage_order_and_whole_forwards():

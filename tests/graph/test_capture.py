@@ -1,27 +1,9 @@
 import pytest
 import torch
-from torch import nn
 
 from examples.models import GPT
 from lightning_pipe.graph.capture import CaptureError, capture
-
-
-class Gate(nn.Module):
-    def forward(self, x):
-        if x.sum() > 0:  # data-dependent control flow: fx cannot trace this
-            return x * 2
-        return x
-
-
-class Untraceable(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.gate = Gate()
-        self.b = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.b(self.gate(self.a(x)))
+from tests.models import Untraceable
 
 
 def test_capture_gives_fine_grained_nodes_in_order():
@@ -38,7 +20,7 @@ def test_untraceable_model_error_names_module_line_and_fix():
         capture(Untraceable())
     message = str(info.value)
     assert "submodule 'gate' (Gate)" in message
-    assert "test_capture.py" in message and "if x.sum() > 0" in message
+    assert "models.py" in message and "if x.sum() > 0" in message
     assert 'leaf_modules=["gate"]' in message
     assert info.value.__cause__ is None and info.value.__suppress_context__
 

@@ -1,0 +1,60 @@
+"""Models the tests share: the example families, and small models with one property each."""
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from examples.models import GPT, EncoderDecoder, ImageDataset, Seq2SeqDataset, TokenDataset, UNet
+
+FAMILIES = {
+    "gpt": (GPT, TokenDataset),
+    "unet": (UNet, ImageDataset),
+    "encdec": (EncoderDecoder, Seq2SeqDataset),
+}
+
+
+def make(family: str, seed: int = 0, **kwargs: Any) -> tuple[LightningModule, Any]:
+    """A freshly seeded model of ``family`` and its dataset."""
+    model_cls, data_cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    return model_cls(**kwargs), data_cls()
+
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: fx cannot trace this
+            return x * 2
+        return x
+
+
+class Untraceable(nn.Module):
+    """A linear, an untraceable gate, a linear: capture must name ``gate``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.gate = Gate()
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.gate(self.a(x)))
+
+
+WIDE = 4096
+
+
+class Wide(nn.Module):
+    """Stage 1 keeps one (batch, WIDE) float activation per micro-batch: ReLU's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0 = nn.Linear(16, 16)
+        self.l1 = nn.Linear(16, WIDE)
+        self.act = nn.ReLU()
+        self.l2 = nn.Linear(WIDE, 1)
+
+    def forward(self, x):
+        return self.l2(self.act(self.l1(self.l0(x))))
