@@ -53,7 +53,8 @@ class SequentialModule(LightningModule):
 
 def sequential_data(size: int, width: int = 256) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(size, width, generator=g), torch.randint(10, (size,), generator=g))
+    inputs, labels = torch.randn(size, width, generator=g), torch.randint(10, (size,), generator=g)
+    return torch.utils.data.TensorDataset(inputs, labels)
 
 
 class ProcessMeter(MemoryMeter):

@@ -40,12 +40,12 @@ from benchmarks.peers import (
 from benchmarks.planner_speed import transformer_like
 from examples.models import loader
 from lightning_pipe.graph.capture import capture
-from lightning_pipe.lightning.strategy import _PLANNING_HEADROOM, MemoryPipeStrategy
+from lightning_pipe.lightning.strategy import MemoryPipeStrategy
 from lightning_pipe.measure.meter import StageOutOfMemoryError
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.memory import CostModel, predict_peaks, stage_ranges
 from lightning_pipe.plan.partitioners import PARTITIONERS, partition
-from lightning_pipe.plan.plan import InfeasiblePlanError, make_plan, max_microbatch
+from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, make_plan, max_microbatch
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import gradient_waits, in_flight, weight_versions
 
@@ -80,7 +80,11 @@ GRAPH_SIZES = [(n, s) for n in (1_000, 5_000, 20_000) for s in (4, 16, 64)]  # p
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Hide Lightning's and the planner's per-fit output: a run makes hundreds of fits."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with (
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
         warnings.simplefilter("ignore")
         yield
 
@@ -108,8 +112,8 @@ def fit(model: LightningModule, data: Any, batch: int, strategy: Any, devices: i
     """Train ``steps`` batches of ``batch`` samples; returns the step timings."""
     timer = StepTimer()
     trainer = Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, *callbacks],
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[timer, *callbacks],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     with quiet():
         trainer.fit(model, loader(data, batch))
@@ -185,7 +189,7 @@ def run_probe(bench: Bench, config: Config, microbatch: int, profile: Profile) -
 
 def off_balance(config: Config, profile: Profile) -> list[int]:
     """The partitioner's balance alone, planned below the limit as the strategy plans."""
-    capacities = [int(config.capacity * _PLANNING_HEADROOM)] * config.stages
+    capacities = [int(config.capacity * PLANNING_HEADROOM)] * config.stages
     return partition(config.planner, profile, capacities, in_flight(config.schedule, CHUNKS, config.stages),
                      weight_versions=weight_versions(config.schedule))
 
@@ -233,7 +237,7 @@ def memory_config(bench: Bench, config: Config, profile: Profile, guess: int, li
 
 def predicted_max(profile: Profile, config: Config) -> int | None:
     """The planner's own prediction of the largest micro-batch (``None``: not even one)."""
-    capacities = [int(config.capacity * _PLANNING_HEADROOM)] * config.stages
+    capacities = [int(config.capacity * PLANNING_HEADROOM)] * config.stages
     try:
         return max_microbatch(profile, capacities, config.planner, config.schedule, CHUNKS)
     except InfeasiblePlanError:
@@ -263,8 +267,9 @@ def memory_benchmark(benches: dict[str, Bench], settings: Settings, profiles: di
                     config.predicted_max = predicted_max(profiles[name], config)
                     guess = config.predicted_max or 1
                 else:  # without recompute it fits at most what the planned run fitted
-                    guess = next((c.max_microbatch for c in configs if c.memopt and (c.model, c.stages, c.schedule, c.planner)
-                                  == (name, stages, schedule, planner)), REFERENCE_MICROBATCH)
+                    key = (name, stages, schedule, planner)
+                    fitted = (c for c in configs if c.memopt and (c.model, c.stages, c.schedule, c.planner) == key)
+                    guess = next((c.max_microbatch for c in fitted), REFERENCE_MICROBATCH)
                 configs.append(memory_config(bench, config, profiles[name], guess, settings.max_probes))
                 print(f"  {name} x{stages} {schedule:<5} {planner:<9} memopt={'on ' if memopt else 'off'} "
                       f"max micro-batch {config.max_microbatch}{'' if config.exact else '+'} "
@@ -311,9 +316,10 @@ def simulated(profiles: dict[str, Profile], configs: list[Config]) -> list[dict[
     rows = []
     groups = {(c.model, c.stages, c.schedule, c.capacity) for c in configs if c.memopt}
     for name, stages, schedule, capacity in sorted(groups):
-        sizes = [c.max_microbatch for c in configs if c.memopt and (c.model, c.stages, c.schedule) == (name, stages, schedule)]
+        key = (name, stages, schedule)
+        sizes = [c.max_microbatch for c in configs if c.memopt and (c.model, c.stages, c.schedule) == key]
         microbatch = max(1, min(sizes))
-        capacities = [int(capacity * _PLANNING_HEADROOM)] * stages
+        capacities = [int(capacity * PLANNING_HEADROOM)] * stages
         for planner in PARTITIONERS:
             row = {"model": name, "stages": stages, "schedule": schedule, "microbatch": microbatch, "planner": planner}
             try:
@@ -363,7 +369,9 @@ def overhead(bench: Bench, settings: Settings, batch: int = 32) -> dict[str, Any
     steps = settings.warmup_steps + settings.timed_steps
     plain = fit(bench.model(), bench.data(batch * steps), batch, "auto", 1, steps)
     one = fit(bench.model(), bench.data(batch * steps), batch, MemoryPipeStrategy(chunks=1, planner=None), 1, steps)
-    four = fit(bench.model(), bench.data(batch * steps), batch, MemoryPipeStrategy(chunks=CHUNKS, planner=None), 4, steps)
+    four = fit(
+        bench.model(), bench.data(batch * steps), batch, MemoryPipeStrategy(chunks=CHUNKS, planner=None), 4, steps
+    )
     w = settings.warmup_steps
     return {
         "model": bench.name, "batch": batch, "timed_steps": settings.timed_steps,
@@ -415,8 +423,10 @@ def peers(settings: Settings, batch: int = 64, stages: int = 4) -> dict[str, Any
         result["torchgpipe"] = "skipped: not installed (pip install torchgpipe==0.0.7)"
         return result
     theirs = torchgpipe_steps(batch, CHUNKS, stages, steps, w)
-    result.update(torchgpipe=f"measured, version {torchgpipe.__version__}", torchgpipe_ms=median_after(theirs["step_ms"], w),
-                  torchgpipe_balance=theirs["balance"], torchgpipe_process_peak=theirs["process_peak"])
+    result.update(
+        torchgpipe=f"measured, version {torchgpipe.__version__}", torchgpipe_ms=median_after(theirs["step_ms"], w),
+        torchgpipe_balance=theirs["balance"], torchgpipe_process_peak=theirs["process_peak"],
+    )
     return result
 
 
@@ -427,7 +437,8 @@ def machine() -> dict[str, Any]:
     return {
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "lightning": lightning.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "lightning": lightning.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
@@ -438,7 +449,7 @@ def table(head: list[str], rows: list[list[Any]]) -> str:
 
 def _cell(value: Any) -> str:
     if value is None:
-        return "–"
+        return "–"  # noqa: RUF001 (an en dash marks an empty cell)
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
@@ -466,10 +477,11 @@ def markdown(results: dict[str, Any]) -> str:
         f"({results['settings']['max_probes']}) was reached before the answer was bracketed. "
         f"*predicted*: the planner's own `max_microbatch`. *next size up*: what stopped the smallest "
         f"size that did not fit.",
-        table(["model", "stages", "schedule", "memopt", "capacity", "planner", "max micro-batch", "predicted", "next size up", "runs"],
+        table(["model", "stages", "schedule", "memopt", "capacity", "planner", "max micro-batch", "predicted",
+               "next size up", "runs"],
               [[c.model, c.stages, c.schedule, "on" if c.memopt else "off", _mib(c.capacity), c.planner,
-                f"{c.max_microbatch}{'' if c.exact else '+'}", c.predicted_max if c.memopt else None, c.limited_by or None,
-                len(c.probes)]
+                f"{c.max_microbatch}{'' if c.exact else '+'}", c.predicted_max if c.memopt else None,
+                c.limited_by or None, len(c.probes)]
                for c in configs]),
         "### Ratios: dawnpiper over time and params",
         table(["model", "stages", "schedule", "memopt", "dawnpiper", "÷ time", "÷ params"],
@@ -480,14 +492,16 @@ def markdown(results: dict[str, Any]) -> str:
         "every activation kept) against the metered peak, over every stage of every run that fitted, all planners "
         "together (they share one cost model; per-run values are in `benchmarks/results.json`). *Worst "
         "under-prediction*: the largest (metered - predicted) / metered, the error that ends in out-of-memory.",
-        table(["model", "stages", "memopt", "stage runs", "max rel. error", "mean rel. error", "worst under-prediction"],
-              [[r["model"], r["stages"], "on" if r["memopt"] else "off", r["stage_runs"], f"{r['max_rel_error']:.1%}",
-                f"{r['mean_rel_error']:.1%}", f"{r['max_under']:.1%}"] for r in results["accuracy"]]),
+        table(["model", "stages", "memopt", "stage runs", "max rel. error", "mean rel. error",
+               "worst under-prediction"],
+              [[r["model"], r["stages"], "on" if r["memopt"] else "off", r["stage_runs"],
+                f"{r['max_rel_error']:.1%}", f"{r['mean_rel_error']:.1%}", f"{r['max_under']:.1%}"]
+               for r in results["accuracy"]]),
         "## Simulated step time at equal batch (simulated, not measured)",
         "`plan.step_ms` and `plan.bubble` from the planner's event simulation, at the largest micro-batch every "
         "memory-optimised planner trained for that model and schedule, planned offline from this run's own profile "
         "of one micro-batch (profiled times vary between runs, so a time-driven balance can differ from the one "
-        "the real run used). – : no feasible plan from that profile.",
+        "the real run used). – : no feasible plan from that profile.",  # noqa: RUF001 (the empty-cell mark)
         table(["model", "stages", "schedule", "micro-batch", "planner", "simulated step ms", "simulated bubble"],
               [[r["model"], r["stages"], r["schedule"], r["microbatch"], r["planner"], r["step_ms"],
                 None if r["bubble"] is None else f"{r['bubble']:.1%}"] for r in results["simulated"]]),
@@ -510,7 +524,10 @@ def _overhead_section(o: dict[str, Any]) -> str:
             ["plain Lightning (strategy='auto')", o["plain_ms"], 1.0],
             ["1-stage pipeline (chunks=1, planner=None)", o["pipe1_ms"], o["pipe1_ms"] / o["plain_ms"]],
             [f"4-stage pipeline (gpipe, chunks={CHUNKS})", o["pipe4_ms"], o["pipe4_ms"] / o["plain_ms"]],
-            ["  sum of its stages' forward + backward", o["pipe4_stage_sum_ms"], o["pipe4_stage_sum_ms"] / o["plain_ms"]],
+            [
+                "  sum of its stages' forward + backward", o["pipe4_stage_sum_ms"],
+                o["pipe4_stage_sum_ms"] / o["plain_ms"],
+            ],
         ]),
         f"The 4-stage step takes {o['pipe4_ms'] / o['pipe4_stage_sum_ms']:.2f} x the sum of its stage compute times "
         f"(one process runs every stage in turn, so the sum is the floor; the rest is the pipeline's own work). "
@@ -522,8 +539,8 @@ def _overhead_section(o: dict[str, Any]) -> str:
 def _peer_section(p: dict[str, Any]) -> str:
     rows = [["lightning_pipe (planner='time', gpipe), one process", p["ours_ms"], p["ours_balance"],
              ", ".join(_mib(n) for n in p["ours_peaks"]), _mib(p["ours_process_peak"])],
-            [f"torch.distributed.pipelining {p['torch']} (ScheduleGPipe, gloo, a process per stage)", p["pipelining_ms"],
-             p["ours_balance"], ", ".join(_mib(n) for n in p["pipelining_peaks"]),
+            [f"torch.distributed.pipelining {p['torch']} (ScheduleGPipe, gloo, a process per stage)",
+             p["pipelining_ms"], p["ours_balance"], ", ".join(_mib(n) for n in p["pipelining_peaks"]),
              f"{_mib(sum(p['pipelining_peaks']))} (sum over its processes)"]]
     if "torchgpipe_ms" in p:
         rows.append(["torchgpipe (its balance_by_time, checkpoint='never'), one process", p["torchgpipe_ms"],

@@ -1,106 +1,195 @@
 """``lightning-pipe plan``: profile a model on the CPU and print each partitioner's plan for a
 device spec such as ``4x16GiB``, with the largest micro-batch that fits: a dry run before
-renting GPUs."""
+renting GPUs. Stages are planned, as in training, to a planning target below each device's
+memory limit."""
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_pipe.graph.capture import CaptureError, capture
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.measure.profiler import profile_graph
-from lightning_pipe.plan.partitioners import PARTITIONERS
-from lightning_pipe.plan.plan import InfeasiblePlanError, make_plan, max_microbatch
-from lightning_pipe.units import parse_bytes
+from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
+from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, Plan, make_plan, max_microbatch
+from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.units import format_bytes, parse_bytes
 
 __all__ = ["main"]
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+_SCHEDULES = ("gpipe", "1f1b", "2bw")
+# MemoryPipeStrategy's defaults, so that a plan made without a setting is the one training makes.
+_CHUNKS, _SCHEDULE = 4, "gpipe"
+
+
+@dataclass
+class _Setup:
+    """What to plan: the model and its whole batch, and the strategy's settings."""
+
+    path: str
+    model: torch.nn.Module
+    inputs: tuple[tuple[Any, ...], dict[str, Any]]
+    limits: list[int]
+    chunks: int
+    schedule: Schedule
+    host_bandwidth: float | None
+    leaf_modules: list[str]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-pipe", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    plan = commands.add_parser("plan", help="plan a model over a device spec")
+    plan = commands.add_parser(
+        "plan", help="plan a model over a device spec", description=__doc__,
+        epilog="With --config, a setting not given here comes from the config's trainer.strategy.init_args, "
+               "else from MemoryPipeStrategy's default.",
+    )
     plan.add_argument("--model", help="class path of the LightningModule, e.g. examples.models.GPT")
-    plan.add_argument("--init-args", default="{}", help="JSON object of the model's init arguments")
-    plan.add_argument("--config", help="a LightningCLI YAML whose model section names the class and init args")
+    plan.add_argument("--init-args", help="JSON object of the model's init arguments (with --config: overrides "
+                                          "those of the config's model.init_args)")
+    plan.add_argument("--config", help="a LightningCLI YAML: model.class_path and model.init_args name the model; "
+                                       "trainer.devices and trainer.strategy.init_args give the settings below")
     plan.add_argument("--input", action="append", default=[], metavar="NAME=DTYPE[SHAPE]",
                       help="a forward argument of the whole batch, e.g. image=float32[16,3,32,32] or "
                            "batch.input_ids=int64[16,64] (a dict argument); repeat for more. "
                            "Default: the model's example_input_array")
-    plan.add_argument("--devices", required=True, help="stage devices, e.g. 4x16GiB or 16GiB,16GiB,8GiB")
-    plan.add_argument("--chunks", type=int, default=4, help="micro-batches per batch")
-    plan.add_argument("--schedule", choices=["gpipe", "1f1b", "2bw"], default="1f1b")
-    plan.add_argument("--host-bandwidth", type=float, help="bytes/s to host memory; allows swap")
+    plan.add_argument("--devices", help="each stage device's memory limit, with a unit: 4x16GiB or 16GiB,16GiB,8GiB. "
+                                        "Default with --config: trainer.devices x the strategy's memory_limit")
+    plan.add_argument("--chunks", type=int, help=f"micro-batches per batch (default {_CHUNKS})")
+    plan.add_argument("--schedule", choices=_SCHEDULES, help=f"pipeline schedule (default {_SCHEDULE})")
+    plan.add_argument("--host-bandwidth", type=float, help="bytes/s to host memory; allows swap (default: none)")
     args = parser.parse_args(argv)
     try:
-        model = _model(args)
-        inputs = _inputs(args.input, model)
-        capacities = _devices(args.devices)
-    except ValueError as err:
-        parser.error(str(err))
-    if args.chunks < 1:
-        parser.error(f"--chunks must be >= 1, got {args.chunks}.")
-    try:
-        captured = capture(model)
-    except CaptureError as err:
-        parser.error(str(err))
-    sample_args, sample_kwargs = scatter(inputs, args.chunks)[0]
-    optimizer = _optimizer(model)
-    profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=optimizer)
+        setup = _setup(args)
+        sample_args, sample_kwargs = _microbatch(setup, args.input)
+        captured = capture(setup.model, setup.leaf_modules)
+    except (ValueError, CaptureError) as err:
+        plan.error(str(err))
+    targets = [int(limit * PLANNING_HEADROOM) for limit in setup.limits]
+    with _progress_bar() as bar:
+        profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
+                                progress=_tracker(bar, "profiling nodes", len(captured.nodes)))
+        advance = _tracker(bar, "planning", len(PARTITIONERS))
+        results = []
+        for done, name in enumerate(PARTITIONERS, 1):
+            results.append((name, _plan(profile, targets, name, setup)))
+            advance(done, len(PARTITIONERS))
     print(f"profiled {len(profile.nodes)} nodes on {profile.device} at micro-batch {profile.microbatch_size}; "
-          f"{len(capacities)} stages, {args.schedule}, {args.chunks} micro-batches\n")
-    for name in PARTITIONERS:
-        try:
-            chosen = make_plan(profile, capacities, name, args.schedule, args.chunks, args.host_bandwidth)
-            largest = max_microbatch(profile, capacities, name, args.schedule, args.chunks, args.host_bandwidth)
+          f"{len(targets)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
+          f"memory limit {_sizes(setup.limits)}, planning target {_sizes(targets)} "
+          f"({PLANNING_HEADROOM:.0%} of the limit)\n")
+    for name, result in results:
+        if isinstance(result, InfeasiblePlanError):
+            print(f"== {name}: does not fit: {result}\n")
+        else:
+            chosen, largest = result
             print(f"== {name}: largest micro-batch that fits: {largest}")
             print(chosen.table() + "\n")
-        except InfeasiblePlanError as err:
-            print(f"== {name}: does not fit: {err}\n")
     return 0
 
 
-def _model(args: argparse.Namespace) -> torch.nn.Module:
-    if args.config:
-        with open(args.config) as f:
-            section = (yaml.safe_load(f) or {}).get("model") or {}
-        path, init = section.get("class_path"), section.get("init_args") or {}
-        if path is None:
-            raise ValueError(f"{args.config} has no model.class_path.")
-        sys.path.insert(0, os.path.dirname(os.path.abspath(args.config)))
-    elif args.model:
-        path = args.model
-        try:
-            init = json.loads(args.init_args)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--init-args is not a JSON object: {err}") from None
+def _setup(args: argparse.Namespace) -> _Setup:
+    """The model and the settings: the command line's, else the config's, else the strategy's defaults."""
+    config = _read_config(args.config) if args.config else {}
+    trainer = config.get("trainer") or {}
+    strategy = trainer.get("strategy")
+    settings = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    path, model = _model(args, config)
+    chunks = args.chunks if args.chunks is not None else settings.get("chunks", _CHUNKS)
+    schedule = args.schedule or settings.get("schedule", _SCHEDULE)
+    host_bandwidth = args.host_bandwidth if args.host_bandwidth is not None else settings.get("host_bandwidth")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}.")
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(_SCHEDULES)}, got {schedule!r}.")
+    if host_bandwidth is not None and (not isinstance(host_bandwidth, (int, float)) or host_bandwidth <= 0):
+        raise ValueError(f"host_bandwidth must be a positive number of bytes per second, got {host_bandwidth!r}.")
+    if args.devices:
+        limits = _devices(args.devices)
+    elif args.config:
+        limits = _config_limits(args.config, trainer.get("devices"), settings.get("memory_limit"))
     else:
-        raise ValueError("give --model CLASS_PATH or --config FILE.")
+        raise ValueError("give --devices, each stage device's memory limit, e.g. 4x16GiB.")
+    return _Setup(path, model, _inputs(args.input, model, path), limits, chunks, schedule, host_bandwidth,
+                  list(settings.get("leaf_modules") or []))
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f) or {}
+    except OSError as err:
+        raise ValueError(f"cannot read --config {path!r}: {err.strerror}.") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"--config {path!r} is not valid YAML: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path!r} is not a LightningCLI config: it has no model: or trainer: section.")
+    # A module next to the config, named by its class_path, imports as it would beside the script.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    return config
+
+
+def _model(args: argparse.Namespace, config: dict[str, Any]) -> tuple[str, torch.nn.Module]:
+    section = config.get("model") or {}
+    path = args.model or section.get("class_path")
+    if path is None:
+        raise ValueError(f"{args.config} has no model.class_path; give it or --model." if args.config
+                         else "give --model CLASS_PATH or --config FILE.")
+    init = {} if args.model else dict(section.get("init_args") or {})
+    if args.init_args is not None:
+        try:
+            given = json.loads(args.init_args)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--init-args is not JSON: {err}.") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"--init-args must be a JSON object such as '{{\"layers\": 24}}', got {args.init_args!r}.")
+        init.update(given)
     sys.path.insert(0, os.getcwd())  # user modules next to where the command runs
     module_name, _, class_name = path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError):
-        raise ValueError(f"cannot import {path!r}: give a class path such as examples.models.GPT.") from None
-    return cls(**init)
+        raise ValueError(
+            f"cannot import {path!r}: give a class path importable from the current directory, such as "
+            f"examples.models.GPT run from the repository root."
+        ) from None
+    try:
+        inspect.signature(cls).bind(**init)
+    except TypeError as err:
+        accepted = ", ".join(inspect.signature(cls).parameters)
+        raise ValueError(f"{path} does not take init args {init}: {err}. It takes: {accepted}.") from None
+    try:
+        model = cls(**init)
+    except Exception as err:
+        raise ValueError(f"{path}(**{init}) failed: {type(err).__name__}: {err}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{path} is not a torch.nn.Module (a LightningModule), it is a {type(model).__name__}.")
+    return path, model
 
 
-def _inputs(specs: list[str], model: torch.nn.Module) -> tuple[tuple, dict[str, Any]]:
+def _inputs(specs: list[str], model: torch.nn.Module, path: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if not specs:
         example = getattr(model, "example_input_array", None)
         if example is None:
             raise ValueError("give the batch with --input NAME=DTYPE[SHAPE] (the model has no example_input_array).")
         return (example if isinstance(example, tuple) else (example,)), {}
+    parameters = inspect.signature(model.forward).parameters
+    any_name = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     kwargs: dict[str, Any] = {}
     for spec in specs:
         match = re.fullmatch(r"([\w.]+)=(\w+)\[([\d,\s]+)\]", spec.strip())
@@ -110,8 +199,11 @@ def _inputs(specs: list[str], model: torch.nn.Module) -> tuple[tuple, dict[str, 
                 f"{sorted(_DTYPES)}, e.g. image=float32[16,3,32,32]."
             )
         name, dtype, shape = match.group(1), _DTYPES[match.group(2)], [int(d) for d in match.group(3).split(",")]
-        value = torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
         *parents, leaf = name.split(".")
+        if not any_name and name.split(".")[0] not in parameters:
+            raise ValueError(f"--input {spec!r}: {path}.forward has no argument {name.split('.')[0]!r}; "
+                             f"its arguments are {', '.join(parameters)}.")
+        value = torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
         target = kwargs
         for parent in parents:
             target = target.setdefault(parent, {})
@@ -119,19 +211,90 @@ def _inputs(specs: list[str], model: torch.nn.Module) -> tuple[tuple, dict[str, 
     return (), kwargs
 
 
+def _microbatch(setup: _Setup, specs: list[str]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The first micro-batch, after checking that the model runs on it: a wrong name, dtype or
+    shape fails here with the inputs named, not deep inside the profiler."""
+    sample_args, sample_kwargs = scatter(setup.inputs, setup.chunks)[0]
+    try:
+        with torch.no_grad():
+            setup.model(*sample_args, **sample_kwargs)
+    except Exception as err:
+        given = "--input " + " --input ".join(specs) if specs else "its example_input_array"
+        raise ValueError(
+            f"{setup.path} fails on a micro-batch of {given}: {type(err).__name__}: {err}. Check each input's "
+            f"name, dtype and shape against {setup.path}.forward and the init args they depend on."
+        ) from None
+    return sample_args, sample_kwargs
+
+
 def _devices(spec: str) -> list[int]:
     match = re.fullmatch(r"\s*(\d+)\s*x\s*(.+)", spec)
-    if match:
-        if int(match.group(1)) < 1:
-            raise ValueError(f"--devices {spec!r} has no stages.")
-        return [parse_bytes(match.group(2))] * int(match.group(1))
-    return [parse_bytes(part) for part in spec.split(",")]
+    if match and int(match.group(1)) < 1:
+        raise ValueError(f"--devices {spec!r} has no stages.")
+    parts = [match.group(2)] * int(match.group(1)) if match else spec.split(",")
+    for part in parts:
+        if re.fullmatch(r"\s*[0-9.eE+]+\s*", part):
+            raise ValueError(
+                f"--devices {spec!r}: {part.strip()!r} has no unit (it would be read as bytes). Give each stage "
+                f"device's memory limit with a unit: 4x16GiB for four devices of 16 GiB, or 16GiB,16GiB,8GiB."
+            )
+    return [parse_bytes(part) for part in parts]
+
+
+def _config_limits(path: str, devices: Any, limit: Any) -> list[int]:
+    """The stages' memory limits from the config: ``memory_limit`` per stage, or one for
+    each of ``trainer.devices``."""
+    if limit is None:
+        raise ValueError(f"give --devices, e.g. 4x16GiB: {path} sets no trainer.strategy.init_args.memory_limit.")
+    try:
+        if isinstance(limit, list):
+            return [parse_bytes(v) for v in limit]
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise ValueError(f"give --devices, e.g. 4x16GiB: trainer.devices in {path} is {devices!r}, not a "
+                             f"number of stages.")
+        return [parse_bytes(limit)] * devices
+    except ValueError as err:
+        raise ValueError(f"trainer.strategy.init_args.memory_limit in {path}: {err}") from None
+
+
+def _plan(
+    profile: Profile, targets: list[int], name: Partitioner, setup: _Setup
+) -> tuple[Plan, int] | InfeasiblePlanError:
+    """The partitioner's plan and its largest micro-batch, or why nothing fits."""
+    settings = (setup.schedule, setup.chunks, setup.host_bandwidth)
+    try:
+        return make_plan(profile, targets, name, *settings), max_microbatch(profile, targets, name, *settings)
+    except InfeasiblePlanError as err:
+        return err
+
+
+def _progress_bar() -> Progress:
+    """A progress bar on stderr, shown only on a terminal; results are printed after it ends,
+    so stdout holds nothing but them."""
+    console = Console(stderr=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, redirect_stdout=False, redirect_stderr=False,
+                    disable=not console.is_terminal)
+
+
+def _tracker(bar: Progress, description: str, total: int) -> Callable[[int, int], None]:
+    """A ``(done, total)`` callback moving a new task of ``bar``."""
+    task = bar.add_task(description, total=total)
+    return lambda done, _total: bar.update(task, completed=done)
+
+
+def _sizes(values: list[int]) -> str:
+    """``4 x 16.0GiB``, or every stage's size where they differ."""
+    if len(set(values)) == 1:
+        return f"{len(values)} x {format_bytes(values[0])}"
+    return ", ".join(format_bytes(v) for v in values)
 
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer | None:
     """The model's own optimizer when it configures one, for optimizer-state bytes."""
+    configure = getattr(model, "configure_optimizers", None)
     try:
-        configured = model.configure_optimizers()
+        configured = configure() if callable(configure) else None
     except Exception:
         return None
     first = configured[0] if isinstance(configured, (list, tuple)) else configured

@@ -1,11 +1,10 @@
 """Units: memory sizes read from what users type and written for people to read."""
 
 import re
-from typing import Union
 
 __all__ = ["MemorySize", "format_bytes", "mib", "parse_bytes"]
 
-MemorySize = Union[int, str]
+MemorySize = int | str
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

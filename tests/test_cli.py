@@ -1,11 +1,18 @@
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from lightning_pipe import MemoryPipeStrategy
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 @pytest.fixture
-def cli_main(monkeypatch):
-    monkeypatch.syspath_prepend("examples")
+def cli_main():
     from examples.cli import main
 
     return main
@@ -17,12 +24,22 @@ def test_fit_from_yaml_builds_the_strategy_from_its_typed_arguments(cli_main, tm
     strategy = cli.trainer.strategy
     assert isinstance(strategy, MemoryPipeStrategy)
     assert (strategy.chunks, strategy.schedule, strategy.measure_memory) == (2, "1f1b", True)
+    assert strategy.memory_limit == [64 * 2**20]
     assert cli.trainer.global_step == 4 and len(strategy.program.stages) == 4
 
 
 def test_unet_config_runs(cli_main, tmp_path):
     cli = cli_main(["fit", "--config", "examples/configs/unet.yaml", f"--trainer.default_root_dir={tmp_path}"])
     assert cli.trainer.global_step == 4 and cli.trainer.strategy.schedule == "gpipe"
+
+
+def test_example_cli_keeps_its_config_out_of_the_working_directory_and_runs_twice(cli_main, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        cli = cli_main(["fit", "--config", str(ROOT / "examples/configs/unet.yaml"), "--trainer.max_steps=1"])
+        assert cli.trainer.global_step == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["lightning_logs"]
+    assert (tmp_path / "lightning_logs" / "cli" / "config.yaml").read_text().count("examples.models.UNet") == 1
 
 
 @pytest.mark.parametrize("flag, message", [
@@ -35,6 +52,27 @@ def test_bad_strategy_arguments_are_rejected_by_type(cli_main, capsys, tmp_path,
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"chunks": "4"}, "chunks must be int, got '4' of type str."),
+    ({"chunks": True}, "chunks must be int, got True of type bool."),
+    ({"host_bandwidth": "1e9"}, "host_bandwidth must be float or None, got '1e9' of type str."),
+    ({"measure_memory": "yes"}, "measure_memory must be bool, got 'yes' of type str."),
+])
+def test_strategy_arguments_of_the_wrong_type_are_named(kwargs, message):
+    with pytest.raises(TypeError) as err:
+        MemoryPipeStrategy(**kwargs)
+    assert str(err.value) == message
+
+
+def test_strategy_takes_an_int_host_bandwidth():
+    assert MemoryPipeStrategy(host_bandwidth=10**9).host_bandwidth == 10**9
+
+
+def _largest(out):
+    return {line.split()[1].rstrip(":"): int(line.split()[-1]) for line in out.splitlines()
+            if line.startswith("== ")}
+
+
 def test_lightning_pipe_plan_prints_every_partitioner_with_its_max_microbatch(capsys):
     from lightning_pipe.cli import main
 
@@ -43,17 +81,51 @@ def test_lightning_pipe_plan_prints_every_partitioner_with_its_max_microbatch(ca
     out = capsys.readouterr().out
     for name in ("dawnpiper", "capslog", "time", "params", "uniform"):
         assert f"== {name}: largest micro-batch that fits: " in out
-    largest = {line.split()[1].rstrip(":"): int(line.split()[-1]) for line in out.splitlines() if line.startswith("== ")}
+    largest = _largest(out)
     assert set(largest) == {"dawnpiper", "capslog", "time", "params", "uniform"}
     assert min(largest.values()) > 4  # 64 MiB per stage holds far more than the 4 samples profiled
+    # Planned as training plans: to 90% of the limit, with the strategy's default schedule.
+    default = inspect.signature(MemoryPipeStrategy).parameters["schedule"].default
+    assert f"2 stages, {default}, 2 micro-batches; memory limit 2 x 64.0MiB, planning target 2 x 57.6MiB" in out
+    head = next(line for line in out.splitlines() if line.lstrip().startswith("stage"))
+    assert head.split()[8] == "target" and "capacity" not in out
+    assert all(line.split()[8] == "57.6MiB" for line in out.splitlines() if line.strip().startswith(("0 ", "1 ")))
 
 
-def test_lightning_pipe_plan_reads_a_lightningcli_config(capsys):
+def test_lightning_pipe_plan_shows_progress_on_stderr_only(capsys, monkeypatch):
+    from lightning_pipe.cli import main
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich draws the bar as on a terminal
+    assert main(["plan", "--model", "examples.models.UNet", "--input", "image=float32[4,3,16,16]",
+                 "--devices", "2x64MiB", "--chunks", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "profiling nodes" in captured.err and "planning" in captured.err
+    assert "profiling" not in captured.out and "\x1b" not in captured.out
+    assert captured.out.startswith("profiled ") and len(_largest(captured.out)) == 5
+
+
+def test_lightning_pipe_plan_reads_a_lightningcli_config_from_the_repository_root():
+    """The installed command in a fresh process, so no earlier import of the example models
+    helps it; no --devices, --chunks or --schedule: they come from the config's trainer and
+    strategy sections."""
+    out = subprocess.run(
+        [Path(sys.executable).parent / "lightning-pipe", "plan", "--config", "examples/configs/gpt.yaml",
+         "--input", "batch.input_ids=int64[8,16]"],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "4 stages, 1f1b, 4 micro-batches; memory limit 4 x 64.0MiB, planning target 4 x 57.6MiB" in out.stdout
+
+
+def test_lightning_pipe_plan_command_line_overrides_the_config(capsys):
     from lightning_pipe.cli import main
 
     assert main(["plan", "--config", "examples/configs/gpt.yaml", "--input", "batch.input_ids=int64[8,16]",
-                 "--devices", "16MiB,16MiB,8MiB,8MiB", "--schedule", "gpipe"]) == 0
-    assert "4 stages, gpipe" in capsys.readouterr().out
+                 "--devices", "16MiB,16MiB,8MiB,8MiB", "--schedule", "gpipe", "--chunks", "2"]) == 0
+    assert "4 stages, gpipe, 2 micro-batches; memory limit 16.0MiB, 16.0MiB, 8.0MiB, 8.0MiB" in capsys.readouterr().out
+
+
+GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -62,6 +134,25 @@ def test_lightning_pipe_plan_reads_a_lightningcli_config(capsys):
      "Cannot read 'lots' as a memory size"),
     (["--model", "examples.models.UNet", "--input", "image=complex[8]", "--devices", "2x1GiB"], "cannot read --input"),
     (["--model", "examples.models.UNet", "--devices", "2x1GiB"], "give the batch with --input"),
+    (["--model", "examples.models.UNet", "--input", "img=float32[8,3,32,32]", "--devices", "2x1GiB"],
+     "examples.models.UNet.forward has no argument 'img'; its arguments are image."),
+    ([*GPT, "--input", "batch.ids=int64[8,16]"],
+     "examples.models.GPT fails on a micro-batch of --input batch.ids=int64[8,16]: KeyError: 'input_ids'."),
+    ([*GPT, "--input", "batch.input_ids=float32[8,16]"],
+     "fails on a micro-batch of --input batch.input_ids=float32[8,16]: RuntimeError: Expected tensor for "
+     "argument #1 'indices'"),
+    ([*GPT, "--input", "batch.input_ids=int64[8,512]"],  # longer than the default context of 16
+     "fails on a micro-batch of --input batch.input_ids=int64[8,512]: RuntimeError: The size of tensor a (512)"),
+    ([*GPT, "--init-args", '{"nope": 1}', "--input", "batch.input_ids=int64[8,16]"],
+     "examples.models.GPT does not take init args {'nope': 1}: got an unexpected keyword argument 'nope'. "
+     "It takes: vocab, dim, heads, layers, context, lr, optimizer."),
+    ([*GPT, "--init-args", "[1]", "--input", "batch.input_ids=int64[8,16]"], "--init-args must be a JSON object"),
+    (["--config", "no/such.yaml", "--devices", "2x1GiB"], "cannot read --config 'no/such.yaml': No such file"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "16"],
+     "--devices '16': '16' has no unit"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2x16"],
+     "--devices '2x16': '16' has no unit"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]"], "give --devices"),
 ])
 def test_lightning_pipe_plan_bad_input_exits_2_with_a_message(capsys, argv, message):
     from lightning_pipe.cli import main
@@ -69,4 +160,5 @@ def test_lightning_pipe_plan_bad_input_exits_2_with_a_message(capsys, argv, mess
     with pytest.raises(SystemExit) as info:
         main(["plan", *argv])
     assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -1,8 +1,10 @@
 """Capture: trace a module's ``forward`` into a graph of fine-grained nodes.
 
-The nodes (ops and leaf modules) are the units the pipeline is cut between. A model
-that torch.fx cannot trace fails with one :class:`CaptureError` that points at the
-submodule and source line, and says how to mark that submodule as a leaf.
+The nodes (ops and leaf modules) are the units the pipeline is cut between. torch.fx comes
+first: it needs no inputs, keeps leaf modules whole and makes one graph for any input. Where
+it fails and example inputs are at hand, torch.export takes over (:mod:`.export`; most
+Hugging Face models). A model neither captures fails with one :class:`CaptureError` that
+points, per front end, at the submodule and source line, and says what to change.
 """
 
 import os
@@ -14,7 +16,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["CaptureError", "Captured", "capture", "get_attr"]
+from lightning_pipe.graph.export import ExportError, Specialization, export_graph
+
+__all__ = ["CaptureError", "Captured", "NeedsExampleInputs", "capture", "get_attr"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -28,12 +32,26 @@ class CaptureError(RuntimeError):
     """The model's ``forward`` cannot be turned into a graph."""
 
 
+class NeedsExampleInputs(CaptureError):
+    """torch.fx could not trace ``forward``; torch.export may, given example inputs."""
+
+
 @dataclass
 class Captured:
-    """A traced ``forward``: the graph module and its compute nodes in execution order."""
+    """A traced ``forward``: the graph module and its compute nodes in execution order.
+
+    An exported graph (``front_end="torch.export"``) holds only for the inputs its
+    ``specialization`` admits; an fx graph holds for any.
+    """
 
     graph_module: fx.GraphModule
     nodes: list[fx.Node]
+    front_end: str = "torch.fx"
+    specialization: Specialization | None = None
+
+    def admits(self, arguments: dict[str, Any]) -> bool:
+        """Whether the graph computes ``forward`` for these arguments (by parameter name)."""
+        return self.specialization is None or self.specialization.admits(arguments)
 
     def params_by_node(self) -> list[list[nn.Parameter]]:
         """Parameters per compute node; a shared parameter belongs to its first user."""
@@ -80,18 +98,16 @@ class _Tracer(fx.Tracer):
         super().__init__()
         self.proxy_buffer_attributes = True  # so buffers can be sliced by traced sizes
         self.leaf_modules = set(leaf_modules)
-        self.matched: set[str] = set()
         self.stack: list[tuple[str, str]] = []
         self.failed_in: tuple[str, str] | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         for key in (module_qualified_name, type(m).__name__):
             if key in self.leaf_modules:
-                self.matched.add(key)
                 return True
         return super().is_leaf_module(m, module_qualified_name)
 
-    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.stack.append((self.path_of_module(m), type(m).__name__))
         try:
             return super().call_module(m, forward, args, kwargs)
@@ -103,39 +119,78 @@ class _Tracer(fx.Tracer):
             self.stack.pop()
 
 
-def capture(module: nn.Module, leaf_modules: Sequence[str] = ()) -> Captured:
-    """Trace ``module.forward`` into a :class:`Captured` graph.
+def capture(
+    module: nn.Module,
+    leaf_modules: Sequence[str] = (),
+    example_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+    every_size: bool = False,
+) -> Captured:
+    """Trace ``module.forward`` into a :class:`Captured` graph, in the modules' current
+    training modes: with torch.fx, else (given ``example_inputs``) with torch.export.
 
     Args:
         module: the model; its class's ``forward`` is traced, with ``torch.nn`` modules and
             the ``leaf_modules`` kept as single nodes.
         leaf_modules: qualified submodule names (``"blocks.3"``) or class names
-            (``"Block"``) to keep as single opaque nodes.
+            (``"Block"``) to keep as single opaque nodes (torch.fx only).
+        example_inputs: ``(args, kwargs)`` of a ``forward`` call, which torch.export runs on
+            meta stand-ins; the graph is specialized to their structure (see
+            :class:`Captured`).
+        every_size: torch.export keeps every size symbolic, not only the batch size
+            (:func:`~lightning_pipe.graph.export.export_graph`).
 
     Raises:
-        CaptureError: tracing failed, or a ``leaf_modules`` entry matches no submodule.
+        NeedsExampleInputs: torch.fx failed and there are no ``example_inputs`` for export.
+        CaptureError: no front end could capture ``forward``, or a ``leaf_modules`` entry
+            matches no submodule.
     """
-    tracer = _Tracer(leaf_modules)
-    try:
-        graph = tracer.trace(module)
-    except Exception as err:
-        raise CaptureError(_explain(module, tracer, err)) from None
-    unmatched = sorted(set(leaf_modules) - tracer.matched - _names(module))
+    unmatched = sorted(set(leaf_modules) - _names(module))
     if unmatched:
         raise CaptureError(
             f"leaf_modules entries {unmatched} match no submodule name or class name of "
             f"{type(module).__name__}. Use a qualified name from `named_modules()` such as "
             f"{_example_names(module)} or a class name."
         )
-    graph_module = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    tracer = _Tracer(leaf_modules)
+    try:
+        graph = tracer.trace(module)
+    except Exception as err:
+        traced = _explain(module, tracer, err)
+    else:
+        return _captured(module, fx.GraphModule(module, graph, class_name=type(module).__name__))
+    if example_inputs is None:
+        raise NeedsExampleInputs(traced) from None
+    try:
+        graph_module, specialization = export_graph(module, *example_inputs, every_size)
+    except ExportError as err:
+        raise CaptureError(
+            f"Neither torch.fx nor torch.export could capture {type(module).__name__}.forward; "
+            f"either fix works.\n{traced}\n{err}\n{_EXPORT_FIX}"
+        ) from None
+    return _captured(module, graph_module, "torch.export", specialization)
+
+
+_EXPORT_FIX = (
+    "For torch.export, make that code run on fake tensors: no Python `if`, `.item()` or "
+    "`.tolist()` on tensor values (torch.where and torch.cond instead); for Hugging Face "
+    "models, `use_cache=False` in the config."
+)
+
+
+def _captured(
+    module: nn.Module,
+    graph_module: fx.GraphModule,
+    front_end: str = "torch.fx",
+    specialization: Specialization | None = None,
+) -> Captured:
     nodes = [n for n in graph_module.graph.nodes if n.op in COMPUTE_OPS]
     if not nodes:
         raise CaptureError(f"{type(module).__name__}.forward traced to a graph with no operations.")
-    return Captured(graph_module, nodes)
+    return Captured(graph_module, nodes, front_end, specialization)
 
 
 def _names(module: nn.Module) -> set[str]:
-    names = set()
+    names: set[str] = set()
     for name, sub in module.named_modules():
         names.update((name, type(sub).__name__))
     return names

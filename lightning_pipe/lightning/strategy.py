@@ -9,23 +9,28 @@ import os
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
-from typing import Any
+from types import UnionType
+from typing import Any, cast, get_args
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pipe.graph.capture import capture
+from lightning_pipe.graph.capture import Captured, NeedsExampleInputs
 from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.graph.variants import Variants, follow_balance
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
+from lightning_pipe.lightning.microlog import LossReduction
 from lightning_pipe.lightning.steps import ScheduledStep
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
@@ -33,10 +38,11 @@ from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan import report
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
-from lightning_pipe.plan.plan import Plan, make_plan
+from lightning_pipe.plan.plan import PLANNING_HEADROOM, Plan, make_plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Schedule
-from lightning_pipe.runtime.build import Program, build
+from lightning_pipe.runtime.batchnorm import DeferredBatchNorm, batch_norm_layers
+from lightning_pipe.runtime.build import Policy, Program, build
 from lightning_pipe.runtime.gpipe import Pipeline
 from lightning_pipe.runtime.scheduled import ScheduledPipeline
 from lightning_pipe.runtime.versions import WeightVersions
@@ -44,14 +50,13 @@ from lightning_pipe.units import MemorySize, mib, parse_bytes
 
 __all__ = ["MemoryPipeStrategy"]
 
-_PLANNING_HEADROOM = 0.9  # the planner fills each stage to at most this share of its limit
-
 
 class MemoryPipeStrategy(ParallelStrategy):
     """Pipeline-parallel training in one process, one stage per device.
 
     Args:
-        chunks: micro-batches per batch; every batch must hold at least this many samples.
+        chunks: micro-batches per batch; a batch with fewer samples (an epoch's short last
+            batch) runs as one-sample micro-batches.
         schedule: ``"gpipe"`` (autograd-driven), ``"1f1b"`` or ``"2bw"`` (schedule-driven).
         balance: graph nodes per stage, in order; overrides the planner.
         leaf_modules: submodule names (``"blocks.3"``) or class names (``"Block"``) that
@@ -65,8 +70,20 @@ class MemoryPipeStrategy(ParallelStrategy):
             :class:`~lightning_pipe.measure.meter.StageOutOfMemoryError`.
         host_bandwidth: bytes per second between a device and host memory; lets the planner
             swap activations to the host. ``None``: the planner only recomputes.
+        link_bandwidth: bytes per second between stage devices; the planner prices what
+            crosses each cut. ``None``: transfers between stages cost nothing.
         measure_memory: meter every stage's memory from its live tensors while running
             (``strategy.meter``); costs some speed.
+        deferred_batch_norm: BatchNorm layers update their running statistics once per batch
+            with the whole batch's statistics, as on one device, instead of once per
+            micro-batch; each micro-batch is still normalised with its own statistics.
+        loss_reduction: how ``training_step``'s loss reduces over the samples, for 1F1B and
+            2BW, which call ``training_step`` per micro-batch and combine the micro-batch
+            losses (the choice ``scale_grads`` makes in ``torch.distributed.pipelining``): ``"mean"``
+            (a per-sample mean, the default) weights each by its share of the batch;
+            ``"sum"`` adds them unscaled. Gradients, the returned loss and a logged loss then
+            equal single-device training's. GPipe computes the loss on the whole batch and
+            needs neither.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's
             own strategies; the Trainer fills them in when they are not given.
     """
@@ -82,7 +99,10 @@ class MemoryPipeStrategy(ParallelStrategy):
         planner: Partitioner | None = "dawnpiper",
         memory_limit: MemorySize | list[MemorySize] | None = None,
         host_bandwidth: float | None = None,
+        link_bandwidth: float | None = None,
         measure_memory: bool = False,
+        deferred_batch_norm: bool = False,
+        loss_reduction: LossReduction = "mean",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -94,14 +114,24 @@ class MemoryPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        _check_types(chunks=(chunks, int), host_bandwidth=(host_bandwidth, float | None),
+                     link_bandwidth=(link_bandwidth, float | None),
+                     measure_memory=(measure_memory, bool), deferred_batch_norm=(deferred_batch_norm, bool))
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
         if schedule not in ("gpipe", "1f1b", "2bw"):
             raise ValueError(f"schedule must be one of 'gpipe', '1f1b', '2bw', got {schedule!r}.")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(
+                f"loss_reduction must be 'mean' (training_step returns a per-sample mean) or 'sum' "
+                f"(a sum over the samples), got {loss_reduction!r}."
+            )
         if planner is not None and planner not in PARTITIONERS:
             raise ValueError(f"planner must be one of {list(PARTITIONERS)} or None, got {planner!r}.")
         if host_bandwidth is not None and host_bandwidth <= 0:
             raise ValueError(f"host_bandwidth must be positive (bytes per second), got {host_bandwidth}.")
+        if link_bandwidth is not None and link_bandwidth <= 0:
+            raise ValueError(f"link_bandwidth must be positive (bytes per second), got {link_bandwidth}.")
         if balance is not None and any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
         self.chunks = chunks
@@ -111,17 +141,26 @@ class MemoryPipeStrategy(ParallelStrategy):
         self.planner = planner
         self.memory_limit = _parse_limits(memory_limit)
         self.host_bandwidth = host_bandwidth
+        self.link_bandwidth = link_bandwidth
         self.measure_memory = measure_memory
+        self.deferred_batch_norm = deferred_batch_norm
+        self.loss_reduction = loss_reduction
+        self._batch_norm: DeferredBatchNorm | None = None
         self.program: Program | None = None
         self.profile: Profile | None = None
         self.plan: Plan | None = None
         self.meter: MemoryMeter | None = None
         self._needs_plan = False
-        self._pipeline: Pipeline | None = None
+        self._captured: Captured | None = None  # the training graph, which the plan is for
+        self._pipeline: Pipeline | None = None  # the training graph's
+        self._pipelines: dict[int, Pipeline] = {}  # per graph (by id) of each mode and input
+        self._policies: dict[str, Policy] = {}  # the training graph's, by node name
+        self._probing = False
         self._scheduled: ScheduledPipeline | None = None
         self._versions: WeightVersions | None = None
         self._step: ScheduledStep | None = None
         self._stepping = False
+        self._lightning_skip: tuple[_FitLoop, bool] | None = None  # the fit loop and its skip-backward flag
         self._step_start = 0.0
         self.clock = StageClock(0)
         self._metering = ExitStack()
@@ -171,6 +210,15 @@ class MemoryPipeStrategy(ParallelStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            layers = list(batch_norm_layers(self.model))
+            if layers and self.chunks > 1 and not self.deferred_batch_norm:
+                rank_zero_warn(
+                    f"BatchNorm layers ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}) see one "
+                    f"micro-batch at a time with chunks={self.chunks}, so they update running_mean and "
+                    f"running_var once per micro-batch, unlike training on one device. Pass "
+                    f"MemoryPipeStrategy(deferred_batch_norm=True) to update them once per batch with the "
+                    f"whole batch's statistics."
+                )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             for optimizer in self.optimizers:
@@ -181,12 +229,10 @@ class MemoryPipeStrategy(ParallelStrategy):
                     f"schedule={self.schedule!r} runs each micro-batch's backward itself, which "
                     f"needs automatic optimization. Use schedule='gpipe' for manual optimization."
                 )
-            # The strategy runs backward inside training_step; Lightning must not run it again.
-            trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward = True
             if self.schedule == "2bw":
                 self._versions = WeightVersions(self.lightning_module.parameters())
-            assert self._scheduled is not None
-            self._step = ScheduledStep(self._scheduled, self.schedule, self.chunks, self.precision_plugin, self._versions)
+            if self._scheduled is not None:  # else once the first forward is captured (_probe)
+                self._make_step()
         if self.meter is not None:
             self._own_memory()
             self._metering.enter_context(self.meter)
@@ -198,58 +244,124 @@ class MemoryPipeStrategy(ParallelStrategy):
 
         The first split is the user's ``balance`` or an even split by parameter bytes; with a
         ``planner`` and no ``balance``, the first forward call profiles one micro-batch, plans
-        and re-splits before it runs.
+        and re-splits before it runs. The graph split is the training graph; a model torch.fx
+        cannot trace is captured by torch.export from the first forward call's inputs, and
+        the graphs of other modes and inputs are captured at their first call
+        (:mod:`~lightning_pipe.graph.variants`).
         """
         module = self.lightning_module
         assert module is not None and self.parallel_devices
         devices = list(self.parallel_devices)
-        self._captured = capture(module, self.leaf_modules)
-        check_stage_count(len(self._captured.nodes), len(devices))
+        self._batch_norm = DeferredBatchNorm(module) if self.deferred_batch_norm else None
+        self._variants = Variants(module, self.leaf_modules)
         self.meter = MemoryMeter(len(devices), self._capacities()) if self.measure_memory else None
         self.clock = StageClock(len(devices))
-        balance = self.balance or balance_by_weight(self._captured.param_bytes(), len(devices))
-        self.program = build(self._captured, module, balance, devices)
-        self._pipeline = Pipeline(self.program, module, self.chunks, self.root_device, self.meter, self.clock)
-        if self.schedule != "gpipe":
-            self._scheduled = ScheduledPipeline(self.program, self.root_device, self.meter, self.clock)
         self._needs_plan = self.planner is not None and self.balance is None
+        try:
+            self._captured = self._training_graph()
+        except NeedsExampleInputs:
+            self._captured = None  # torch.export captures it from the first forward's inputs
+        else:
+            self._install(self._captured)
         # An instance attribute shadows the class's forward without registering a submodule,
         # so state_dict keys stay those of the plain module.
         module.forward = self._forward
         module._device = self.root_device
-        rank_zero_info(self.describe())
 
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._needs_plan:
-            self._plan_from(args, kwargs)
-        if self._scheduled is not None and self._scheduled.active:
-            return self._scheduled(self.lightning_module, *args, **kwargs)
-        return self._pipeline(*args, **kwargs)
+    def _training_graph(self, inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Captured:
+        assert self.parallel_devices
+        captured = self._variants.training_graph(inputs)
+        check_stage_count(len(captured.nodes), len(self.parallel_devices))
+        if self._batch_norm is not None and self._batch_norm.layers and captured.front_end != "torch.fx":
+            raise ValueError(
+                "deferred_batch_norm=True needs BatchNorm layers as torch.fx leaf modules, but torch.fx could "
+                "not trace this model and torch.export records batch norm as operations. Make the model "
+                "traceable by torch.fx (see leaf_modules) or leave deferred_batch_norm off."
+            )
+        return captured
 
-    def _plan_from(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Profile one micro-batch of this call's inputs, plan, and re-split to the plan."""
-        assert self.planner is not None and self.parallel_devices
-        self._needs_plan = False
-        whole_batch = not (self._scheduled is not None and self._scheduled.active)
-        sample_args, sample_kwargs = scatter((args, kwargs), self.chunks)[0] if whole_batch else (args, kwargs)
-        optimizer = self.optimizers[0] if self.optimizers else None
-        with torch.enable_grad():
-            self.profile = profile_graph(self._captured, sample_args, sample_kwargs, optimizer=optimizer)
+    def _install(
+        self, captured: Captured, balance: list[int] | None = None, policies: dict[str, Policy] | None = None
+    ) -> None:
+        """Split the training graph by ``balance`` (else the user's, else even by parameter
+        bytes) and place the parameters; graphs of other modes then follow this placement."""
+        module = self.lightning_module
+        assert module is not None and self.parallel_devices
         devices = list(self.parallel_devices)
-        capacities = self._capacities() or _device_capacities(devices)
-        # Plan below the limit: the memory model's workspace and boundary terms are estimates.
-        targets = [int(c * _PLANNING_HEADROOM) for c in capacities]
-        self.plan = make_plan(self.profile, targets, self.planner, self.schedule, self.chunks, self.host_bandwidth)
-        policies = {n.name: p for n, p in zip(self._captured.nodes, self.plan.policies) if p != "keep"}
-        self.program = build(self._captured, self.lightning_module, self.plan.balance, devices, policies)
-        for runner in (self._pipeline, self._scheduled):
-            if runner is not None:
-                runner.program = self.program
+        planned = balance is not None
+        balance = balance or self.balance or balance_by_weight(captured.param_bytes(), len(devices))
+        self.program = build(captured, module, balance, devices, policies)
+        self._policies = dict(policies or {})
+        self._pipeline = Pipeline(
+            self.program, module, self.chunks, self.root_device, self.meter, self.clock, self._batch_norm
+        )
+        self._pipelines = {id(captured): self._pipeline}  # the others follow the new placement when next called
+        if self.schedule != "gpipe":
+            if self._scheduled is None:
+                self._scheduled = ScheduledPipeline(self.program, self.root_device, self.meter, self.clock)
+            self._scheduled.program = self.program
         for optimizer in self.optimizers:
             _state_to_param_devices(optimizer)
         if self._versions is not None:
             self._versions.follow_params()
         self._own_memory()
+        if not planned:  # a plan shows its own table
+            rank_zero_info(self.describe())
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._captured is None:
+            self._captured = self._training_graph((args, kwargs))
+            if not self._needs_plan:
+                self._install(self._captured)
+        if self._needs_plan:
+            self._plan_from(args, kwargs)
+        if self._probing:
+            raise _Probed
+        pipeline = self._pipeline_for(args, kwargs)
+        if self._scheduled is not None and self._scheduled.active:
+            if self._scheduled.program is not pipeline.program:  # another mode's graph (a teacher pass)
+                pipeline.program.lender.new_batch()  # its lent copies may be a batch old
+                self._scheduled.program = pipeline.program
+            return self._scheduled(pipeline.root, *args, **kwargs)
+        return pipeline(*args, **kwargs)
+
+    def _pipeline_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipeline:
+        """The pipeline of the graph for the module's current modes and these inputs: the
+        training graph's, or one that leaves the parameters where that one placed them and
+        takes its memory policies for the nodes of the same name."""
+        module = self.lightning_module
+        assert module is not None and self.program is not None and self.parallel_devices
+        captured = self._variants.get((args, kwargs))
+        if id(captured) not in self._pipelines:
+            stage_of = {id(t): stage.index for stage in self.program.stages for t in stage.owned}
+            balance = follow_balance(captured, stage_of, len(self.program.stages))
+            policies = {n.name: self._policies[n.name] for n in captured.nodes if n.name in self._policies}
+            program = build(captured, module, balance, list(self.parallel_devices), policies, place=False)
+            self._pipelines[id(captured)] = Pipeline(
+                program, module, self.chunks, self.root_device, self.meter, self.clock, self._batch_norm
+            )
+        return self._pipelines[id(captured)]
+
+    def _plan_from(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Profile one micro-batch of this call's inputs, plan, and re-split to the plan."""
+        assert self.planner is not None and self.parallel_devices and self._captured is not None
+        self._needs_plan = False
+        whole_batch = not (self._probing or (self._scheduled is not None and self._scheduled.active))
+        sample_args, sample_kwargs = scatter((args, kwargs), self.chunks)[0] if whole_batch else (args, kwargs)
+        optimizer = self.optimizers[0] if self.optimizers else None
+        with torch.enable_grad():
+            self.profile = profile_graph(self._captured, sample_args, sample_kwargs, optimizer=optimizer)
+        if self._batch_norm is not None:
+            self._batch_norm.discard()  # the profiler's runs are not part of the batch
+        devices = list(self.parallel_devices)
+        capacities = self._capacities() or _device_capacities(devices)
+        # Plan below the limit: the memory model's workspace and boundary terms are estimates.
+        targets = [int(c * PLANNING_HEADROOM) for c in capacities]
+        self.plan = make_plan(
+            self.profile, targets, self.planner, self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth
+        )
+        policies = {n.name: cast(Policy, p) for n, p in zip(self._captured.nodes, self.plan.policies) if p != "keep"}
+        self._install(self._captured, self.plan.balance, policies)
         report.show(self.plan, devices)
         logger = self.lightning_module.trainer.logger if self.lightning_module._trainer else None
         if logger is not None and logger.log_dir is not None:
@@ -303,12 +415,70 @@ class MemoryPipeStrategy(ParallelStrategy):
         return limits
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Under 1F1B/2BW the strategy runs backward inside ``training_step``: Lightning must
+        neither run it again nor zero the gradients after it. Its skip-backward flag is set
+        for this step only, as Lightning's own callbacks set it, and its value restored after
+        the step, so that a callback changing it (``StochasticWeightAveraging``) keeps working."""
+        module = self.lightning_module
+        if self.schedule != "gpipe" and self._step is None:
+            self._probe(batch, batch_idx)
+        if self._step is not None and self._lightning_skip is None and module is not None:
+            loop = module.trainer.fit_loop
+            self._lightning_skip = loop, loop._skip_backward
+            loop._skip_backward = True
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.clock.reset()
         self._step_start = time.perf_counter()
         if self._step is None:
             return super().training_step(*args, **kwargs)
-        return self._step(self.lightning_module, self.optimizers[0], self._stepping, *args, **kwargs)
+        try:
+            if self._lightning_skip is not None and self._lightning_skip[1]:
+                # Lightning skips backward itself (SWA's BatchNorm epoch): forwards only, as it runs them
+                return super().training_step(*args, **kwargs)
+            assert self.lightning_module is not None
+            loss = self._step(self.lightning_module, self.optimizers[0], self._stepping, *args, **kwargs)
+        finally:
+            self._restore_skip_backward()
+        if self._batch_norm is not None:
+            self._batch_norm.commit()  # the batch's micro-batches ran as separate forward calls
+        return loss
+
+    def _make_step(self) -> None:
+        assert self._scheduled is not None
+        self._step = ScheduledStep(
+            self._scheduled, self.schedule, self.chunks, self.precision_plugin, self._versions, self.loss_reduction
+        )
+
+    def _probe(self, batch: Any, batch_idx: int) -> None:
+        """Capture the graph before the first schedule-driven step, which needs its stages:
+        torch.export captures from ``forward``'s inputs, which only ``training_step`` makes.
+        So ``training_step`` runs on the first micro-batch, without gradients, until its
+        ``self(...)`` has captured (and planned), and stops there."""
+        module = self.lightning_module
+        assert module is not None
+        self._probing = True
+        try:
+            with torch.no_grad():
+                module.training_step(scatter(batch, self.chunks)[0], batch_idx)
+        except _Probed:
+            pass
+        finally:
+            self._probing = False
+        if self._scheduled is None:
+            raise RuntimeError(
+                "training_step never called the module's forward, which the pipeline runs: call "
+                "self(...) in training_step (self(**batch), not self.model(**batch))."
+            )
+        self._make_step()
+
+    def _restore_skip_backward(self) -> None:
+        if self._lightning_skip is not None:
+            loop, before = self._lightning_skip
+            loop._skip_backward = before
+            self._lightning_skip = None
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -355,6 +525,9 @@ class MemoryPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is not None:
             vars(module).pop("forward", None)
+        self._restore_skip_backward()  # a step that did not run (an exception) leaves it set
+        if self._batch_norm is not None:
+            self._batch_norm.restore()
         self._metering.close()
         if self.meter is not None:
             self.meter.close()
@@ -366,6 +539,10 @@ class MemoryPipeStrategy(ParallelStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="Memory-centric pipeline parallelism in one process"
         )
+
+
+class _Probed(Exception):
+    """Ends a probing ``training_step`` at its first ``self(...)`` (see ``_probe``)."""
 
 
 def _device_capacities(devices: list[torch.device]) -> list[int]:
@@ -386,6 +563,22 @@ def _state_to_param_devices(optimizer: Optimizer) -> None:
         for key, value in state.items():
             if key != "step" and isinstance(value, Tensor):
                 state[key] = value.to(param.device)
+
+
+def _check_types(**arguments: tuple[object, type | UnionType]) -> None:
+    """Name an argument of the wrong type, the type it needs and the value it got, rather than
+    fail later on a comparison (``chunks="4"``). A bool is no int here; an int is a float."""
+    for name, (value, expected) in arguments.items():
+        kinds = get_args(expected) or (expected,)
+        if not any(_is_a(value, kind) for kind in kinds):
+            names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in kinds)
+            raise TypeError(f"{name} must be {names}, got {value!r} of type {type(value).__name__}.")
+
+
+def _is_a(value: object, kind: type) -> bool:
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, kind) or (kind is float and isinstance(value, int))
 
 
 def _parse_limits(limit: MemorySize | list[MemorySize] | None) -> list[int] | None:

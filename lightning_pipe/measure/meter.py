@@ -11,15 +11,17 @@ owns the parameter. Nothing here reads the planner's formulas.
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["KINDS", "MemoryMeter", "StageMemory", "StageOutOfMemoryError", "not_charged"]
@@ -78,7 +80,7 @@ class _Entry:
     nbytes: int
 
 
-class MemoryMeter(TorchDispatchMode):
+class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Charge every live storage to a stage; optionally enforce per-stage capacities.
 
     Args:
@@ -87,14 +89,14 @@ class MemoryMeter(TorchDispatchMode):
     """
 
     def __init__(self, num_stages: int, capacities: Sequence[int | None] | None = None) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         if capacities is not None and len(capacities) != num_stages:
             raise ValueError(f"{len(capacities)} capacities given for {num_stages} stages.")
         self.capacities = list(capacities) if capacities is not None else [None] * num_stages
         self.stages = [StageMemory() for _ in range(num_stages)]
-        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> stage
-        self._hooks: list[Any] = []
+        self._entries: MutableMapping[torch.UntypedStorage, _Entry] = WeakIdKeyDictionary()
+        self._owner: MutableMapping[Tensor, int] = WeakIdKeyDictionary()  # parameter -> stage
+        self._hooks: list[RemovableHandle] = []
         self.last_saver: dict[int, int] = {}  # stage that made a saved storage -> last stage saving it
         self._tag = f"lightning_pipe.stage.{id(self)}"  # meters may nest (profiling while metering)
         self._local = threading.local()
@@ -114,23 +116,26 @@ class MemoryMeter(TorchDispatchMode):
 
     def tag_backward(self, outputs: Iterable[Any], stage: int) -> None:
         """Mark the autograd nodes a stage's forward created, so its backward is charged to it."""
-        stack = [t.grad_fn for t in tree_flatten(list(outputs))[0] if isinstance(t, Tensor) and t.grad_fn]
+        flat = tree_flatten(list(outputs))[0]
+        stack: list[Node | None] = [t.grad_fn for t in flat if isinstance(t, Tensor) and t.grad_fn]
         while stack:
             node = stack.pop()
-            if node is None or self._tag in node.metadata or type(node).__name__ == "AccumulateGrad":
+            if node is None or type(node).__name__ == "AccumulateGrad":
                 continue
-            node.metadata[self._tag] = stage
+            if self._tag in node.metadata:  # type: ignore[operator]  # torch types the property as a method
+                continue
+            node.metadata[self._tag] = stage  # type: ignore[index]
             stack.extend(f for f, _ in node.next_functions)
 
     def _stage_now(self) -> tuple[int, str] | None:
-        node = torch._C._current_autograd_node()
+        node: Node | None = torch._C._current_autograd_node()
         if node is None:
             stage = getattr(self._local, "stage", None)
             return None if stage is None else (stage, "transient")
         if type(node).__name__ == "AccumulateGrad":
-            owner = self._owner.get(node.variable)
+            owner = self._owner.get(node.variable)  # type: ignore[attr-defined]
             return None if owner is None else (owner, "gradients")
-        stage = node.metadata.get(self._tag)
+        stage = node.metadata.get(self._tag)  # type: ignore[attr-defined]
         return None if stage is None else (stage, "transient")
 
     # -- charging --------------------------------------------------------------------------
@@ -141,7 +146,7 @@ class MemoryMeter(TorchDispatchMode):
         for t in tensors:
             if isinstance(t, torch.nn.Parameter):
                 if t not in self._owner and t.requires_grad:
-                    self._hooks.append(t.register_post_accumulate_grad_hook(self._own_grad))
+                    self._hooks.append(t.register_post_accumulate_grad_hook(self._own_grad))  # type: ignore[no-untyped-call]
                 self._owner[t] = stage
             self._charge(t, stage, kind)
 
@@ -211,7 +216,9 @@ class MemoryMeter(TorchDispatchMode):
         with self._lock:
             self.stages[entry.stage].current[entry.kind] -= entry.nbytes
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         where = None if getattr(_flags, "off", False) else self._stage_now()
         if where is not None:
@@ -221,7 +228,9 @@ class MemoryMeter(TorchDispatchMode):
             for k, t in enumerate(tree_flatten(out)[0]):
                 if not isinstance(t, Tensor):
                     continue
-                if where[1] == "gradients" or not (id(t.untyped_storage()) in inputs or aliases[min(k, len(aliases) - 1)]):
+                if where[1] == "gradients" or not (
+                    id(t.untyped_storage()) in inputs or aliases[min(k, len(aliases) - 1)]
+                ):
                     self._charge(t, *where)  # (under AccumulateGrad: a buffer adopted as .grad)
         return out
 

@@ -7,7 +7,6 @@ The result is a :class:`~lightning_pipe.plan.profile.Profile`, plain data for th
 
 import inspect
 import statistics
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -17,23 +16,26 @@ from torch import Tensor, fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_pipe.graph.capture import Captured
+from lightning_pipe.graph.capture import Captured, get_attr
+from lightning_pipe.graph.export import localize_args
 from lightning_pipe.graph.microbatch import batch_size
 from lightning_pipe.measure.meter import MemoryMeter
-from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.profile import NodeProfile, Profile, SharedParam
+from lightning_pipe.stream import current_stream, elapsed_ms, record_event
 
 __all__ = ["profile_graph"]
 
 
 def profile_graph(
     captured: Captured,
-    args: tuple = (),
+    args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
     repeats: int = 3,
     warmup: int = 1,
     fake: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Profile:
     """Measure every node of ``captured`` on one sample micro-batch ``(args, kwargs)``.
 
@@ -49,18 +51,24 @@ def profile_graph(
         optimizer: the user's optimizer; its class and settings measure optimizer-state bytes.
         fake: measure bytes on fake tensors (no data, no compute) where running is
             impossible, e.g. activations that do not fit; times are then zero.
+        progress: called with (nodes timed, all nodes) after each node, for a progress bar:
+            timing takes ``warmup + repeats`` runs of every node.
     """
     gm = captured.graph_module
     kwargs = kwargs or {}
     buffers = {name: b.clone() for name, b in gm.named_buffers()}
     rng = _rng_state()
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
-    with mode:
-        if fake:
-            args, kwargs = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, Tensor) else x, (args, kwargs))
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    with fake_mode or nullcontext():
+        if fake_mode is not None:
+            args, kwargs = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, Tensor) else x, (args, kwargs))
         runner = _NodeRunner(gm, _bind(gm, args, kwargs))
         memory = _measure_memory(runner, captured.nodes)
-        times = [(0.0, 0.0) if fake else _time_node(runner, n, repeats, warmup) for n in captured.nodes]
+        times = []
+        for n in captured.nodes:
+            times.append((0.0, 0.0) if fake else _time_node(runner, n, repeats, warmup))
+            if progress is not None:
+                progress(len(times), len(captured.nodes))
     with torch.no_grad():
         for name, b in gm.named_buffers():
             b.copy_(buffers[name])  # profiling must not advance e.g. BatchNorm statistics
@@ -101,7 +109,21 @@ def profile_graph(
         input_bytes=_tensor_bytes((args, kwargs)),
         input_users=sorted({index[u] for p in placeholders for u in p.users if u in index}),
         fake=fake,
+        shared=_shared(captured),
     )
+
+
+def _shared(captured: Captured) -> list[SharedParam]:
+    """The parameters several nodes read (a module's, or one read by attribute: tied
+    weights), with the nodes reading them."""
+    gm = captured.graph_module
+    readers: dict[int, tuple[int, list[int]]] = {}
+    for k, node in enumerate(captured.nodes):
+        reads = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
+        reads += [get_attr(gm, str(a.target)) for a in node.all_input_nodes if a.op == "get_attr"]
+        for p in {id(p): p for p in reads if isinstance(p, torch.nn.Parameter)}.values():
+            readers.setdefault(id(p), (_nbytes(p), []))[1].append(k)
+    return [SharedParam(nbytes, users) for nbytes, users in readers.values() if len(users) > 1]
 
 
 def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[tuple[int, int, int, int]]:
@@ -111,7 +133,7 @@ def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[tuple[i
     meter = MemoryMeter(len(nodes))
     forward_transient = [0] * len(nodes)
     with meter, meter.saved_tensors_hooks():
-        for node in runner.module.graph.nodes:
+        for node in runner.gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
                 runner.env[node] = runner.run_node(node)
             elif node.op != "output":
@@ -121,7 +143,7 @@ def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[tuple[i
                 meter.tag_backward([runner.env[node]], k)
                 forward_transient[k] = meter.stages[k].peak - meter.stages[k].total
         saved = [m.current["activations"] for m in meter.stages]
-        result = fx.node.map_arg(runner.module.graph.output_node().args[0], runner.env.__getitem__)
+        result = fx.node.map_arg(runner.gm.graph.output_node().args[0], runner.env.__getitem__)
         outputs = [t for t in tree_flatten(result)[0] if _needs_grad(t)]
         leaves = [p for p in runner.module.parameters() if p.requires_grad]
         meter.reset_peaks()
@@ -140,10 +162,11 @@ class _NodeRunner(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, inputs: dict[str, Any]) -> None:
         super().__init__(gm)
+        self.gm = gm
         self.inputs = inputs
 
     def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
-        return self.inputs[target]
+        return self.inputs[target.lstrip("*")]  # "**kwargs" binds as "kwargs"
 
     def run_on(self, node: fx.Node, device: torch.device) -> Any:
         args, kwargs = _to(self.fetch_args_kwargs_from_env(node), device)
@@ -153,7 +176,7 @@ class _NodeRunner(fx.Interpreter):
         return getattr(self, node.op)(node.target, args, kwargs)
 
 
-def _bind(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _bind(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     bound = inspect.signature(gm.forward).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
@@ -202,20 +225,14 @@ def _fresh(x: Any) -> Any:
 
 
 def _median_ms(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> float:
-    """Median milliseconds of ``fn``: CUDA events on a GPU, the wall clock elsewhere."""
+    """Median milliseconds of ``fn`` running on ``device``: between events on that device's
+    stream (where its kernels run, whichever device is current), the wall clock on a CPU."""
+    stream = current_stream(device)
     times = []
     for i in range(warmup + repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            elapsed = start.elapsed_time(end)
-        else:
-            begin = time.perf_counter()
-            fn()
-            elapsed = (time.perf_counter() - begin) * 1e3
+        start = record_event(stream, timing=True)
+        fn()
+        elapsed = elapsed_ms(start, record_event(stream, timing=True))
         if i >= warmup:
             times.append(elapsed)
     return statistics.median(times)
@@ -226,7 +243,7 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch
     on a zero copy of each parameter in turn (never a copy of the whole model)."""
     if optimizer is None:
         return {}
-    cache: dict[tuple, int] = {}
+    cache: dict[tuple[Any, ...], int] = {}
     result = {}
     for p in params:
         if not p.requires_grad:
@@ -254,16 +271,17 @@ def _tensor_bytes(value: Any) -> int:
     return sum(_nbytes(t) for t in tree_flatten(value)[0] if isinstance(t, Tensor))
 
 
-def _rng_state() -> tuple:
+def _rng_state() -> tuple[Tensor, list[Tensor] | None]:
     return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
 
 
-def _set_rng_state(state: tuple) -> None:
+def _set_rng_state(state: tuple[Tensor, list[Tensor] | None]) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
 
 
 def _to(value: Any, device: torch.device) -> Any:
-    """Tensors of ``value`` on ``device`` (a differentiable copy where needed)."""
-    return tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, value)
+    """Tensors of ``value`` on ``device`` (a differentiable copy where needed), and devices an
+    exported graph left open too (``graph.export.localize``)."""
+    return localize_args(tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, value), device)

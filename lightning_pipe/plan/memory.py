@@ -3,7 +3,8 @@
     peak(stage) = static + in_flight * stashed + transient + boundary
 
 static: parameters (one copy per weight version the schedule keeps), gradients and optimizer
-state the stage owns; stashed: activation bytes one micro-batch leaves for backward;
+state the stage owns, and the one copy per batch of each parameter it borrows (a tied weight
+whose first user is on an earlier stage); stashed: activation bytes one micro-batch leaves for backward;
 in_flight: micro-batches whose activations a schedule holds at once (GPipe: all of them);
 transient: the largest workspace of a node's forward or backward, plus the largest set of
 bytes brought back at once for the backward of a recomputed region or a swapped node;
@@ -16,12 +17,13 @@ Per node, a policy says where its saved bytes live between forward and backward:
 forward again before its backward).
 
 :class:`CostModel` holds prefix sums over the profile so that a planner can price any
-contiguous node range in O(1) when every node is kept.
+contiguous node range in O(1) when every node is kept. Given the ``link_bandwidth`` between
+stage devices, it also prices what a stage sends to the next (:meth:`CostModel.send_ms`).
 """
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -83,8 +85,11 @@ def predict_peaks(
     ]
 
 
-def _prefix(values: Sequence[float]) -> list:
-    out = [0] * (len(values) + 1)
+_Number = TypeVar("_Number", int, float)
+
+
+def _prefix(values: Sequence[_Number]) -> list[_Number]:
+    out: list[_Number] = [0] * (len(values) + 1)
     for i, v in enumerate(values):
         out[i + 1] = out[i] + v
     return out
@@ -93,9 +98,10 @@ def _prefix(values: Sequence[float]) -> list:
 class CostModel:
     """A profile's per-node costs, indexed for pricing node ranges ``[lo, hi)`` fast."""
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, link_bandwidth: float | None = None) -> None:
         nodes = profile.nodes
         self.profile = profile
+        self.link_bandwidth = link_bandwidth  # bytes per second between stage devices
         self.n = len(nodes)
         self.forward_ms = [n.forward_ms for n in nodes]
         self.backward_ms = [n.backward_ms for n in nodes]
@@ -161,6 +167,24 @@ class CostModel:
             total += sent
         return total
 
+    def send_ms(self, lo: int, hi: int) -> float:
+        """Milliseconds to send one micro-batch's values leaving nodes ``[lo, hi)`` for later
+        stages over the link (their gradients take as long back); 0 without a link, and for
+        the last stage, whose outputs stay on its device."""
+        if not self.link_bandwidth or hi == self.n:
+            return 0.0
+        sent = 0
+        for i, _ in self._leaving[hi]:
+            if i < lo:
+                break
+            sent += self.output[i]
+        return 1e3 * sent / self.link_bandwidth
+
+    def borrowed(self, lo: int, hi: int) -> int:
+        """Bytes of the parameters nodes ``[lo, hi)`` read whose first user comes earlier:
+        the stage keeps a copy of each."""
+        return sum(p.nbytes for p in self.profile.shared if p.users[0] < lo and any(lo <= u < hi for u in p.users))
+
     def waiting_gradients(self, balance: Sequence[int], waits: Sequence[Sequence[int]]) -> list[int]:
         """Per stage, bytes of gradients computed for earlier stages that wait there for their
         producer's backward. A schedule that runs backward stage by stage (1F1B, 2BW) completes
@@ -179,7 +203,7 @@ class CostModel:
         return waiting
 
     def static(self, lo: int, hi: int, weight_versions: int = 1) -> int:
-        return weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo]
+        return weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo] + self.borrowed(lo, hi)
 
     def region_inputs(self, a: int, b: int, lo: int, policies: Mapping[int, Policy]) -> int:
         """Bytes a recomputed region ``[a, b)`` of a stage starting at ``lo`` must stash: the

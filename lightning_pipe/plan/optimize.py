@@ -73,11 +73,13 @@ def optimize_stage(
     capacity: float,
     weight_versions: int = 1,
     host_bandwidth: float | None = None,
+    optimise: bool = True,
 ) -> StageOptimum:
-    """Cheapest policies (by the greedy above) bringing stage ``[lo, hi)`` under ``capacity``."""
+    """Cheapest policies (by the greedy above) bringing stage ``[lo, hi)`` under ``capacity``;
+    with ``optimise`` false, every node keeps its activations."""
     base = model.peak(lo, hi, in_flight, {}, weight_versions)
-    if base.total <= capacity:
-        return StageOptimum(peak=base)
+    if base.total <= capacity or not optimise:
+        return StageOptimum(peak=base, fits=base.total <= capacity)
     compute = model.compute_ms(lo, hi)
 
     swaps: list[tuple[float, int]] = []  # (round trip, node), most FreeTime first

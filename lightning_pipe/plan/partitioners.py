@@ -4,17 +4,21 @@
   cut only between the compute-balanced and the memory-balanced positions of each split
   (DawnPiper's theorem: under monotone costs the best cut lies there); candidates are priced
   with per-stage memory optimisation, so a stage may trade recompute or swap time for fitting.
-  Objective: the slowest stage's time (compute + recompute + exposed swap), every stage under
-  its device's capacity.
+  Objective: the slowest stage's time (compute + recompute + exposed swap + sending its outputs
+  over the link between stage devices, when its bandwidth is given), every stage under its
+  device's capacity. The transfer at a cut is not monotone in the cut, so with a link the
+  compute-balanced cut is searched over every position.
 * ``capslog``: CAPSlog's binary search on a memory threshold with fill-first; minimises the
   largest peak relative to the stage's capacity (with equal capacities: the largest peak).
-* ``time``: optimal contiguous min-max of forward + backward time (torchgpipe's balance_by_time).
+* ``time``: contiguous min-max of forward + backward (+ send) time (torchgpipe's
+  balance_by_time; optimal without a link).
 * ``params``: min-max of parameter bytes (DeepSpeed's default).
 * ``uniform``: equal node counts (the first stages take one more when they do not divide).
 
 Capacities are per stage device and may differ (heterogeneous devices).
 """
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -22,8 +26,10 @@ from typing import Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.optimize import StageOptimum, lowest_peak, optimize_stage
+from lightning_pipe.plan.optimize import StageOptimum, optimize_stage
 from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.schedule import Action
+from lightning_pipe.plan.simulate import StageTime, simulate
 
 __all__ = ["PARTITIONERS", "Partitioner", "Stages", "lowest_peak_balance", "partition", "split"]
 
@@ -35,7 +41,10 @@ PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params
 class Stages:
     """What a partitioner plans for: a cost model, and per stage its device's capacity (bytes)
     and the micro-batches it holds at once; the schedule's weight copies; the host link; the
-    schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits` (none wait when empty)."""
+    schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits` (none wait when empty) and
+    its per-stage :func:`~lightning_pipe.plan.schedule.actions`, which price a whole split by
+    its simulated step (without them: by its slowest stage). ``optimise_memory`` false: no
+    stage recomputes or swaps."""
 
     model: CostModel
     capacities: Sequence[int]
@@ -43,6 +52,8 @@ class Stages:
     weight_versions: int = 1
     host_bandwidth: float | None = None
     waits: Sequence[Sequence[int]] = ()
+    order: Sequence[Sequence[Action]] = ()
+    optimise_memory: bool = True
     _optima: dict[tuple[int, int, int, int], StageOptimum] = field(default_factory=dict, repr=False)
 
     @property
@@ -56,9 +67,18 @@ class Stages:
         if key not in self._optima:
             self._optima[key] = optimize_stage(
                 self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
-                self.host_bandwidth,
+                self.host_bandwidth, self.optimise_memory,
             )
         return self._optima[key]
+
+    def kept(self) -> "Stages":
+        """These stages with no memory optimisation."""
+        return replace(self, optimise_memory=False, _optima={})
+
+    def lowest(self, lo: int, hi: int, s: int) -> int:
+        """The lowest peak memory optimisation reaches for nodes ``[lo, hi)`` as stage ``s``
+        (:func:`~lightning_pipe.plan.optimize.lowest_peak`; cached: its whole capacity reserved)."""
+        return self.optimum(lo, hi, s, self.capacities[s]).peak.total
 
     def placed(self, balance: Sequence[int]) -> list[StageOptimum]:
         """Every stage of ``balance`` optimised under its capacity less the gradients that
@@ -67,11 +87,30 @@ class Stages:
         optima = [self.optimum(r.start, r.stop, s, waiting[s]) for s, r in enumerate(stage_ranges(balance))]
         return [replace(o, peak=o.peak.waiting(w)) for o, w in zip(optima, waiting)]
 
+    def fits(self, balance: Sequence[int]) -> bool:
+        return all(o.fits for o in self.placed(balance))
+
+    def times(self, balance: Sequence[int]) -> list[StageTime]:
+        """Per stage of ``balance``, placed, its times per micro-batch."""
+        model, times = self.model, []
+        for r, o in zip(stage_ranges(balance), self.placed(balance)):
+            forward = model.forward_time(r.start, r.stop)
+            backward = model.compute_ms(r.start, r.stop) - forward
+            times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, model.send_ms(r.start, r.stop)))
+        return times
+
+    def step_ms(self, balance: Sequence[int]) -> float:
+        """Simulated step time of ``balance``, placed; its slowest stage without an ``order``."""
+        times = self.times(balance)
+        if self.order:
+            return simulate(times, self.order).step_ms
+        return max(t.forward + t.backward + t.recompute + t.swap + t.send for t in times)
+
     def stage_time(self, lo: int, hi: int, s: int) -> float:
-        """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation;
-        infinite when it cannot fit."""
+        """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation,
+        sending its outputs included; infinite when it cannot fit."""
         base = self.model.peak(lo, hi, self.in_flight[s], {}, self.weight_versions)
-        compute = self.model.compute_ms(lo, hi)
+        compute = self.model.compute_ms(lo, hi) + self.model.send_ms(lo, hi)
         if base.total <= self.capacities[s]:
             return compute
         found = self.optimum(lo, hi, s)
@@ -81,7 +120,8 @@ class Stages:
         """Estimated slowest-stage time of stages ``[first, stop)`` sharing ``[lo, hi)``:
         exact for one stage; for several, the group is priced as one stage of their summed
         capacity and mean in-flight count whose work is spread evenly, with the bytes over
-        capacity recomputed at the range's mean forward time per saved byte."""
+        capacity recomputed at the range's mean forward time per saved byte; its last stage
+        also sends what leaves the range."""
         k = stop - first
         if k == 1:
             return self.stage_time(lo, hi, first)
@@ -91,11 +131,11 @@ class Stages:
         excess = demand - sum(self.capacities[first:stop])
         compute = model.compute_ms(lo, hi)
         if excess <= 0:
-            return compute / k
+            return compute / k + model.send_ms(lo, hi)
         stashed = model.stashed(lo, hi)
-        if excess > held * stashed:
+        if excess > held * stashed or not self.optimise_memory:
             return math.inf
-        return (compute + model.forward_time(lo, hi) * excess / (held * stashed)) / k
+        return (compute + model.forward_time(lo, hi) * excess / (held * stashed)) / k + model.send_ms(lo, hi)
 
     def group_memory(self, lo: int, hi: int, first: int, stop: int) -> float:
         """Memory demand of stages ``[first, stop)`` on ``[lo, hi)`` relative to their capacity."""
@@ -113,11 +153,14 @@ def partition(
     *,
     weight_versions: int = 1,
     host_bandwidth: float | None = None,
+    link_bandwidth: float | None = None,
 ) -> list[int]:
-    """Balance for ``len(capacities)`` stages by the partitioner ``name``."""
+    """Balance for ``len(capacities)`` stages by the partitioner ``name``; ``link_bandwidth``
+    (bytes/s between stage devices) prices what crosses each cut."""
     if len(in_flight) != len(capacities):
         raise ValueError(f"{len(capacities)} capacities but {len(in_flight)} in-flight counts; give one per stage.")
-    stages = Stages(CostModel(profile), list(capacities), list(in_flight), weight_versions, host_bandwidth)
+    model = CostModel(profile, link_bandwidth)
+    stages = Stages(model, list(capacities), list(in_flight), weight_versions, host_bandwidth)
     return split(name, stages)
 
 
@@ -128,10 +171,12 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
     if name == "dawnpiper":
         return _dawnpiper(stages)
     if name == "capslog":
-        peak = lambda lo, hi, s: model.peak(lo, hi, stages.in_flight[s], {}, stages.weight_versions).total
+        def peak(lo: int, hi: int, s: int) -> float:
+            return model.peak(lo, hi, stages.in_flight[s], {}, stages.weight_versions).total
+
         return _min_max(model.n, stages.capacities, peak)
     if name == "time":
-        return _min_max(model.n, [1.0] * count, lambda lo, hi, s: model.compute_ms(lo, hi))
+        return _min_max(model.n, [1.0] * count, lambda lo, hi, s: model.compute_ms(lo, hi) + model.send_ms(lo, hi))
     if name == "params":
         return balance_by_weight([model.params(i, i + 1) for i in range(model.n)], count)
     if name == "uniform":
@@ -143,12 +188,7 @@ def lowest_peak_balance(stages: Stages) -> list[int]:
     """The balance whose stages, memory-optimised as far as they go, have the lowest peak
     relative to capacity: the most memory any plan can save (CAPSlog's search on the
     optimised peaks)."""
-    model = stages.model
-
-    def peak(lo: int, hi: int, s: int) -> float:
-        return lowest_peak(model, lo, hi, stages.in_flight[s], stages.weight_versions, stages.host_bandwidth)
-
-    return _min_max(model.n, stages.capacities, peak, precision=1e-3)
+    return _min_max(stages.model.n, stages.capacities, stages.lowest, precision=1e-3)
 
 
 Cost = Callable[[int, int, int], float]
@@ -207,7 +247,84 @@ def _crossing(left: Callable[[int], float], right: Callable[[int], float], a: in
     return min((p for p in (lo - 1, lo) if a <= p <= b), key=lambda p: (max(left(p), right(p)), p))
 
 
+BASELINES: tuple[Partitioner, ...] = ("time", "params", "uniform", "capslog")
+
+
 def _dawnpiper(stages: Stages) -> list[int]:
+    """The fastest split that fits among the bisection's and every baseline's, so dawnpiper is
+    never worse than another partitioner; the bisection also runs without memory optimisation,
+    so optimising never loses a split that fits without it. When none fits, a search for any
+    split that fits; when nothing fits at all, the split with the lowest peak."""
+    searches = [stages, stages.kept()] if stages.optimise_memory else [stages]
+    candidates = [_bisection(m) for m in searches] + [split(name, stages) for name in BASELINES]
+    found = _fastest_fitting(stages, candidates)
+    for m in searches:
+        found = found or _fill_fitting(m)
+    return found or lowest_peak_balance(stages)
+
+
+def _fastest_fitting(stages: Stages, candidates: Sequence[list[int] | None]) -> list[int] | None:
+    fitting = [b for b in candidates if b is not None and stages.fits(b)]
+    return min(fitting, key=stages.step_ms, default=None)
+
+
+def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] | None:
+    """Fill-first on fitting: each stage in turn takes the longest run of nodes that fits it,
+    memory-optimised and with the gradients that will wait at it (known once the earlier cuts
+    are), leaving a node for every later stage; the last stage takes the rest. What crosses a
+    cut (outputs kept for sending, gradients waiting on later stages) is not monotone in it, so
+    when the rest does not fit, a stage ends up to ``slack`` nodes earlier or later instead;
+    the search gives up after ``tries`` times the stage count such starts. ``None``: nothing
+    found."""
+    model, count, n = stages.model, stages.count, stages.model.n
+    finishing: list[list[int]] = [[] for _ in range(n + 1)]  # nodes by their last reader (n: the output)
+    for i, users in enumerate(model.users):
+        if users:
+            finishing[n if min(users) < 0 else max(users)].append(i)
+    cuts: list[int] = []
+    failed: set[tuple[int, ...]] = set()  # (stage, its start, the previous stage's start)
+    budget = [tries * count]
+    def waiting(lo: int, hi: int, s: int) -> int:
+        """Gradients that wait at stage ``s`` on ``[lo, hi)`` for earlier stages' backward."""
+        if not stages.waits:
+            return 0
+        total = 0
+        for r in range(lo, n + 1 if hi == n else hi):
+            for i in finishing[r]:
+                if i < lo:
+                    total += model.output[i] * stages.waits[bisect.bisect_right(cuts, i)][s]
+        return total
+
+    def fits(lo: int, hi: int, s: int) -> bool:
+        if model.static(lo, hi, stages.weight_versions) + model.transient(lo, hi) > stages.capacities[s]:
+            return False  # what no memory optimisation takes off
+        return stages.optimum(lo, hi, s, waiting(lo, hi, s)).fits
+
+    def fill(lo: int, s: int) -> bool:
+        if s == count - 1:
+            return fits(lo, n, s)
+        state = (s, *cuts[-2:])
+        if state in failed or budget[0] == 0:
+            return False
+        budget[0] -= 1
+        last = n - (count - 1 - s)  # every later stage keeps a node
+        a, b = lo + 1, last
+        while a < b:  # the longest fitting end, were fitting monotone
+            mid = (a + b + 1) // 2
+            a, b = (mid, b) if fits(lo, mid, s) else (a, mid - 1)
+        for hi in range(min(a + slack, last), max(lo, a - slack - 1), -1):
+            if fits(lo, hi, s):
+                cuts.append(hi)
+                if fill(hi, s + 1):
+                    return True
+                cuts.pop()
+        failed.add(state)
+        return False
+
+    return [b - a for a, b in zip([0] + cuts, cuts + [n])] if fill(0, 0) else None
+
+def _bisection(stages: Stages) -> list[int]:
+    """DawnPiper's binary partition (module docstring)."""
     cuts: list[int] = []
 
     def bisect(lo: int, hi: int, first: int, stop: int) -> None:
@@ -215,22 +332,35 @@ def _dawnpiper(stages: Stages) -> list[int]:
             return
         middle = (first + stop) // 2
         a, b = lo + (middle - first), hi - (stop - middle)  # every stage keeps a node
-        compute = _crossing(
-            lambda p: stages.model.compute_ms(lo, p) / (middle - first),
-            lambda p: stages.model.compute_ms(p, hi) / (stop - middle),
-            a,
-            b,
-        )
+        model = stages.model
+
+        def compute_left(p: int) -> float:
+            return model.compute_ms(lo, p) / (middle - first) + model.send_ms(lo, p)
+
+        def compute_right(p: int) -> float:
+            return model.compute_ms(p, hi) / (stop - middle)
+
+        if model.link_bandwidth:  # what crosses the cut is not monotone in it: try every cut
+            compute = min(range(a, b + 1), key=lambda p: (max(compute_left(p), compute_right(p)), p))
+        else:
+            compute = _crossing(compute_left, compute_right, a, b)
         memory = _crossing(
             lambda p: stages.group_memory(lo, p, first, middle),
             lambda p: stages.group_memory(p, hi, middle, stop),
             a,
             b,
         )
-        left = lambda p: stages.group_time(lo, p, first, middle)
-        right = lambda p: stages.group_time(p, hi, middle, stop)
+
+        def left(p: int) -> float:
+            return stages.group_time(lo, p, first, middle)
+
+        def right(p: int) -> float:
+            return stages.group_time(p, hi, middle, stop)
+
         window = (min(compute, memory), max(compute, memory))
         cut = _crossing(left, right, *window)
+        if model.link_bandwidth:  # nor are the stage times then; the compute cut may be better
+            cut = min((cut, compute), key=lambda p: max(left(p), right(p)))
         if math.isinf(max(left(cut), right(cut))):
             cut = memory
         bisect(lo, cut, first, middle)
@@ -238,7 +368,4 @@ def _dawnpiper(stages: Stages) -> list[int]:
         bisect(cut, hi, middle, stop)
 
     bisect(0, stages.model.n, 0, stages.count)
-    balance = [b - a for a, b in zip([0] + cuts, cuts + [stages.model.n])]
-    if all(math.isfinite(stages.stage_time(r.start, r.stop, s)) for s, r in enumerate(stage_ranges(balance))):
-        return balance
-    return lowest_peak_balance(stages)  # no cut in the windows fits: memory first
+    return [b - a for a, b in zip([0] + cuts, cuts + [stages.model.n])]

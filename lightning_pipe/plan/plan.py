@@ -17,14 +17,20 @@ from lightning_pipe.plan.schedule import Schedule, actions, gradient_waits, in_f
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.units import format_bytes
 
-__all__ = ["InfeasiblePlanError", "Plan", "StageReport", "make_plan", "max_microbatch"]
+__all__ = [
+    "PLANNING_HEADROOM", "InfeasiblePlanError", "Plan", "StageReport", "make_plan", "max_microbatch", "planning_stages",
+]
+
+# A stage's planning target is its device's memory limit times this: the memory model's workspace
+# and boundary terms are estimates, so plans leave room for what they miss.
+PLANNING_HEADROOM = 0.9
 
 # max_microbatch stops doubling here: a profile whose bytes do not grow with the micro-batch.
 _MAX_MICROBATCH = 1 << 20
 
 
 class InfeasiblePlanError(ValueError):
-    """No plan fits the capacities. ``min_peak`` is the smallest peak (bytes) any balance
+    """No plan fits the planning targets. ``min_peak`` is the smallest peak (bytes) any balance
     reaches with memory optimisation, on its fullest stage ``stage``."""
 
     def __init__(self, message: str, min_peak: int, stage: int) -> None:
@@ -36,7 +42,8 @@ class InfeasiblePlanError(ValueError):
 @dataclass
 class StageReport:
     """One stage of a plan: nodes ``[start, stop)``, its predicted peak and per micro-batch
-    times (ms), and the bytes per micro-batch it recomputes or swaps."""
+    times (ms; ``send_ms`` moves its outputs to the next stage), and the bytes per micro-batch
+    it recomputes or swaps."""
 
     start: int
     stop: int
@@ -48,19 +55,22 @@ class StageReport:
     swap_ms: float
     recomputed_bytes: int
     swapped_bytes: int
+    send_ms: float = 0.0
 
     @property
     def time_ms(self) -> float:
-        return self.forward_ms + self.backward_ms + self.recompute_ms + self.swap_ms
+        return self.forward_ms + self.backward_ms + self.recompute_ms + self.swap_ms + self.send_ms
 
 
 @dataclass
 class Plan:
-    """A balance with per-node policies (``keep``/``recompute``/``swap``) and predictions."""
+    """A balance with per-node policies (``keep``/``recompute``/``swap``) and predictions.
+    ``targets`` are the bytes each stage was planned to fit: the planning target, not the
+    device's limit (:data:`PLANNING_HEADROOM`)."""
 
     partitioner: str
     schedule: str
-    capacities: list[int]
+    targets: list[int]
     microbatch_size: int
     chunks: int
     host_bandwidth: float | None
@@ -69,6 +79,7 @@ class Plan:
     stages: list[StageReport]
     step_ms: float
     bubble: float
+    link_bandwidth: float | None = None
 
     @property
     def time_ms(self) -> float:
@@ -86,14 +97,18 @@ class Plan:
 
     def table(self) -> str:
         """One line per stage: nodes, parameter bytes, predicted peak by kind against the
-        capacity, time per micro-batch, and bytes recomputed and swapped."""
-        head = ["stage", "nodes", "params", "static", "activ", "transient", "boundary", "peak", "capacity", "ms", "recomp", "swap"]
+        planning target, time per micro-batch, and bytes recomputed and swapped."""
+        head = [
+            "stage", "nodes", "params", "static", "activ", "transient", "boundary", "peak", "target",
+            "ms", "recomp", "swap",
+        ]
         rows = [head]
-        for s, (r, cap) in enumerate(zip(self.stages, self.capacities)):
+        for s, (r, target) in enumerate(zip(self.stages, self.targets)):
             p = r.peak
+            sizes = (r.param_bytes, p.static, p.activations, p.transient, p.boundary, p.total, target)
             rows.append(
                 [str(s), f"{r.start}-{r.stop - 1}"]
-                + [format_bytes(v) for v in (r.param_bytes, p.static, p.activations, p.transient, p.boundary, p.total, cap)]
+                + [format_bytes(v) for v in sizes]
                 + [f"{r.time_ms:.2f}", format_bytes(r.recomputed_bytes), format_bytes(r.swapped_bytes)]
             )
         widths = [max(len(row[k]) for row in rows) for k in range(len(head))]
@@ -112,14 +127,21 @@ def make_plan(
     schedule: Schedule = "1f1b",
     chunks: int = 1,
     host_bandwidth: float | None = None,
+    link_bandwidth: float | None = None,
+    *,
+    optimise_memory: bool = True,
 ) -> Plan:
-    """Plan ``profile`` over one stage per capacity (bytes): split with ``partitioner``, then
-    fit every stage with recompute and, given ``host_bandwidth`` (bytes/s), swap.
+    """Plan ``profile`` over one stage per planning target in ``capacities`` (bytes): split
+    with ``partitioner``, then fit every stage with recompute and, given ``host_bandwidth``
+    (bytes/s), swap (``optimise_memory`` false: neither). ``link_bandwidth`` (bytes/s between
+    stage devices) prices the values crossing each cut.
 
     Raises:
         InfeasiblePlanError: a stage does not fit even with memory optimisation.
     """
-    stages, balance, optima = _attempt(profile, capacities, partitioner, schedule, chunks, host_bandwidth)
+    stages, balance, optima = _attempt(
+        profile, capacities, partitioner, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory
+    )
     if not all(o.fits for o in optima):
         raise _infeasible(stages, partitioner, balance, optima)
     model = stages.model
@@ -130,6 +152,7 @@ def make_plan(
             policies[i] = p
         forward = model.forward_time(r.start, r.stop)
         backward = model.compute_ms(r.start, r.stop) - forward
+        send = model.send_ms(r.start, r.stop)
         reports.append(
             StageReport(
                 start=r.start,
@@ -142,14 +165,15 @@ def make_plan(
                 swap_ms=o.swap_ms,
                 recomputed_bytes=sum(model.saved[i] for i, p in o.policies.items() if p == "recompute"),
                 swapped_bytes=sum(model.saved[i] for i, p in o.policies.items() if p == "swap"),
+                send_ms=send,
             )
         )
-        times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms))
+        times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, send))
     sim = simulate(times, actions(schedule, chunks, len(capacities)))
     return Plan(
         partitioner=partitioner,
         schedule=schedule,
-        capacities=list(capacities),
+        targets=list(capacities),
         microbatch_size=profile.microbatch_size,
         chunks=chunks,
         host_bandwidth=host_bandwidth,
@@ -158,6 +182,7 @@ def make_plan(
         stages=reports,
         step_ms=sim.step_ms,
         bubble=sim.bubble,
+        link_bandwidth=link_bandwidth,
     )
 
 
@@ -168,6 +193,9 @@ def max_microbatch(
     schedule: Schedule = "1f1b",
     chunks: int = 1,
     host_bandwidth: float | None = None,
+    link_bandwidth: float | None = None,
+    *,
+    optimise_memory: bool = True,
 ) -> int:
     """The largest micro-batch size whose plan fits, predicting other sizes with
     :meth:`Profile.scaled` (doubling, then binary search).
@@ -175,13 +203,14 @@ def max_microbatch(
     Raises:
         InfeasiblePlanError: not even a micro-batch of one fits.
     """
+    settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
 
     def fits(size: int) -> bool:
-        _, _, optima = _attempt(profile.scaled(size), capacities, partitioner, schedule, chunks, host_bandwidth)
+        _, _, optima = _attempt(profile.scaled(size), capacities, *settings, optimise_memory)
         return all(o.fits for o in optima)
 
     if not fits(1):
-        make_plan(profile.scaled(1), capacities, partitioner, schedule, chunks, host_bandwidth)  # raises
+        make_plan(profile.scaled(1), capacities, *settings, optimise_memory=optimise_memory)  # raises
     low, high = 1, 2
     while high <= _MAX_MICROBATCH and fits(high):
         low, high = high, high * 2
@@ -191,6 +220,24 @@ def max_microbatch(
     return low
 
 
+def planning_stages(
+    profile: Profile,
+    capacities: list[int],
+    schedule: Schedule = "1f1b",
+    chunks: int = 1,
+    host_bandwidth: float | None = None,
+    link_bandwidth: float | None = None,
+    optimise_memory: bool = True,
+) -> Stages:
+    """What :func:`make_plan` hands its partitioner (:func:`~lightning_pipe.plan.partitioners.split`)."""
+    count = len(capacities)
+    return Stages(
+        CostModel(profile, link_bandwidth), list(capacities), in_flight(schedule, chunks, count),
+        weight_versions(schedule), host_bandwidth, gradient_waits(schedule, chunks, count),
+        actions(schedule, chunks, count), optimise_memory,
+    )
+
+
 def _attempt(
     profile: Profile,
     capacities: list[int],
@@ -198,11 +245,11 @@ def _attempt(
     schedule: Schedule,
     chunks: int,
     host_bandwidth: float | None,
+    link_bandwidth: float | None,
+    optimise_memory: bool,
 ) -> tuple[Stages, list[int], list[StageOptimum]]:
     """Split and optimise every stage; the caller checks whether all fit."""
-    flight = in_flight(schedule, chunks, len(capacities))
-    waits = gradient_waits(schedule, chunks, len(capacities))
-    stages = Stages(CostModel(profile), list(capacities), flight, weight_versions(schedule), host_bandwidth, waits)
+    stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory)
     balance = split(partitioner, stages)
     return stages, balance, stages.placed(balance)
 
@@ -215,21 +262,30 @@ def _infeasible(
     peaks = [o.peak.total for o in stages.placed(floor)]
     worst = max(range(stages.count), key=lambda s: peaks[s] / stages.capacities[s])
     bad = next(s for s, o in enumerate(optima) if not o.fits)
-    if all(p <= c for p, c in zip(peaks, stages.capacities)):
+    optimised = "with memory optimisation" if stages.optimise_memory else "without memory optimisation"
+    fitting = split("dawnpiper", stages) if partitioner != "dawnpiper" else balance
+    if stages.fits(fitting):  # dawnpiper fits whenever one of the balances it tries does
         return InfeasiblePlanError(
             f"partitioner {partitioner!r} gave balance {balance}, whose stage {bad} needs "
-            f"{optima[bad].peak.total} bytes even with memory optimisation, over its capacity "
-            f"{stages.capacities[bad]}. Other balances fit (e.g. {floor}; the smallest peak any plan "
-            f"reaches is {peaks[worst]} bytes, on stage {worst}): use partitioner 'dawnpiper' or 'capslog'.",
+            f"{optima[bad].peak.total} bytes {optimised}, over its planning target "
+            f"{stages.capacities[bad]}. Other balances fit (the smallest peak any plan reaches is "
+            f"{peaks[worst]} bytes, on stage {worst}): use partitioner 'dawnpiper', which keeps the "
+            f"fastest balance that fits among every partitioner's, or give balance={fitting}.",
             peaks[worst],
             worst,
         )
+    if not stages.optimise_memory:
+        relief = "let stages recompute (optimise_memory=True)"
+    elif stages.host_bandwidth is None:
+        relief = "allow swapping by giving host_bandwidth"
+    else:
+        relief = "use a faster host link"
     return InfeasiblePlanError(
-        f"no plan fits: the smallest peak any plan reaches with memory optimisation is {peaks[worst]} "
-        f"bytes on stage {worst} (capacity {stages.capacities[worst]}), with balance {floor}. "
+        f"no plan fits: the smallest peak any plan reaches {optimised} is {peaks[worst]} "
+        f"bytes on stage {worst} (planning target {stages.capacities[worst]}), with balance {floor}. "
         f"Lower the micro-batch size (max_microbatch finds the largest that fits), add stages or "
         f"device memory, use a schedule that holds fewer micro-batches ('1f1b' rather than 'gpipe'), "
-        f"or allow swapping by giving host_bandwidth.",
+        f"or {relief}.",
         peaks[worst],
         worst,
     )

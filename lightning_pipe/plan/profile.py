@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["NodeProfile", "Profile"]
+__all__ = ["NodeProfile", "Profile", "SharedParam"]
 
 
 @dataclass
@@ -52,6 +52,16 @@ class NodeProfile:
 
 
 @dataclass
+class SharedParam:
+    """A parameter several nodes read (tied weights): its bytes and the nodes reading it, in
+    order; the first owns it (its ``param_bytes`` count it), a stage holding later readers
+    only keeps a copy of it."""
+
+    nbytes: int
+    users: list[int]
+
+
+@dataclass
 class Profile:
     """Per-node costs of a captured graph and the conditions they were measured under.
 
@@ -59,6 +69,7 @@ class Profile:
         input_bytes: bytes of the graph inputs for one micro-batch.
         input_users: indices of the nodes reading a graph input.
         fake: bytes were measured on fake tensors and the times are zero.
+        shared: the parameters several nodes read.
     """
 
     nodes: list[NodeProfile]
@@ -68,6 +79,7 @@ class Profile:
     input_bytes: int = 0
     input_users: list[int] = field(default_factory=list)
     fake: bool = False
+    shared: list[SharedParam] = field(default_factory=list)
 
     def scaled(self, microbatch_size: int) -> "Profile":
         """Predict the profile at another micro-batch size: activation, output and
@@ -102,6 +114,7 @@ class Profile:
     def from_json(cls, text: str) -> "Profile":
         data = json.loads(text)
         data["nodes"] = [NodeProfile(**n) for n in data["nodes"]]
+        data["shared"] = [SharedParam(**s) for s in data.get("shared", [])]
         return cls(**data)
 
     def save(self, path: str | Path) -> None:

@@ -1,73 +1,117 @@
-"""Report: a plan as a console table, a JSON file and a plot of memory and time per stage."""
+"""Report: a plan as a console table, a JSON file and a plot of memory and time per stage.
+
+The plot draws on a bare :class:`matplotlib.figure.Figure`, imported only when a plot is
+saved: pyplot would register the figure with the process's plotting state and choosing a
+backend would override the user's (a notebook's inline display).
+"""
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display needed
-
-import matplotlib.pyplot as plt
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from lightning_pipe.plan.plan import Plan
-from lightning_pipe.units import mib
+from lightning_pipe.plan.plan import PLANNING_HEADROOM, Plan
+from lightning_pipe.units import format_bytes, mib
 
-__all__ = ["save", "show", "table"]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.container import BarContainer
+    from matplotlib.figure import Figure
+
+__all__ = ["figure", "save", "show", "table"]
 
 _KINDS = ("static", "activations", "transient", "boundary")
+# A planning target above this multiple of the tallest bar is written as text, not drawn:
+# drawn, it would squash the bars into the bottom of the axis.
+_OFF_SCALE = 2.0
 
 
 def table(plan: Plan, devices: list[torch.device]) -> Table:
     """One row per stage: device, nodes, parameters, predicted peak by kind against the
-    capacity, time per micro-batch, bytes recomputed and swapped."""
+    planning target, time per micro-batch, bytes recomputed and swapped."""
     t = Table(title=f"lightning_pipe plan: {plan.partitioner}, {plan.schedule}, "
                     f"{plan.chunks} micro-batches of {plan.microbatch_size}")
-    for name in ("stage", "device", "nodes", "params", *_KINDS, "peak", "capacity", "ms/micro-batch", "recomputed", "swapped"):
+    columns = ("stage", "device", "nodes", "params", *_KINDS, "peak", "planning target", "ms/micro-batch",
+               "recomputed", "swapped")
+    for name in columns:
         t.add_column(name, justify="right")
-    for s, (r, cap) in enumerate(zip(plan.stages, plan.capacities)):
+    for s, (r, target) in enumerate(zip(plan.stages, plan.targets)):
         peak = r.peak
         t.add_row(
             str(s), str(devices[s]), f"{r.start}-{r.stop - 1}", mib(r.param_bytes),
-            *(mib(getattr(peak, k)) for k in _KINDS), mib(peak.total), mib(cap),
+            *(mib(getattr(peak, k)) for k in _KINDS), mib(peak.total), mib(target),
             f"{r.time_ms:.2f}", mib(r.recomputed_bytes), mib(r.swapped_bytes),
         )
-    t.caption = f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}"
+    t.caption = (f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}; planning target: "
+                 f"{PLANNING_HEADROOM:.0%} of each device's memory limit")
     return t
 
 
 def show(plan: Plan, devices: list[torch.device]) -> None:
     console = Console()
-    console.width = max(console.width, 150)  # the table is wide; do not squeeze it into 80 columns
+    console.width = max(console.width, 180)  # the table is wide; do not squeeze or cut its columns
     console.print(table(plan, devices))
 
 
 def save(plan: Plan, folder: str | Path) -> None:
-    """Write ``plan.json`` and ``plan.png`` (memory by kind against capacity, and time, per stage)."""
+    """Write ``plan.json`` and ``plan.png`` (:func:`figure`)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "plan.json").write_text(plan.to_json())
-    stages = range(len(plan.stages))
-    fig, (memory, time) = plt.subplots(1, 2, figsize=(11, 4))
-    bottom = [0.0] * len(plan.stages)
-    for kind in _KINDS:
-        values = [getattr(r.peak, kind) / 2**20 for r in plan.stages]
-        memory.bar(stages, values, bottom=bottom, label=kind)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    memory.step([s - 0.5 for s in stages] + [len(plan.stages) - 0.5],
-                [c / 2**20 for c in plan.capacities] + [plan.capacities[-1] / 2**20],
-                where="post", color="black", linestyle="--", label="capacity")
-    memory.set(title="predicted peak memory per stage", xlabel="stage", ylabel="MiB", xticks=list(stages))
-    memory.legend()
+    figure(plan).savefig(folder / "plan.png", dpi=100)
+
+
+def figure(plan: Plan) -> "Figure":
+    """Per stage, the predicted peak memory by kind against the planning target, and the time
+    per micro-batch. The figure is not registered with pyplot: it neither shows up in a
+    notebook's ``plt.show()`` nor stays open, unless you display or keep it."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 5), layout="constrained")
+    memory, time = fig.subplots(1, 2)
+    fig.suptitle(f"{plan.partitioner}, {plan.schedule}, {plan.chunks} micro-batches of {plan.microbatch_size}: "
+                 f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}")
+    _memory_axes(memory, plan)
     parts = {"forward": "forward_ms", "backward": "backward_ms", "recompute": "recompute_ms", "exposed swap": "swap_ms"}
-    bottom = [0.0] * len(plan.stages)
-    for label, attr in parts.items():
-        values = [getattr(r, attr) for r in plan.stages]
-        time.bar(stages, values, bottom=bottom, label=label)
+    _stacked(time, {label: [getattr(r, attr) for r in plan.stages] for label, attr in parts.items()})
+    time.set_ylim(0, max(r.time_ms for r in plan.stages) * 1.1 or 1)  # stacked bars pin no top margin
+    time.set(title="time per micro-batch per stage", ylabel="ms")
+    time.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    return fig
+
+
+def _stacked(ax: "Axes", parts: dict[str, list[float]]) -> "BarContainer":
+    """One bar per stage stacking ``parts`` in order; returns the top part's bars."""
+    stages = range(len(next(iter(parts.values()))))
+    bottom = [0.0] * len(stages)
+    for label, values in parts.items():
+        bars = ax.bar(stages, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
-    time.set(title="time per micro-batch per stage", xlabel="stage", ylabel="ms", xticks=list(stages))
-    time.legend()
-    fig.tight_layout()
-    fig.savefig(folder / "plan.png", dpi=100)
-    plt.close(fig)
+    ax.set(xlabel="stage", xticks=list(stages))
+    return bars
+
+
+def _memory_axes(ax: "Axes", plan: Plan) -> None:
+    """Stacked peak bars, with their totals under the stage numbers, in a unit that suits them, against each
+    stage's planning target as a dashed step. A target far above the bars would squash them:
+    the axis stops above the bars, a triangle on its top edge marks the stage and the legend
+    gives the size."""
+    peaks = [r.peak.total for r in plan.stages]
+    off = [s for s, t in enumerate(plan.targets) if t > _OFF_SCALE * max(peaks)]
+    top = max([*peaks, *(t for s, t in enumerate(plan.targets) if s not in off)]) or 1
+    unit, scale = next(((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if top >= f), ("B", 1))
+    _stacked(ax, {kind: [getattr(r.peak, kind) / scale for r in plan.stages] for kind in _KINDS})
+    ax.set_xticks(range(len(peaks)), [f"{s}\n{format_bytes(p)}" for s, p in enumerate(peaks)])
+    ax.set_ylim(0, top * 1.12 / scale)
+    label = "planning target"
+    if off:
+        sizes = sorted({format_bytes(plan.targets[s]) for s in off})
+        label += f" (\u25b2 off scale: {', '.join(sizes)})"
+        ax.plot(off, [top * 1.07 / scale] * len(off), "^", color="black", markersize=9)
+    edges = [s - 0.5 for s in range(len(peaks) + 1)]
+    ax.step(edges, [t / scale for t in plan.targets + plan.targets[-1:]], where="post", color="black",
+            linestyle="--", label=label)
+    ax.set(title="predicted peak memory per stage", xlabel="stage, predicted peak", ylabel=unit)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)

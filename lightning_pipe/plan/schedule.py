@@ -2,7 +2,7 @@
 
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 __all__ = [
     "Action", "Schedule", "Step", "actions", "clock_cycles", "global_order", "gradient_waits", "in_flight",
@@ -85,7 +85,7 @@ class Step(NamedTuple):
     stage: int | None
 
 
-def global_order(per_stage: Sequence[Sequence[Any]]) -> list[Step]:
+def global_order(per_stage: Sequence[Sequence[Action]]) -> list[Step]:
     """Merge per-stage action lists (items with ``kind``, ``microbatch``, ``stage``) into one
     order that keeps every stage's own order, runs each micro-batch's forward through all
     stages at once, and a stage's backward only after the stage after it."""
@@ -98,18 +98,21 @@ def global_order(per_stage: Sequence[Sequence[Any]]) -> list[Step]:
     while any(p < len(a) for p, a in zip(position, lists)):
         nxt = [a[p] if p < len(a) else None for p, a in zip(position, lists)]
         ready = [
-            s for s in range(last + 1)
-            if nxt[s] is not None and nxt[s].kind == "backward" and nxt[s].microbatch in forwarded
-            and (s == last or (nxt[s].microbatch, s + 1) in done)
+            (s, a) for s, a in enumerate(nxt)
+            if a is not None and a.kind == "backward" and a.microbatch in forwarded
+            and (s == last or (a.microbatch, s + 1) in done)
         ]
+        first = nxt[0]
         if ready:
-            s = ready[0]
-            order.append(Step("backward", nxt[s].microbatch, s))
-            done.add((nxt[s].microbatch, s))
+            s, a = ready[0]
+            order.append(Step("backward", a.microbatch, s))
+            done.add((a.microbatch, s))
             position[s] += 1
-        elif all(a is not None and a.kind == "forward" and a.microbatch == nxt[0].microbatch for a in nxt):
-            order.append(Step("forward", nxt[0].microbatch, None))
-            forwarded.add(nxt[0].microbatch)
+        elif first is not None and all(
+            a is not None and a.kind == "forward" and a.microbatch == first.microbatch for a in nxt
+        ):
+            order.append(Step("forward", first.microbatch, None))
+            forwarded.add(first.microbatch)
             position = [p + 1 for p in position]
         else:
             raise ValueError(
@@ -135,7 +138,7 @@ def gradient_waits(schedule: Schedule, num_microbatches: int, num_stages: int) -
             for p in range(grown):
                 waits[p][grown] = max(waits[p][grown], done[grown] - done[p])
         grown = None
-        if step.kind == "backward":
+        if step.stage is not None:  # a backward: forwards run through all stages
             done[step.stage] += 1
             grown = step.stage
     return tuple(map(tuple, waits))

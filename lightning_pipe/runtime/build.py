@@ -3,16 +3,18 @@
 :func:`torch.fx.passes.split_module.split_module` does the cut; its top-level graph says
 which value each stage reads and writes, which is all the runtime needs (:class:`Program`).
 Stages share the model's ``Parameter`` objects, so the LightningModule's ``state_dict`` and
-optimizer see one parameter set. A parameter used by several stages (tied weights) lives on
-the device of its first user; later users get a differentiable copy on their own device,
-so its gradient accumulates in the one real parameter.
+optimizer see one parameter set. A parameter or buffer used by several stages (tied weights,
+a module called in two places) lives on the device of its first user; later users borrow it
+(:mod:`~lightning_pipe.runtime.lend`): a parameter as one differentiable copy per batch on
+their device, so its gradient accumulates in the one real parameter, a buffer as a copy per
+call whose updates are written back.
 """
 
 import inspect
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, fx, nn
@@ -20,8 +22,10 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe.graph.capture import Captured, get_attr
+from lightning_pipe.graph.export import localize
 from lightning_pipe.plan.balance import check_balance
 from lightning_pipe.runtime import swap
+from lightning_pipe.runtime.lend import Lender, lent_buffers
 from lightning_pipe.runtime.transport import move
 
 __all__ = ["Policy", "Program", "Segment", "Stage", "build"]
@@ -44,23 +48,26 @@ class Segment:
     outputs: list[str]
     policy: Policy = "keep"
     borrowed: dict[str, nn.Parameter] = field(default_factory=dict)
+    borrowed_buffers: dict[str, Tensor] = field(default_factory=dict)
+    lender: Lender = field(default_factory=Lender)  # the program's (see _place)
 
-    def __call__(self, device: torch.device, *args: Any) -> tuple[Any, ...]:
+    def __call__(self, device: torch.device, *args: Any) -> tuple[tuple[Any, ...], list[swap.Swapped]]:
+        """The segment's outputs, and what it sent to host memory (only under ``swap``)."""
+        lent = {name: self.lender.lend(p, device) for name, p in self.borrowed.items()}
         if self.policy == "recompute":
-            return checkpoint(self._forward, device, *args, use_reentrant=False)
+            return checkpoint(self._forward, lent, device, *args, use_reentrant=False), []
         if self.policy == "swap":
-            hooks = swap.to_host(args)
+            hooks = swap.to_host((args, lent))  # the batch keeps the lent copies anyway
             with hooks:
-                outputs = self._forward(device, *args)
-            swap.prefetch(outputs, hooks.swapped)
-            return outputs
-        return self._forward(device, *args)
+                outputs = self._forward(lent, device, *args)
+            return outputs, hooks.swapped
+        return self._forward(lent, device, *args), []
 
-    def _forward(self, device: torch.device, *args: Any) -> tuple[Any, ...]:
-        if not self.borrowed:
-            return self.module(*args)
-        params = {name: move(p, device) for name, p in self.borrowed.items()}
-        return torch.func.functional_call(self.module, params, args)
+    def _forward(self, lent: dict[str, Tensor], device: torch.device, *args: Any) -> tuple[Any, ...]:
+        if not (lent or self.borrowed_buffers):
+            return cast(tuple[Any, ...], self.module(*args))
+        with lent_buffers(self.borrowed_buffers, device) as buffers:
+            return cast(tuple[Any, ...], torch.func.functional_call(self.module, {**lent, **buffers}, args))
 
 
 @dataclass
@@ -78,15 +85,20 @@ class Stage:
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         env = dict(zip(self.inputs, args))
         last = {name: k for k, seg in enumerate(self.segments) for name in seg.inputs}
+        sent: list[swap.Swapped] = []  # what the previous segment swapped out
         for k, seg in enumerate(self.segments):
-            env.update(zip(seg.outputs, seg(self.device, *[env[n] for n in seg.inputs])))
+            outputs, swapped = seg(self.device, *[env[n] for n in seg.inputs])
+            swap.prefetch(outputs, sent)  # bring it back while this segment's backward runs
+            sent = swapped
+            env.update(zip(seg.outputs, outputs))
             for name in [n for n in seg.inputs if last[n] == k and n not in self.outputs]:
                 del env[name]  # free values no later segment of this stage reads
+        swap.prefetch(outputs, sent)  # the stage's last segment: when its own backward begins
         return tuple(env[name] for name in self.outputs)
 
     @property
     def borrowed(self) -> list[nn.Parameter]:
-        """Parameters this stage uses but another stage owns (tied weights)."""
+        """Parameters this stage's modules use but another stage owns (tied weights)."""
         return list({id(p): p for seg in self.segments for p in seg.borrowed.values()}.values())
 
     def parameters(self) -> list[nn.Parameter]:
@@ -108,16 +120,25 @@ class Program:
     attributes: dict[str, str]  # top-level value name -> qualified attribute of the model
     output: Any  # pytree of value names
     last_use: dict[str, int]  # value name -> last stage reading it (len(stages) for outputs)
+    constants: dict[str, Tensor] = field(default_factory=dict)  # tensors the graph made, not the model's
+    lender: Lender = field(default_factory=Lender)  # copies of borrowed parameters
 
-    def bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Name the forward call's arguments as the graph's input values."""
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return {name: bound.arguments[arg.lstrip("*")] for name, arg in self.placeholders.items()}
 
     def attribute_values(self, root: nn.Module) -> dict[str, Tensor]:
-        """The current parameters and buffers the graph reads by attribute."""
-        return {name: get_attr(root, q) for name, q in self.attributes.items()}
+        """The current parameters and buffers the graph reads by attribute, and its constants."""
+        return {**self.constants, **{name: get_attr(root, q) for name, q in self.attributes.items()}}
+
+    def fetch(self, name: str, value: Any, device: torch.device) -> Any:
+        """The value ``name`` as an input on ``device``: a parameter read by attribute is
+        lent (one copy per batch), anything else moved."""
+        if name in self.attributes and isinstance(value, nn.Parameter):
+            return self.lender.lend(value, device)
+        return move(value, device)
 
 
 def build(
@@ -126,11 +147,14 @@ def build(
     balance: Sequence[int],
     devices: Sequence[torch.device],
     policies: Mapping[str, Policy] | None = None,
+    place: bool = True,
 ) -> Program:
     """Split ``captured`` by ``balance`` (nodes per stage) and place stage ``i`` on ``devices[i]``.
 
     ``policies`` maps node names to ``"recompute"`` or ``"swap"``; other nodes keep their
     activations. Consecutive nodes of a stage with one policy form a :class:`Segment`.
+    ``place=False`` leaves parameters and buffers where they are (another graph of a model
+    already placed, such as its eval graph): a stage borrows what lives on another device.
     """
     balance = check_balance(balance, len(captured.nodes), len(devices))
     policies = dict(policies or {})
@@ -166,15 +190,19 @@ def build(
     segments: list[tuple[int, Segment]] = []
     placeholders: dict[str, str] = {}
     attributes: dict[str, str] = {}
+    constants: dict[str, Tensor] = {}
     output: Any = None
     for node in top.graph.nodes:
         if node.op == "placeholder":
             placeholders[node.name] = str(node.target)
-        elif node.op == "get_attr":
+        elif node.op == "get_attr" and _has_attr(root, str(node.target)):
             attributes[node.name] = str(node.target)
+        elif node.op == "get_attr":
+            constants[node.name] = get_attr(top, str(node.target))
         elif node.op == "call_module":
             k = len(segments)
             module = getattr(top, str(node.target))
+            localize(module, torch.device(devices[segment_stage[k]]))  # devices export left open
             outputs = [""] * len(_returned(module))
             for user in node.users:
                 outputs[user.args[1]] = user.name  # users are getitem(node, k)
@@ -204,25 +232,42 @@ def build(
         attributes=attributes,
         output=output,
         last_use=last_use,
+        constants=constants,
     )
-    _place(program, root)
+    _place(program, root, place)
     return program
 
 
-def _returned(stage_module: fx.GraphModule) -> tuple:
-    return stage_module.graph.output_node().args[0]
+def _has_attr(root: nn.Module, qualname: str) -> bool:
+    try:
+        get_attr(root, qualname)
+    except AttributeError:
+        return False
+    return True
 
 
-def _place(program: Program, root: nn.Module) -> None:
-    """Put every parameter and buffer on the device of the first stage that uses it."""
+def _returned(stage_module: fx.GraphModule) -> tuple[Any, ...]:
+    return cast(tuple[Any, ...], stage_module.graph.output_node().args[0])  # split_module's tuple_return
+
+
+def _place(program: Program, root: nn.Module, place: bool = True) -> None:
+    """Put every parameter and buffer on the device of the first stage that uses it; later
+    stages borrow it. Without ``place``, nothing moves and a stage also borrows what lives
+    on another device."""
     owner: dict[int, Stage] = {}
+
+    def borrows(tensor: Tensor, stage: Stage) -> bool:
+        return owner.setdefault(id(tensor), stage) is not stage or not (place or tensor.device == stage.device)
+
     for stage in program.stages:
         for segment in stage.segments:
+            segment.lender = program.lender
             for name, param in segment.module.named_parameters(remove_duplicate=False):
-                if owner.setdefault(id(param), stage) is not stage:
+                if borrows(param, stage):
                     segment.borrowed[name] = param
-            for buffer in segment.module.buffers():
-                owner.setdefault(id(buffer), stage)
+            for name, buffer in segment.module.named_buffers(remove_duplicate=False):
+                if borrows(buffer, stage):
+                    segment.borrowed_buffers[name] = buffer
     for value, qualname in program.attributes.items():
         readers = [s for s in program.stages if value in s.inputs]
         tensor = get_attr(root, qualname)
@@ -230,8 +275,10 @@ def _place(program: Program, root: nn.Module) -> None:
             owner.setdefault(id(tensor), readers[0])
     for tensor in list(root.parameters()) + list(root.buffers()):
         stage = owner.get(id(tensor), program.stages[0])
-        _move_in_place(tensor, stage.device)
-        stage.owned.append(tensor)
+        if place:
+            _move_in_place(tensor, stage.device)
+        if place or tensor.device == stage.device:
+            stage.owned.append(tensor)
 
 
 def _move_in_place(tensor: Tensor, device: torch.device) -> None:

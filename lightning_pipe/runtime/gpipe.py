@@ -16,15 +16,19 @@ from lightning_pipe.graph.microbatch import gather, scatter
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.plan.schedule import clock_cycles
+from lightning_pipe.runtime.batchnorm import DeferredBatchNorm
 from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.dependency import fork, join
-from lightning_pipe.runtime.transport import move
 
 __all__ = ["Pipeline"]
 
 
 class Pipeline:
-    """The pipelined ``forward`` of ``root``, split into ``chunks`` micro-batches."""
+    """The pipelined ``forward`` of ``root``, split into ``chunks`` micro-batches.
+
+    A call is one batch: ``batch_norm``'s layers update their running statistics once, at
+    its end.
+    """
 
     def __init__(
         self,
@@ -34,6 +38,7 @@ class Pipeline:
         output_device: torch.device,
         meter: MemoryMeter | None = None,
         clock: StageClock | None = None,
+        batch_norm: DeferredBatchNorm | None = None,
     ) -> None:
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
@@ -43,9 +48,11 @@ class Pipeline:
         self.output_device = output_device
         self.meter = meter
         self.clock = clock
+        self.batch_norm = batch_norm
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self.program.bind(args, kwargs)
+        self.program.lender.new_batch()
         attributes = self.program.attribute_values(self.root)
         envs = [{**mb, **attributes} for mb in scatter(inputs, self.chunks)]
         stages = self.program.stages
@@ -53,20 +60,22 @@ class Pipeline:
         for tick in clock_cycles(len(envs), len(stages)):
             for i, j in tick:
                 previous[j] = self._run(stages[j], envs, i, previous[j])
+        if self.batch_norm is not None:
+            self.batch_norm.commit()
         outputs = [map_aggregate(self.program.output, env.__getitem__) for env in envs]
         return gather(outputs, self.output_device)
 
     def _run(self, stage: Stage, envs: list[dict[str, Any]], i: int, forked: str | None) -> str | None:
         env = envs[i]
         with self.meter.running(stage.index) if self.meter else nullcontext():
-            inputs = [move(env[name], stage.device) for name in stage.inputs]
+            inputs = [self.program.fetch(name, env[name], stage.device) for name in stage.inputs]
             if forked is not None:
                 # Stage's backward for micro-batch i-1 waits for micro-batch i's.
                 k = _first_grad_tensor(inputs)
                 if k is not None:
                     envs[i - 1][forked], phony = fork(envs[i - 1][forked])
                     inputs[k] = join(inputs[k], phony)
-            with self.clock.forward(stage.index) if self.clock else nullcontext():
+            with self.clock.forward(stage.index, stage.device) if self.clock else nullcontext():
                 outputs = stage(*inputs)
         if self.clock and torch.is_grad_enabled():
             self.clock.watch_backward(outputs, stage.index)

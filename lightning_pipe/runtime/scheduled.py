@@ -7,13 +7,17 @@ outputs' gradients arrive from the stages that read them, and the gradients of i
 back to the stages that made them. Between its forward and backward a micro-batch holds no
 boundary value beyond what autograd saves: a stage keeps only the gradient edges of its
 outputs, and its inputs hand their gradients over without being leaves that must stay alive.
+
+``training_step`` may call ``self(x)`` several times per micro-batch (two augmented views, a
+teacher pass under ``no_grad``): each call's values get keys of their own, and a stage's
+backward of the micro-batch runs the backward of all its calls at once.
 """
 
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -29,13 +33,13 @@ from lightning_pipe.runtime.transport import move
 __all__ = ["ScheduledPipeline"]
 
 
-Key = tuple[str, int]  # a value's name and the index of a tensor among its pytree leaves
+Key = tuple[int, str, int]  # the call, a value's name and the index of a tensor among its pytree leaves
 
 
 @dataclass
 class _Record:
-    """What a micro-batch left at one stage for its backward: where its outputs enter
-    autograd (edges, not tensors, so the output values can be freed once read)."""
+    """What a micro-batch left at one stage for its backward: where the outputs of each of
+    its calls enter autograd (edges, not tensors, so the output values can be freed once read)."""
 
     outputs: dict[Key, GradientEdge] = field(default_factory=dict)
 
@@ -57,59 +61,78 @@ class ScheduledPipeline:
         self.microbatch = 0  # set by the caller before each micro-batch's forward
         self.active = False  # the module's forward is routed here only while True
         self._records: dict[tuple[int, int], _Record] = {}
-        self._output_leaves: dict[int, dict[Key, Tensor]] = {}
+        self._calls = 0  # numbers every call, so that several calls per micro-batch keep apart
         self._grads: dict[int, dict[Key, tuple[int, Tensor]]] = {}  # waiting gradients and their holder
 
     def __call__(self, root: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        i = self.microbatch
+        i, call = self.microbatch, self._calls
+        self._calls += 1
+        if not self._records:  # a new batch: borrowed parameters may have changed
+            self.program.lender.new_batch()
         made: set[str] = set()
         env = {**self.program.bind(args, kwargs), **self.program.attribute_values(root)}
         for stage in self.program.stages:
-            record = _Record()
+            record = self._records.setdefault((i, stage.index), _Record())
             received: dict[Key, Tensor] = {}
             with self.meter.running(stage.index) if self.meter else nullcontext():
                 inputs = []
                 for name in stage.inputs:
-                    value = move(env[name], stage.device)
+                    value = self.program.fetch(name, env[name], stage.device)
                     if name in made:  # cut autograd at the stage boundary
-                        value = _receive(name, value, received, partial(self._deliver, i, stage.index))
+                        value = _receive((call, name), value, received, partial(self._deliver, i, stage.index))
                     inputs.append(value)
-                with self.clock.forward(stage.index) if self.clock else nullcontext():
+                with self.clock.forward(stage.index, stage.device) if self.clock else nullcontext():
                     outputs = stage(*inputs)
             if self.meter:
                 self.meter.tag_backward(outputs, stage.index)
                 self.meter.mark(outputs, "boundary")
             for name, value in zip(stage.outputs, outputs):
-                record.outputs.update((key, get_gradient_edge(t)) for key, t in _tensors(name, value).items())
-            self._records[i, stage.index] = record
+                record.outputs.update((key, get_gradient_edge(t)) for key, t in _tensors((call, name), value).items())
             env.update(zip(stage.outputs, outputs))
             made.update(stage.outputs)
         leaves: dict[Key, Tensor] = {}
-        output = map_aggregate(
-            self.program.output,
-            lambda name: _cut(name, move(env[name], self.output_device), leaves) if name in made else env[name],
-        )
-        self._output_leaves[i] = leaves
-        return output
+        on_grad = partial(self._output_grad, i)
+
+        def output(name: Any) -> Any:  # a value's name
+            if name not in made:
+                return env[name]
+            return _cut((call, name), move(env[name], self.output_device), leaves, on_grad)
+
+        return map_aggregate(self.program.output, output)
 
     def backward(self, microbatch: int, stage: int, loss: Tensor | None = None) -> None:
-        """Run ``stage``'s backward of ``microbatch``; the last stage's first runs ``loss``'s."""
+        """Run ``stage``'s backward of ``microbatch``; the last stage's first runs ``loss``'s
+        (which hands the outputs' gradients on, see :meth:`_output_grad`)."""
         if loss is not None:
-            loss.backward()
-            for key, leaf in self._output_leaves.pop(microbatch).items():
-                if leaf.grad is not None:
-                    self._deliver(microbatch, len(self.program.stages) - 1, key, leaf.grad)
-                    leaf.grad = None  # the user's graph may still hold the leaf; the gradient is handed on
+            torch.autograd.backward(loss)
         grads = self._grads.setdefault(microbatch, {})
         record = self._records.pop((microbatch, stage))
         pairs = [(edge, grads.pop(key)[1]) for key, edge in record.outputs.items() if key in grads]
         if pairs:
             device = self.program.stages[stage].device
-            with self.clock.backward(stage) if self.clock else nullcontext():
+            with self.clock.backward(stage, device) if self.clock else nullcontext():
                 # the stage's inputs deliver their gradients (see _Receive)
                 torch.autograd.backward([e for e, _ in pairs], [move(g, device) for _, g in pairs])
         if not self._records.keys() & {(microbatch, s) for s in range(len(self.program.stages))}:
             self._grads.pop(microbatch, None)
+
+    def _output_grad(self, microbatch: int, key: Key, leaf: Tensor) -> None:
+        """Hand the gradient of a pipeline output on to the stage that made it. It must arrive
+        from the loss, before the last stage's backward of the micro-batch: a gradient
+        arriving later came through a stage's backward, from an output fed back into
+        ``self(...)``, and would need that stage's backward to run again."""
+        last = len(self.program.stages) - 1
+        if (microbatch, last) not in self._records:
+            raise RuntimeError(
+                "The output of one self(...) call in training_step was fed into another self(...) "
+                "call of the same micro-batch. Under schedule='1f1b' or '2bw' every stage's backward "
+                "of a micro-batch runs once, in the schedule's order, so a gradient cannot flow back "
+                "through the pipeline twice. Use schedule='gpipe' for such a training_step, or feed "
+                "the second call a detached output."
+            )
+        assert leaf.grad is not None
+        self._deliver(microbatch, last, key, leaf.grad)
+        leaf.grad = None  # the user's graph may still hold the leaf; the gradient is handed on
 
     def _deliver(self, microbatch: int, stage: int, key: Key, grad: Tensor) -> None:
         """Keep a gradient ``stage``'s backward computed for an earlier stage's output until
@@ -129,20 +152,23 @@ class ScheduledPipeline:
             self.meter.own(holder, [grad], "boundary")
 
 
-def _tensors(name: str, value: Any) -> dict[Key, Tensor]:
+def _tensors(name: tuple[int, str], value: Any) -> dict[Key, Tensor]:
     leaves = tree_flatten(value)[0]
-    return {(name, k): t for k, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad}
+    return {(*name, k): t for k, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad}
 
 
-def _receive(name: str, value: Any, received: dict[Key, Tensor], deliver: Callable[[Key, Tensor], None]) -> Any:
+def _receive(
+    name: tuple[int, str], value: Any, received: dict[Key, Tensor], deliver: Callable[[Key, Tensor], None]
+) -> Any:
     """``value`` as a stage's input: every tensor that needs grad becomes the output of a
     :class:`_Receive` (one per tensor however often the stage reads the value)."""
     flat, spec = tree_flatten(value)
     for k, t in enumerate(flat):
         if isinstance(t, Tensor) and t.requires_grad:
-            if (name, k) not in received:
-                received[name, k] = _Receive.apply(_PHONY, t.detach(), deliver, (name, k))
-            flat[k] = received[name, k]
+            key = (*name, k)
+            if key not in received:
+                received[key] = cast(Tensor, _Receive.apply(_PHONY, t.detach(), deliver, key))  # type: ignore[no-untyped-call]
+            flat[k] = received[key]
     return tree_unflatten(flat, spec)
 
 
@@ -155,22 +181,29 @@ class _Receive(torch.autograd.Function):
     holds the value, so it lives only as long as the stage's own graph saves it."""
 
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, x: Tensor, deliver: Callable[[Key, Tensor], None], key: Key) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, phony: Tensor, x: Tensor, deliver: Callable[[Key, Tensor], None], key: Key) -> Tensor:
         ctx.deliver, ctx.key = deliver, key
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:
         ctx.deliver(ctx.key, grad)
         return None, None, None, None
 
 
-def _cut(name: str, value: Any, leaves: dict[Key, Tensor]) -> Any:
-    """``value`` with every tensor that needs grad replaced by a detached leaf (kept in
-    ``leaves``; one leaf per tensor however often the value is read)."""
+def _cut(
+    name: tuple[int, str], value: Any, leaves: dict[Key, Tensor], on_grad: Callable[[Key, Tensor], None]
+) -> Any:
+    """``value`` with every tensor that needs grad replaced by a detached leaf (one per tensor
+    however often the value is read) that calls ``on_grad`` once its gradient has arrived. Only
+    the user's graph holds the leaf: an output the loss does not use is freed at once."""
     flat, spec = tree_flatten(value)
     for k, t in enumerate(flat):
         if isinstance(t, Tensor) and t.requires_grad:
-            flat[k] = leaves.setdefault((name, k), t.detach().requires_grad_())
+            key = (*name, k)
+            if key not in leaves:
+                leaves[key] = t.detach().requires_grad_()
+                leaves[key].register_post_accumulate_grad_hook(partial(on_grad, key))  # type: ignore[no-untyped-call]
+            flat[k] = leaves[key]
     return tree_unflatten(flat, spec)
 

@@ -2,13 +2,16 @@
 
 Inside :func:`to_host`, every tensor autograd saves that was made inside (not the region's
 inputs or parameters, which live on anyway) is copied to a host buffer and the device copy
-is dropped; backward copies it back. On CUDA the
-host buffers are pinned and reused from a pool, both copies run on a side stream, and
-:func:`prefetch` starts the copies back as soon as a segment's backward begins. The host
-buffers are not charged to any stage by the meter: they are not device memory.
+is dropped; backward copies it back. Both copies run on the device's side stream
+(:mod:`lightning_pipe.stream`; on the CPU they are plain copies), and :func:`prefetch` starts
+the copy back when the backward of what follows the segment begins, so that it overlaps
+that backward, as the planner's cost model assumes. Host buffers (pinned on CUDA) come from
+:data:`pool`. The meter charges them to no stage: they are not device memory.
 """
 
-from collections import defaultdict
+import threading
+from collections import Counter
+from collections.abc import MutableMapping
 from typing import Any, NamedTuple
 
 import torch
@@ -17,11 +20,73 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_pipe.measure.meter import not_charged
+from lightning_pipe.stream import (
+    AbstractEvent,
+    AbstractStream,
+    current_stream,
+    record_event,
+    record_stream,
+    side_stream,
+    use_stream,
+    wait_event,
+    wait_stream,
+)
 
-__all__ = ["Swapped", "prefetch", "to_host"]
+__all__ = ["HostPool", "Swapped", "pool", "prefetch", "to_host"]
 
-_streams: dict[torch.device, "torch.cuda.Stream"] = {}
-_pool: dict[tuple, list[tuple[Tensor, Any | None]]] = defaultdict(list)  # reusable host buffers
+Key = tuple[int, torch.dtype, bool]  # a host buffer's elements, dtype and whether it is pinned
+
+
+class HostPool:
+    """Host buffers for swapped tensors, kept for reuse (pinning memory is slow).
+
+    Whenever every buffer is back (after each step's backward at the latest), the pool keeps
+    of each size only as many as were out at once since the last such time and releases the
+    rest: it holds at most what one step needs at once, and sizes a step no longer uses
+    (a sequence length that changed) do not pile up.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[Key, list[tuple[Tensor, AbstractEvent]]] = {}
+        self._out: Counter[Key] = Counter()
+        self._peak: Counter[Key] = Counter()
+        self._lock = threading.Lock()  # CUDA backward frees saved tensors on one thread per device
+
+    def take(self, key: Key, stream: AbstractStream) -> Tensor:
+        """A buffer that ``stream`` may write once it is done with its last copy."""
+        with self._lock:
+            self._out[key] += 1
+            self._peak[key] = max(self._peak[key], self._out[key])
+            free = self._free.get(key)
+            reused = free.pop() if free else None
+        if reused is None:
+            numel, dtype, pinned = key
+            with not_charged():
+                return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+        buffer, last_copy = reused
+        wait_event(stream, last_copy)
+        return buffer
+
+    def give(self, key: Key, buffer: Tensor, last_copy: AbstractEvent) -> None:
+        """Take back ``buffer``, in use by copies until ``last_copy``."""
+        with self._lock:
+            self._free.setdefault(key, []).append((buffer, last_copy))
+            self._out[key] -= 1
+            if sum(self._out.values()) == 0:
+                for k, free in list(self._free.items()):
+                    del free[self._peak[k] :]
+                    if not free:
+                        del self._free[k]
+                self._out.clear()
+                self._peak.clear()
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers kept for reuse."""
+        with self._lock:
+            return sum(b.numel() * b.element_size() for free in self._free.values() for b, _ in free)
+
+
+pool = HostPool()
 
 
 class Swapped:
@@ -31,45 +96,37 @@ class Swapped:
     def __init__(self, tensor: Tensor) -> None:
         self.device = tensor.device
         flat = tensor.as_strided((tensor.untyped_storage().nbytes() // tensor.element_size(),), (1,), 0)
-        self.key = (flat.numel(), flat.dtype, self.device.type == "cuda")
-        self.host = _host_buffer(self.key)
-        self.event: Any | None = None
+        self.key: Key = (flat.numel(), flat.dtype, self.device.type == "cuda")
+        side = side_stream(self.device)
+        self.host = pool.take(self.key, side)
+        wait_stream(side, current_stream(self.device))  # the tensor is written on the compute stream
+        with use_stream(side):
+            self.host.copy_(flat, non_blocking=True)
+        record_stream(flat, side)  # keep the device memory until the copy has read it
+        self.event = record_event(side)  # the last copy touching the host buffer
         self.views = 0  # saved views still to be loaded; the device copy goes with the last
         self.loaded: Tensor | None = None
-        self.loaded_event: Any | None = None
-        if self.device.type == "cuda":
-            stream = _stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self.host.copy_(flat, non_blocking=True)
-            flat.record_stream(stream)  # keep the device memory until the copy has read it
-            self.event = stream.record_event()
-        else:
-            self.host.copy_(flat)
         self.nbytes = flat.numel() * flat.element_size()
 
     def prefetch(self) -> None:
-        """Start copying back to the device (on CUDA, on the side stream)."""
+        """Start copying back to the device, on its side stream."""
         if self.loaded is not None:
             return
-        self.loaded = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
-        if self.device.type == "cuda":
-            stream = _stream(self.device)
-            with torch.cuda.stream(stream):
-                stream.wait_event(self.event)
-                self.loaded.copy_(self.host, non_blocking=True)
-            self.loaded_event = stream.record_event()
-        else:
-            self.loaded.copy_(self.host)
+        side = side_stream(self.device)
+        with use_stream(side):
+            # Allocated on the stream that writes it: memory freed on the compute stream may
+            # still be read there by kernels queued before.
+            self.loaded = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+            self.loaded.copy_(self.host, non_blocking=True)
+        self.event = record_event(side)
 
     def load(self, like: "_View") -> Tensor:
         """The view ``like`` of the storage, back on its device."""
         self.prefetch()
         assert self.loaded is not None
-        if self.loaded_event is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(self.loaded_event)
-            self.loaded.record_stream(current)
+        compute = current_stream(self.device)
+        wait_event(compute, self.event)
+        record_stream(self.loaded, compute)  # the compute stream uses it from now on
         view = self.loaded.as_strided(like.shape, like.stride, like.offset)
         self.views -= 1
         if self.views == 0:
@@ -77,25 +134,7 @@ class Swapped:
         return view
 
     def __del__(self) -> None:
-        _pool[self.key].append((self.host, self.loaded_event or self.event))
-
-
-def _host_buffer(key: tuple) -> Tensor:
-    free = _pool[key]
-    if free:
-        buffer, event = free.pop()
-        if event is not None:
-            event.synchronize()  # its last copy must be done before reuse
-        return buffer
-    numel, dtype, pinned = key
-    with not_charged():
-        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
-
-
-def _stream(device: torch.device) -> "torch.cuda.Stream":
-    if device not in _streams:
-        _streams[device] = torch.cuda.Stream(device)
-    return _streams[device]
+        pool.give(self.key, self.host, self.event)
 
 
 class _View(NamedTuple):
@@ -108,13 +147,15 @@ class _View(NamedTuple):
 class _Hooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, inputs: Any) -> None:
         self.swapped: list[Swapped] = []
-        self._by_storage = WeakIdKeyDictionary()  # storage -> its one host copy, however many views
+        # storage -> its one host copy, however many views
+        self._by_storage: MutableMapping[torch.UntypedStorage, Swapped] = WeakIdKeyDictionary()
         # Inputs live on outside the segment; a host copy of them would free nothing.
         self.inputs = {id(t.untyped_storage()) for t in tree_flatten(inputs)[0] if isinstance(t, Tensor)}
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, t: Tensor) -> Any:
-        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta" or id(t.untyped_storage()) in self.inputs:
+        parameter = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)  # W.t() in linear
+        if parameter or t.device.type == "meta" or id(t.untyped_storage()) in self.inputs:
             return t
         storage = t.untyped_storage()
         stored = self._by_storage.get(storage)
@@ -123,7 +164,7 @@ class _Hooks(torch.autograd.graph.saved_tensors_hooks):
                 stored = self._by_storage[storage] = Swapped(t)
             self.swapped.append(stored)
         stored.views += 1
-        return _View(stored, t.shape, t.stride(), t.storage_offset())
+        return _View(stored, t.shape, t.stride(), int(t.storage_offset()))
 
     @staticmethod
     def _unpack(packed: Any) -> Tensor:
@@ -136,17 +177,18 @@ def to_host(inputs: Any = ()) -> _Hooks:
     return _Hooks(inputs)
 
 
-def prefetch(outputs: Any, swapped: list[Swapped]) -> None:
-    """Start loading ``swapped`` back as soon as backward reaches ``outputs``."""
+def prefetch(when: Any, swapped: list[Swapped]) -> None:
+    """Start loading ``swapped`` back as soon as backward reaches any tensor of ``when``
+    (what was computed after them, so that the copies overlap its backward)."""
     if not swapped:
         return
+    pending = list(swapped)
 
     def start(grad_outputs: Any) -> None:
-        for s in swapped:
+        for s in pending:
             s.prefetch()
-        swapped.clear()  # the autograd graph outlives this hook; do not keep the copies alive
+        pending.clear()  # the autograd graph outlives this hook; do not keep the copies alive
 
-    for t in tree_flatten(outputs)[0]:
+    for t in tree_flatten(when)[0]:
         if isinstance(t, Tensor) and t.grad_fn is not None:
             t.grad_fn.register_prehook(start)
-            return

@@ -1,20 +1,22 @@
 """Transport: how values travel from the stage that made them to the stage that uses them.
 
 A value goes straight from its producer to each consumer (no relaying through stages in
-between). Copies that touch a CUDA device run on a per-device side stream so they can
-overlap compute; the consumer's stream waits for the copy, and the allocator is told which
-streams use each tensor.
+between). A copy runs on a side stream (of the CUDA device it touches, the source's if
+both are) so it can overlap compute: the side stream first waits for the producer's stream,
+the consumer's stream then waits for the copy, and the allocator is told that the side
+stream reads the source and the consumer's stream uses the copy. On the CPU the same calls
+run and do nothing (:mod:`lightning_pipe.stream`).
 """
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-__all__ = ["move"]
+from lightning_pipe.stream import current_stream, record_stream, side_stream, use_stream, wait_stream
 
-_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+__all__ = ["move"]
 
 
 def move(value: Any, device: torch.device) -> Any:
@@ -26,43 +28,28 @@ def _move(x: Tensor, device: torch.device) -> Tensor:
     if x.device == device:
         return x
     if x.requires_grad:
-        return _Copy.apply(x, device)
+        return cast(Tensor, _Copy.apply(x, device))  # type: ignore[no-untyped-call]
     return _copy(x, device)
 
 
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, device: torch.device) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, device: torch.device) -> Tensor:
         ctx.source = x.device
         return _copy(x, device)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return _copy(grad, ctx.source), None
 
 
 def _copy(x: Tensor, device: torch.device) -> Tensor:
-    if x.device.type != "cuda" and device.type != "cuda":
-        return x.to(device)
-    cuda = x.device if x.device.type == "cuda" else device
-    stream = _copy_stream(cuda)
-    if x.is_cuda:
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(stream):
+    producer, consumer = current_stream(x.device), current_stream(device)
+    side = side_stream(x.device if x.device.type == "cuda" else device)
+    wait_stream(side, producer)
+    with use_stream(side):
         y = x.to(device, non_blocking=True)
-    if x.is_cuda:
-        x.record_stream(stream)  # keep x's memory until the copy has read it
-    if y.is_cuda:
-        consumer = torch.cuda.current_stream(y.device)
-        consumer.wait_stream(stream)
-        y.record_stream(consumer)
-    else:
-        stream.synchronize()  # a CPU consumer reads the host buffer right away
+    record_stream(x, side)  # keep x's memory until the copy has read it
+    wait_stream(consumer, side)  # a CPU consumer blocks: it reads the host copy right away
+    record_stream(y, consumer)
     return y
-
-
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    if device not in _copy_streams:
-        _copy_streams[device] = torch.cuda.Stream(device)
-    return _copy_streams[device]

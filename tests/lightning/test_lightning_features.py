@@ -28,7 +28,7 @@ def _fit(family, pipe=None, model_cls=None, **trainer_kwargs):
 
 @pytest.mark.parametrize("pipe", ["gpipe", "1f1b"])
 def test_gradient_clipping_by_global_norm(pipe):
-    kwargs = dict(gradient_clip_val=0.05, gradient_clip_algorithm="norm", max_steps=3)
+    kwargs = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm", "max_steps": 3}
     reference, _ = _fit("gpt", **kwargs)
     piped, _ = _fit("gpt", pipe, **kwargs)
     unclipped, _ = _fit("gpt", max_steps=3)

@@ -2,13 +2,18 @@
 
 import csv
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
-from lightning_pipe.plan.plan import Plan
+from lightning_pipe.plan import report
+from lightning_pipe.plan.memory import StagePeak
+from lightning_pipe.plan.plan import Plan, StageReport
 from tests.helpers import trainer
 from tests.models import make
 
@@ -19,7 +24,8 @@ def test_metrics_reach_a_csv_logger_with_plausible_values(tmp_path, schedule):
     strategy = MemoryPipeStrategy(chunks=2, schedule=schedule, measure_memory=True)
     t = trainer(strategy, 2, max_steps=4, logger=CSVLogger(tmp_path), log_every_n_steps=2)
     t.fit(model, loader(data, 8))
-    rows = list(csv.DictReader(open(t.logger.log_dir + "/metrics.csv")))
+    with open(t.logger.log_dir + "/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     logged = [r for r in rows if r.get("pipe/step_ms")]
     assert len(logged) == 2  # steps 2 and 4
     for row in logged:
@@ -36,12 +42,72 @@ def test_metrics_reach_a_csv_logger_with_plausible_values(tmp_path, schedule):
 
 def test_plan_report_written_to_the_log_dir(tmp_path, capsys):
     model, data = make("unet")
-    strategy = MemoryPipeStrategy(chunks=2)
+    strategy = MemoryPipeStrategy(chunks=2, memory_limit="256MiB")
     t = trainer(strategy, 2, max_steps=1, logger=CSVLogger(tmp_path))
     t.fit(model, loader(data, 8))
-    plan = Plan.from_json(open(t.logger.log_dir + "/plan.json").read())
+    with open(t.logger.log_dir + "/plan.json") as f:
+        saved = json.load(f)
+    plan = Plan.from_json(json.dumps(saved))
     assert plan == strategy.plan and sum(plan.balance) == sum(len(s.node_names) for s in strategy.program.stages)
+    # The JSON names what the planner fitted each stage into: 90% of the limit, not the limit.
+    assert saved["targets"] == [int(256 * 2**20 * 0.9)] * 2 and "capacities" not in saved
     with open(t.logger.log_dir + "/plan.png", "rb") as png:
         assert png.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert "lightning_pipe plan: dawnpiper, gpipe" in capsys.readouterr().out
-    assert json.loads(plan.to_json())["partitioner"] == "dawnpiper"
+    out = capsys.readouterr().out
+    assert "lightning_pipe plan: dawnpiper, gpipe" in out and "230.40 MiB" in out
+    assert "planning target: 90% of each device's memory limit" in " ".join(out.split())
+    assert saved["partitioner"] == "dawnpiper"
+
+
+def _plan(peaks: list[int], targets: list[int]) -> Plan:
+    """A plan with these stage peaks (bytes, split over the kinds) and planning targets."""
+    stages = [StageReport(k, k + 1, p // 4, StagePeak(p // 4, p // 2, p // 8, p - p // 4 - p // 2 - p // 8),
+                          1.0, 2.0, 0.5, 0.0, 0, 0) for k, p in enumerate(peaks)]
+    return Plan("dawnpiper", "1f1b", targets, 2, 4, None, [1] * len(peaks), ["keep"] * len(peaks), stages, 20.0, 0.3)
+
+
+def _memory_plot(plan: Plan):
+    fig = report.figure(plan)
+    fig.draw_without_rendering()
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    below = legend.get_window_extent().y1 <= ax.get_window_extent().y0
+    return ax, [t.get_text() for t in legend.get_texts()], below
+
+
+def test_plot_scales_the_memory_axis_to_the_bars_and_notes_a_target_far_above_them():
+    plan = _plan([900 * 2**10, 700 * 2**10, 500 * 2**10], [int(6 * 2**30 * 0.9)] * 3)
+    ax, labels, below = _memory_plot(plan)
+    assert ax.get_ylabel() == "KiB"
+    assert 900 < ax.get_ylim()[1] < 1200  # the bars fill the axis; 5.4 GiB would flatten them
+    assert "planning target (\u25b2 off scale: 5.4GiB)" in labels and below
+
+
+def test_plot_draws_a_target_near_the_bars_on_the_axis():
+    plan = _plan([60 * 2**20, 50 * 2**20], [64 * 2**20, 96 * 2**20])
+    ax, labels, below = _memory_plot(plan)
+    assert ax.get_ylabel() == "MiB" and ax.get_ylim()[1] >= 96
+    assert "planning target" in labels and not any("off scale" in label for label in labels) and below
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0\n60.0MiB", "1\n50.0MiB"]
+
+
+def test_reports_leave_the_matplotlib_backend_and_pyplot_alone(tmp_path):
+    """Importing lightning_pipe and saving a plan must not pick a backend for the process (a
+    notebook's inline one) nor leave figures for the user's ``plt.show()``."""
+    code = f"""
+import sys
+from tests.lightning.test_reporting import _plan
+import lightning_pipe
+from lightning_pipe.plan import report
+import matplotlib
+after_import = matplotlib.get_backend()
+report.save(_plan([2**20], [2**30]), {str(tmp_path)!r})
+pyplot = sys.modules.get("matplotlib.pyplot")
+print(after_import, matplotlib.get_backend(), len(pyplot.get_fignums()) if pyplot else 0)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MPLBACKEND": "svg"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["svg", "svg", "0"]
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"

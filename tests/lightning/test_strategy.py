@@ -1,8 +1,9 @@
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Subset
 
-from examples.models import GPT, UNet, loader
+from examples.models import GPT, ImageDataset, TokenDataset, UNet, loader
 from lightning_pipe import CaptureError, MemoryPipeStrategy
 from tests.helpers import max_rel_diff, trainer
 from tests.models import Untraceable, make
@@ -134,10 +135,33 @@ def test_errors_at_setup_name_the_fix():
     _run_module(Untraceable(), 2, leaf_modules=["net.gate"])  # the suggested fix works
 
 
-def test_batch_smaller_than_chunks_is_a_clear_error():
-    model, data = make("gpt")
-    with pytest.raises(ValueError, match="batch of 2 samples cannot be split into chunks=4"):
-        trainer(MemoryPipeStrategy(chunks=4), 2).fit(model, loader(data, 2))
+def test_predict_validate_test_on_a_short_last_batch_match_plain_module():
+    model, _ = make("unet")
+    batches = DataLoader(ImageDataset(size=18), batch_size=8)  # 8, 8 and 2 samples
+    plain = trainer()
+    expected_pred = torch.cat(plain.predict(model, batches))
+    expected_val = plain.validate(model, batches, verbose=False)[0]["val_loss"]
+    piped = trainer(MemoryPipeStrategy(chunks=4), 3)
+    predictions = torch.cat(piped.predict(model, batches))
+    assert predictions.shape[0] == 18
+    assert torch.allclose(predictions, expected_pred, atol=1e-5)
+    assert piped.validate(model, batches, verbose=False)[0]["val_loss"] == pytest.approx(expected_val, rel=1e-5)
+    assert piped.test(model, batches, verbose=False)[0]["test_loss"] == pytest.approx(expected_val, rel=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_training_with_short_batches_matches_single_device(schedule):
+    data = TokenDataset(size=18)  # batches of 8, 8 and 2 samples; the sanity check sees 2
+
+    def fit(strategy, devices):
+        model, _ = make("gpt")
+        t = trainer(strategy, devices, max_steps=-1, max_epochs=1)
+        t.fit(model, DataLoader(data, batch_size=8), DataLoader(Subset(data, range(2)), batch_size=8))
+        assert t.global_step == 3
+        return model
+
+    reference = fit("auto", 1)
+    assert max_rel_diff(fit(MemoryPipeStrategy(chunks=4, schedule=schedule), 3), reference) < 1e-5
 
 
 def test_user_balance_is_used():
@@ -201,4 +225,5 @@ def test_metered_fit_reports_stage_peaks_and_enforces_limits():
     with pytest.raises(StageOutOfMemoryError, match="Stage 1 is out of memory"):
         trainer(unplanned, 2, max_steps=2).fit(model, loader(data, 8))
     with pytest.raises(ValueError, match="memory_limit has 3 entries but there are 2 stage devices"):
-        trainer(MemoryPipeStrategy(measure_memory=True, memory_limit=[1, 2, 3]), 2).fit(*make("gpt")[:1], loader(data, 8))
+        three_limits = MemoryPipeStrategy(measure_memory=True, memory_limit=[1, 2, 3])
+        trainer(three_limits, 2).fit(make("gpt")[0], loader(data, 8))

@@ -75,7 +75,7 @@ def test_capacities_must_match_stages():
         MemoryMeter(2, [1, 2, 3])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_peaks_per_device():
     assert MemoryMeter.cuda_peaks([torch.device("cuda", 0)]) is not None
     assert MemoryMeter.cuda_peaks([torch.device("cuda", 0), CPU]) is None

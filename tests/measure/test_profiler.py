@@ -1,3 +1,6 @@
+import time
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -87,3 +90,43 @@ def test_fake_tensors_give_the_same_bytes_without_running():
     for r, f in zip(real.nodes, fake.nodes):
         assert [getattr(r, k) for k in fields] == [getattr(f, k) for k in fields]
         assert f.forward_ms == f.backward_ms == 0.0
+
+
+def test_node_times_are_taken_on_the_node_s_device_stream(monkeypatch):
+    from lightning_pipe.measure import profiler
+
+    devices = []
+    current_stream = profiler.current_stream
+    monkeypatch.setattr(profiler, "current_stream", lambda device: (devices.append(device), current_stream(device))[1])
+    ms = profiler._median_ms(lambda: time.sleep(0.005), torch.device("meta"), repeats=3, warmup=1)
+    assert devices == [torch.device("meta")] and ms >= 4
+
+
+@pytest.mark.cuda
+def test_node_times_on_a_device_that_is_not_the_current_one():
+    from lightning_pipe.measure import profiler
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    x = torch.randn(2048, 2048, device="cuda:1")
+    with torch.cuda.device(0):
+        ms = profiler._median_ms(lambda: x @ x, torch.device("cuda", 1), repeats=3, warmup=1)
+    assert ms > 0.01  # events on cuda:0's stream would see none of cuda:1's work
+
+
+def test_tied_weights_are_recorded_and_their_copy_charged_to_the_borrowing_stage(tmp_path):
+    from lightning_pipe.plan.memory import CostModel
+
+    model = GPT(layers=1)
+    captured = capture(model)
+    p = profile_graph(captured, ({"input_ids": torch.randint(96, (2, 16))},), repeats=1)
+    names = [n.name for n in p.nodes]
+    emb, head = names.index("tok_emb"), names.index("head")
+    weight = model.tok_emb.weight.numel() * 4
+    assert [(s.nbytes, s.users) for s in p.shared] == [(weight, [emb, head])]
+    costs, n = CostModel(p), len(p.nodes)
+    assert costs.borrowed(head, n) == weight  # a stage with the head but not the embedding keeps a copy
+    assert costs.borrowed(0, n) == costs.borrowed(0, head) == 0
+    assert costs.static(head, n) == CostModel(replace(p, shared=[])).static(head, n) + weight
+    p.save(tmp_path / "profile.json")
+    assert Profile.load(tmp_path / "profile.json").shared == p.shared

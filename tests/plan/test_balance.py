@@ -11,7 +11,7 @@ def _brute_force(weights, k):
     best = None
     for cuts in itertools.combinations(range(1, n), k - 1):
         bounds = (0, *cuts, n)
-        worst = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        worst = max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
         best = worst if best is None else min(best, worst)
     return best
 
@@ -25,7 +25,7 @@ def test_balance_by_weight_is_optimal_and_non_empty(seed):
     balance = balance_by_weight(weights, k)
     assert len(balance) == k and all(b >= 1 for b in balance) and sum(balance) == n
     starts = [sum(balance[:i]) for i in range(k)] + [n]
-    worst = max(sum(weights[a:b]) for a, b in zip(starts, starts[1:]))
+    worst = max(sum(weights[a:b]) for a, b in itertools.pairwise(starts))
     assert worst == _brute_force(weights, k)
 
 

@@ -50,7 +50,10 @@ def test_capslog_reaches_the_brute_force_minimum_peak(seed, capacities):
 def test_time_partitioner_is_the_optimal_min_max(seed):
     profile = chain(12, seed)
     stages = Stages(CostModel(profile), [1] * 4, [1] * 4)
-    compute = lambda lo, hi, s: stages.model.compute_ms(lo, hi)
+
+    def compute(lo, hi, s):
+        return stages.model.compute_ms(lo, hi)
+
     best = min(worst(stages, b, compute) for b in balances(12, 4))
     assert worst(stages, split("time", stages), compute) == pytest.approx(best, rel=1e-12)
 
@@ -107,9 +110,8 @@ def test_heterogeneous_capacities_are_respected():
             found = stages.optimum(r.start, r.stop, s)
             assert found.fits and found.peak.total <= capacities[s], name
         if name == "capslog":  # memory alone: fits without any optimisation
-            assert all(
-                model.peak(r.start, r.stop, flight[s]).total <= capacities[s] for s, r in enumerate(stage_ranges(balance))
-            )
+            ranges = stage_ranges(balance)
+            assert all(model.peak(r.start, r.stop, flight[s]).total <= capacities[s] for s, r in enumerate(ranges))
 
 
 def test_params_and_uniform_partitioners():

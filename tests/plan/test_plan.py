@@ -33,7 +33,7 @@ def test_plan_round_trips_through_json_and_matches_its_parts():
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert sum(plan.balance) == 36 and len(plan.policies) == 36
-    assert all(s.peak.total <= c for s, c in zip(plan.stages, plan.capacities))
+    assert all(s.peak.total <= c for s, c in zip(plan.stages, plan.targets))
     times = [StageTime(s.forward_ms, s.backward_ms, s.recompute_ms, s.swap_ms) for s in plan.stages]
     sim = simulate(times, actions("1f1b", 8, 4))
     assert (plan.step_ms, plan.bubble) == (sim.step_ms, sim.bubble)

@@ -35,3 +35,37 @@ def test_deadlocked_orders_are_rejected():
     bad = [[Action("backward", 0, 0), Action("forward", 0, 0)], [Action("forward", 0, 1), Action("backward", 0, 1)]]
     with pytest.raises(ValueError, match="deadlock"):
         simulate([StageTime(1, 1)] * 2, bad)
+
+
+def _chain(outputs, forward=1.0):
+    """A chain of nodes, each reading the one before, with these output bytes."""
+    from lightning_pipe.plan.profile import NodeProfile, Profile
+
+    n = len(outputs)
+    nodes = [
+        NodeProfile(f"n{i}", forward, 2 * forward, out, 0, 0, 0, 0, 0, users=[i + 1 if i + 1 < n else -1])
+        for i, out in enumerate(outputs)
+    ]
+    return Profile(nodes, "cpu", "torch.float32", 1)
+
+
+def test_a_slow_link_prices_each_boundary_in_the_simulated_step():
+    from lightning_pipe.plan.plan import make_plan
+
+    profile = _chain([1000, 10**6, 1000, 1000])  # the uniform cut sends the 1 MB output of node 1
+    plain = make_plan(profile, [10**9] * 2, "uniform", "gpipe", chunks=4)
+    linked = make_plan(profile, [10**9] * 2, "uniform", "gpipe", chunks=4, link_bandwidth=1e9)
+    assert [s.send_ms for s in linked.stages] == [1.0, 0.0]  # 1 MB at 1 GB/s; the last sends nothing
+    assert math.isclose(linked.step_ms - plain.step_ms, 2 * 1.0)  # there, and the gradient back
+    assert linked.link_bandwidth == 1e9 and plain.stages[0].send_ms == 0.0
+
+
+@pytest.mark.parametrize("partitioner", ["dawnpiper", "time"])
+def test_the_planner_cuts_where_less_crosses_when_the_link_is_slow(partitioner):
+    from lightning_pipe.plan.plan import make_plan
+
+    profile = _chain([10, 10, 10**8, 10, 10, 10])  # the compute-balanced cut sends 100 MB
+    assert make_plan(profile, [10**12] * 2, partitioner, "1f1b", chunks=4).balance == [3, 3]
+    plan = make_plan(profile, [10**12] * 2, partitioner, "1f1b", chunks=4, link_bandwidth=1e9)
+    assert plan.balance in ([2, 4], [4, 2])
+    assert plan.stages[0].send_ms < 1.0

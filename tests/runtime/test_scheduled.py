@@ -2,11 +2,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
-from examples.models import loader
+from examples.models import ImageDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.measure.profiler import profile_graph
@@ -165,7 +166,7 @@ def _delayed_reference(family, optimizer, steps, batch_size=8):
     opt = model.configure_optimizers()
     params = list(model.parameters())
     stale = [p.detach().clone() for p in params]
-    for t, batch in zip(range(steps), loader(data, batch_size)):
+    for _t, batch in zip(range(steps), loader(data, batch_size)):
         current = [p.detach().clone() for p in params]
         with torch.no_grad():
             for p, s in zip(params, stale):
@@ -258,3 +259,40 @@ def test_1f1b_with_a_tuple_crossing_the_cut():
         trainer(strategy, 2, max_steps=2).fit(model, loader(data, 8))
         results.append(model)
     assert max_rel_diff(results[1], results[0]) < 1e-6
+
+
+class _TwoViewsAndTeacher(UNet):
+    """Three ``self(...)`` calls per step: two augmented views, then a teacher pass under
+    ``no_grad`` (after the views, so that it cannot simply replace them)."""
+
+    def training_step(self, batch, batch_idx):
+        image, target = batch["image"], batch["target"]
+        student = self(image)
+        flipped = self(image.flip(-1))
+        with torch.no_grad():
+            teacher = self(image * 0.5)
+        views = self.criterion(student, batch) + F.mse_loss(flipped, target.flip(-1))
+        return views + 0.1 * F.mse_loss(student, teacher)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_several_forwards_per_training_step_match_single_device(schedule):
+    torch.manual_seed(0)
+    reference = _TwoViewsAndTeacher()
+    trainer("auto", 1).fit(reference, loader(ImageDataset(), 8))
+    torch.manual_seed(0)
+    piped = _TwoViewsAndTeacher()
+    trainer(MemoryPipeStrategy(chunks=4, schedule=schedule), 3).fit(piped, loader(ImageDataset(), 8))
+    assert max_rel_diff(piped, reference) < 1e-5
+    assert max_rel_diff(piped, make("unet")[0]) > 1e-3
+
+
+class _Nested(UNet):
+    def training_step(self, batch, batch_idx):
+        return self.criterion(self(self(batch["image"])), batch)
+
+
+def test_an_output_fed_back_into_the_pipeline_is_a_clear_error_under_1f1b():
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="fed into another self"):
+        trainer(MemoryPipeStrategy(chunks=2, schedule="1f1b"), 2, max_steps=1).fit(_Nested(), loader(ImageDataset(), 8))

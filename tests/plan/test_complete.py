@@ -1,0 +1,89 @@
+"""Dawnpiper is complete and never worse than a baseline, on random chains with long skips
+(U-Net-like: a value read again many nodes later, whose gradient waits under 1F1B)."""
+
+import random
+
+import pytest
+
+from lightning_pipe.plan.memory import CostModel, stage_ranges
+from lightning_pipe.plan.partitioners import PARTITIONERS, split
+from lightning_pipe.plan.plan import InfeasiblePlanError, max_microbatch, planning_stages
+from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.schedule import Schedule, in_flight, weight_versions
+from tests.plan.test_partitioners import balances
+
+
+def skipping(n: int, seed: int) -> Profile:
+    """A chain where about a third of the nodes are read again further on; compute-heavy and
+    memory-heavy nodes at random, with and without parameters."""
+    rnd = random.Random(seed)
+    nodes = []
+    for i in range(n):
+        f = rnd.choice([rnd.uniform(0.1, 0.5), rnd.uniform(1, 4)])
+        output = rnd.randint(1, 16) * 1000
+        params = rnd.choice([0, rnd.randint(1, 40) * 100])
+        users = {i + 1} if i + 1 < n else {-1}
+        if i + 2 < n and rnd.random() < 0.3:
+            users.add(rnd.randrange(i + 2, n))
+        nodes.append(
+            NodeProfile(
+                f"n{i}", f, rnd.uniform(1, 3) * f, output, rnd.randint(0, 16) * 1000, rnd.randint(0, 4) * 500,
+                params, params, 2 * params, users=sorted(users), backward_bytes=rnd.randint(0, 8) * 500,
+                output_grad_bytes=output,
+            )
+        )
+    return Profile(nodes, "cpu", "f", 1, input_bytes=1000, input_users=[0])
+
+
+def setting(seed: int, n: int) -> tuple[Profile, list[int], Schedule, int, float | None]:
+    """A random profile, schedule and host link, and capacities (equal or not) from a third of
+    to a little above the fullest stage of the even split."""
+    rnd = random.Random(seed)
+    count = rnd.randint(2, 4)
+    schedule: Schedule = rnd.choice(["gpipe", "1f1b", "2bw"])
+    chunks = rnd.randint(1, 6)
+    profile = skipping(n, seed)
+    model, flight = CostModel(profile), in_flight(schedule, chunks, count)
+    even = [n // count + (s < n % count) for s in range(count)]
+    fullest = max(model.peak(r.start, r.stop, flight[s], {}, weight_versions(schedule)).total
+                  for s, r in enumerate(stage_ranges(even)))
+    shares = [rnd.uniform(0.3, 1.1) for _ in range(count)] if rnd.random() < 0.3 else [rnd.uniform(0.3, 1.1)] * count
+    return profile, [int(fullest * share) for share in shares], schedule, chunks, rnd.choice([None, None, 1e6, 1e7])
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_dawnpiper_fits_whenever_any_balance_fits(block):
+    outcomes = []
+    for seed in range(100 * block, 100 * block + 100):
+        n = random.Random(seed).randint(6, 11)
+        profile, capacities, schedule, chunks, host_bandwidth = setting(seed, n)
+        for optimise in (True, False):
+            stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth, optimise_memory=optimise)
+            any_fits = any(stages.fits(b) for b in balances(n, len(capacities)))
+            assert stages.fits(split("dawnpiper", stages)) == any_fits, (seed, optimise)
+            outcomes.append(any_fits)
+    assert 0.3 < sum(outcomes) / len(outcomes) < 0.9  # both kinds of case are exercised
+
+
+def largest(profile, capacities, partitioner, schedule, chunks, host_bandwidth, optimise):
+    try:
+        return max_microbatch(profile, capacities, partitioner, schedule, chunks, host_bandwidth,
+                              optimise_memory=optimise)
+    except InfeasiblePlanError:
+        return 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dawnpiper_fits_the_largest_microbatch_and_optimising_never_loses(seed):
+    n = random.Random(seed).randint(14, 30)
+    profile, capacities, schedule, chunks, host_bandwidth = setting(seed, n)
+    capacities = [8 * c for c in capacities]  # micro-batches of several samples fit
+    sizes = {
+        (name, optimise): largest(profile, capacities, name, schedule, chunks, host_bandwidth, optimise)
+        for name in PARTITIONERS
+        for optimise in (True, False)
+    }
+    for optimise in (True, False):
+        assert sizes["dawnpiper", optimise] == max(sizes[name, optimise] for name in PARTITIONERS)
+    for name in PARTITIONERS:
+        assert sizes[name, True] >= sizes[name, False]
