@@ -14,14 +14,13 @@ from typing import Any, cast, get_args
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -166,6 +165,12 @@ class MemoryPipeStrategy(ParallelStrategy):
         self._metering = ExitStack()
 
     @property
+    def _module(self) -> LightningModule:
+        module = self.lightning_module
+        assert module is not None, "the Trainer has not connected a LightningModule yet"
+        return module
+
+    @property
     @override
     def root_device(self) -> torch.device:
         """The last stage's device: outputs, and so the loss and the labels, live there."""
@@ -193,8 +198,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         return 1
 
     @property
-    @override
-    def is_distributed(self) -> bool:
+    def is_distributed(self) -> bool:  # read by Lightning, though Strategy does not declare it
         return False
 
     @property
@@ -224,13 +228,13 @@ class MemoryPipeStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 _state_to_param_devices(optimizer)
         if self.schedule != "gpipe" and trainer.state.fn == TrainerFn.FITTING:
-            if not self.lightning_module.automatic_optimization:
+            if not self._module.automatic_optimization:
                 raise ValueError(
                     f"schedule={self.schedule!r} runs each micro-batch's backward itself, which "
                     f"needs automatic optimization. Use schedule='gpipe' for manual optimization."
                 )
             if self.schedule == "2bw":
-                self._versions = WeightVersions(self.lightning_module.parameters())
+                self._versions = WeightVersions(self._module.parameters())
             if self._scheduled is not None:  # else once the first forward is captured (_probe)
                 self._make_step()
         if self.meter is not None:
@@ -265,7 +269,7 @@ class MemoryPipeStrategy(ParallelStrategy):
             self._install(self._captured)
         # An instance attribute shadows the class's forward without registering a submodule,
         # so state_dict keys stay those of the plain module.
-        module.forward = self._forward
+        module.forward = self._forward  # type: ignore[method-assign]
         module._device = self.root_device
 
     def _training_graph(self, inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Captured:
@@ -363,7 +367,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         policies = {n.name: cast(Policy, p) for n, p in zip(self._captured.nodes, self.plan.policies) if p != "keep"}
         self._install(self._captured, self.plan.balance, policies)
         report.show(self.plan, devices)
-        logger = self.lightning_module.trainer.logger if self.lightning_module._trainer else None
+        logger = self._module.trainer.logger if self._module._trainer else None
         if logger is not None and logger.log_dir is not None:
             report.save(self.plan, logger.log_dir)
 
@@ -491,9 +495,9 @@ class MemoryPipeStrategy(ParallelStrategy):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             self._stepping = False
-        module = self.lightning_module
         step_ms = (time.perf_counter() - self._step_start) * 1e3
-        log_step_metrics(module.trainer, step_metrics(self.clock, self.meter, self.plan, self.schedule, self.chunks, step_ms))
+        metrics = step_metrics(self.clock, self.meter, self.plan, self.schedule, self.chunks, step_ms)
+        log_step_metrics(self._module.trainer, metrics)
         if self.meter is not None:
             self.meter.own_optimizer_state(optimizer)
         return output
