@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup = _setup(args)
         sample_args, sample_kwargs = _microbatch(setup, args.input)
-        captured = capture(setup.model, setup.leaf_modules)
+        # The training graph, as the strategy plans it; torch.export captures what fx cannot.
+        captured = capture(setup.model.train(), setup.leaf_modules, example_inputs=(sample_args, sample_kwargs))
     except (ValueError, CaptureError) as err:
         plan.error(str(err))
     targets = [int(limit * PLANNING_HEADROOM) for limit in setup.limits]
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         for done, name in enumerate(PARTITIONERS, 1):
             results.append((name, _plan(profile, targets, name, setup)))
             advance(done, len(PARTITIONERS))
-    print(f"profiled {len(profile.nodes)} nodes on {profile.device} at micro-batch {profile.microbatch_size}; "
+    print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) on {profile.device} at micro-batch "
+          f"{profile.microbatch_size}; "
           f"{len(targets)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
           f"memory limit {_sizes(setup.limits)}, planning target {_sizes(targets)} "
           f"({PLANNING_HEADROOM:.0%} of the limit)\n")

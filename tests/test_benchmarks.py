@@ -1,5 +1,7 @@
-"""Smoke test of the benchmark's smallest piece, so ``benchmarks/run.py`` cannot silently rot."""
+"""Smoke tests of the benchmarks' smallest pieces, so ``benchmarks/run.py`` and
+``benchmarks/hf_capture.py`` cannot silently rot."""
 
+import pytest
 import torch
 
 from benchmarks.models import Bench
@@ -28,3 +30,13 @@ def test_max_microbatch_search_trains_at_the_size_it_finds():
     assert found.fits and len(found.metered) == 2 and max(found.metered) <= capacity
     assert len(found.predicted) == 2 and all(p > 0 for p in found.predicted)
     assert all(not p.fits for p in config.probes if p.microbatch > config.max_microbatch)
+
+
+def test_hugging_face_capture_benchmark_runs_on_a_tiny_gpt2():
+    pytest.importorskip("transformers")
+    from benchmarks.hf_capture import main
+
+    result = main(["--layers", "1", "--dim", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--stages", "2",
+                   "--chunks", "2", "--memory", "64MiB"])
+    assert result["nodes"] > 20 and result["parameters"] > 0
+    assert all(result[k] >= 0 for k in ("capture_s", "profile_s", "plan_s"))

@@ -125,6 +125,20 @@ def test_lightning_pipe_plan_command_line_overrides_the_config(capsys):
     assert "4 stages, gpipe, 2 micro-batches; memory limit 16.0MiB, 16.0MiB, 8.0MiB, 8.0MiB" in capsys.readouterr().out
 
 
+def test_lightning_pipe_plan_captures_with_torch_export_what_fx_cannot_trace(capsys):
+    """Hugging Face GPT-2 (the example's LightningModule, ``forward(**batch)``): torch.fx
+    cannot trace it, so the sample micro-batch goes to torch.export."""
+    pytest.importorskip("transformers")
+    from lightning_pipe.cli import main
+
+    assert main(["plan", "--model", "examples.hf_gpt2.GPT2LM", "--init-args", '{"layers": 1, "dim": 32, "context": 16}',
+                 "--input", "input_ids=int64[4,16]", "--input", "labels=int64[4,16]", "--devices", "2x64MiB",
+                 "--chunks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("profiled ") and "nodes (torch.export) on cpu at micro-batch 2" in out.splitlines()[0]
+    assert len(_largest(out)) == 5
+
+
 GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
 
 
@@ -153,6 +167,9 @@ GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
     (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2x16"],
      "--devices '2x16': '16' has no unit"),
     (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]"], "give --devices"),
+    (["--model", "tests.models.Untraceable", "--input", "x=float32[8,4]", "--devices", "2x1GiB"],
+     "Neither torch.fx nor torch.export could capture Untraceable.forward; either fix works.\n"
+     "torch.fx could not trace Untraceable.forward in submodule 'gate' (Gate)"),
 ])
 def test_lightning_pipe_plan_bad_input_exits_2_with_a_message(capsys, argv, message):
     from lightning_pipe.cli import main

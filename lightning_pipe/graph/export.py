@@ -22,12 +22,15 @@ with the model's cannot run on meta; it is exported on the model's device instea
 """
 
 import inspect
+import io
+import logging
 import operator
 import os
+import sys
 import traceback
 import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, redirect_stderr
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,7 +163,25 @@ def _export(module: nn.Module, call: Any, every_size: bool, device: torch.device
     with torch.inference_mode(False), torch.enable_grad(), _on_meta(module) if device == META else nullcontext():
         inputs = tree_map(lambda x: _stand_in(x, device), call)
         dims = tree_map(lambda x: _dynamic(x, every_size), inputs)
-        return torch.export.export(_Call(module), inputs, dynamic_shapes=dims, strict=False)
+        with _quiet():
+            return torch.export.export(_Call(module), inputs, dynamic_shapes=dims, strict=False)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Hold back what a failing torch.export prints (its partial graph on stderr, a warning on
+    the failing guard): the ExportError names the submodule and line instead. What a
+    successful export prints goes through."""
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes.level
+    shapes.setLevel(logging.ERROR)
+    held = io.StringIO()
+    try:
+        with redirect_stderr(held):
+            yield
+        sys.stderr.write(held.getvalue())
+    finally:
+        shapes.setLevel(level)
 
 
 def _stand_in(x: Any, device: torch.device) -> Any:

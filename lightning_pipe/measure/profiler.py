@@ -2,12 +2,15 @@
 
 Nodes run one by one on the device that holds their parameters, so the whole model never has
 to sit on one device; bytes come from the memory meter, so they agree with metered stage peaks.
+A fake profile runs nothing, so its times are estimates from each node's FLOPs and bytes: with
+no times at all, every cut would balance and every recompute would be free to the planner.
 The result is a :class:`~lightning_pipe.plan.profile.Profile`, plain data for the planner.
 """
 
 import inspect
+import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -15,6 +18,7 @@ import torch
 from torch import Tensor, fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pipe.graph.capture import Captured, get_attr
 from lightning_pipe.graph.export import localize_args
@@ -23,7 +27,13 @@ from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.plan.profile import NodeProfile, Profile, SharedParam
 from lightning_pipe.stream import current_stream, elapsed_ms, record_event
 
-__all__ = ["profile_graph"]
+__all__ = ["FAKE_BYTES_PER_S", "FAKE_FLOPS_PER_S", "profile_graph"]
+
+#: The nominal device a fake profile's times are estimated for (an accelerator in half
+#: precision). Only their ratios matter to balancing and recompute; against
+#: ``host_bandwidth`` and ``link_bandwidth`` the absolute times do.
+FAKE_FLOPS_PER_S = 100e12
+FAKE_BYTES_PER_S = 1e12
 
 
 def profile_graph(
@@ -50,7 +60,9 @@ def profile_graph(
         args, kwargs: a sample micro-batch, as passed to ``forward``.
         optimizer: the user's optimizer; its class and settings measure optimizer-state bytes.
         fake: measure bytes on fake tensors (no data, no compute) where running is
-            impossible, e.g. activations that do not fit; times are then zero.
+            impossible, e.g. activations that do not fit; times are then estimated (a
+            node's FLOPs at :data:`FAKE_FLOPS_PER_S` plus writing and reading the bytes it
+            allocates at :data:`FAKE_BYTES_PER_S`; backward twice forward).
         progress: called with (nodes timed, all nodes) after each node, for a progress bar:
             timing takes ``warmup + repeats`` runs of every node.
     """
@@ -63,10 +75,10 @@ def profile_graph(
         if fake_mode is not None:
             args, kwargs = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, Tensor) else x, (args, kwargs))
         runner = _NodeRunner(gm, _bind(gm, args, kwargs))
-        memory = _measure_memory(runner, captured.nodes)
+        memory, work = _measure_memory(runner, captured.nodes, count_flops=fake)
         times = []
-        for n in captured.nodes:
-            times.append((0.0, 0.0) if fake else _time_node(runner, n, repeats, warmup))
+        for k, n in enumerate(captured.nodes):
+            times.append(_estimated_ms(*work[k]) if fake else _time_node(runner, n, repeats, warmup))
             if progress is not None:
                 progress(len(times), len(captured.nodes))
     with torch.no_grad():
@@ -126,22 +138,30 @@ def _shared(captured: Captured) -> list[SharedParam]:
     return [SharedParam(nbytes, users) for nbytes, users in readers.values() if len(users) > 1]
 
 
-def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[tuple[int, int, int, int]]:
+def _measure_memory(
+    runner: "_NodeRunner", nodes: list[fx.Node], count_flops: bool = False
+) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
     """Per node: forward workspace, bytes it allocated that backward keeps, the growth while
-    backward runs, and the last node keeping its bytes; one meter "stage" per node."""
+    backward runs, and the last node keeping its bytes; one meter "stage" per node. And per
+    node its forward's work: FLOPs (where counted) and the bytes it allocated."""
     index = {node: k for k, node in enumerate(nodes)}
     meter = MemoryMeter(len(nodes))
     forward_transient = [0] * len(nodes)
+    work = [(0, 0)] * len(nodes)
+    counter = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS) if count_flops else None
     with meter, meter.saved_tensors_hooks():
-        for node in runner.gm.graph.nodes:
-            if node.op in ("placeholder", "get_attr"):
-                runner.env[node] = runner.run_node(node)
-            elif node.op != "output":
-                k = index[node]
-                with meter.running(k):
-                    runner.env[node] = runner.run_on(node, _device_of(node, runner))
-                meter.tag_backward([runner.env[node]], k)
-                forward_transient[k] = meter.stages[k].peak - meter.stages[k].total
+        with counter or nullcontext():
+            for node in runner.gm.graph.nodes:
+                if node.op in ("placeholder", "get_attr"):
+                    runner.env[node] = runner.run_node(node)
+                elif node.op != "output":
+                    k = index[node]
+                    before = counter.get_total_flops() if counter else 0
+                    with meter.running(k):
+                        runner.env[node] = runner.run_on(node, _device_of(node, runner))
+                    meter.tag_backward([runner.env[node]], k)
+                    forward_transient[k] = meter.stages[k].peak - meter.stages[k].total
+                    work[k] = ((counter.get_total_flops() if counter else 0) - before, meter.stages[k].peak)
         saved = [m.current["activations"] for m in meter.stages]
         result = fx.node.map_arg(runner.gm.graph.output_node().args[0], runner.env.__getitem__)
         outputs = [t for t in tree_flatten(result)[0] if _needs_grad(t)]
@@ -154,7 +174,27 @@ def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[tuple[i
             del grads
         growth = [m.peak - s for m, s in zip(meter.stages, start)]
     last_saver = [meter.last_saver.get(k, -1) for k in range(len(nodes))]
-    return list(zip(forward_transient, saved, growth, last_saver))
+    return list(zip(forward_transient, saved, growth, last_saver)), work
+
+
+def _estimated_ms(flops: int, nbytes: int) -> tuple[float, float]:
+    """Forward and backward milliseconds of a node on the nominal device of a fake profile:
+    its FLOPs, and the bytes it allocates written once and read once. Backward does about
+    twice the work (a product's gradient needs one product per input)."""
+    forward = 1e3 * (flops / FAKE_FLOPS_PER_S + 2 * nbytes / FAKE_BYTES_PER_S)
+    return forward, 2 * forward
+
+
+def _attention_flops(
+    query: Sequence[int], key: Sequence[int], value: Sequence[int], *args: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
+    """``softmax(q kᵀ) v``: two batched products (shapes ``(batch, heads, length, features)``)."""
+    *heads, length, features = query
+    return 2 * math.prod(heads) * length * key[-2] * (features + value[-1])
+
+
+# Ops torch's FlopCounterMode has no formula for: attention as the CPU runs it.
+_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}
 
 
 class _NodeRunner(fx.Interpreter):
@@ -252,11 +292,20 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch
         if key not in cache:
             probe = torch.zeros_like(p, requires_grad=True)
             probe.grad = torch.zeros_like(p)
-            step = type(optimizer)([probe], **optimizer.defaults)
+            step = type(optimizer)([probe], **_settings(optimizer))
             step.step()
             cache[key] = sum(_nbytes(v) for v in step.state[probe].values() if isinstance(v, Tensor))
         result[id(p)] = cache[key]
     return result
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's settings its class takes back: ``defaults`` may hold more (AdamW's
+    ``decoupled_weight_decay``, which its ``__init__`` fixes)."""
+    accepted = inspect.signature(type(optimizer)).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
 def _needs_grad(x: Any) -> bool:

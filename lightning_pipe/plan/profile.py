@@ -68,7 +68,7 @@ class Profile:
     Attributes:
         input_bytes: bytes of the graph inputs for one micro-batch.
         input_users: indices of the nodes reading a graph input.
-        fake: bytes were measured on fake tensors and the times are zero.
+        fake: bytes were measured on fake tensors and the times estimated (nothing ran).
         shared: the parameters several nodes read.
     """
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from examples.models import GPT, UNet
 from lightning_pipe.graph.capture import capture
-from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.measure.profiler import FAKE_BYTES_PER_S, FAKE_FLOPS_PER_S, profile_graph
 from lightning_pipe.plan.profile import Profile
 
 
@@ -89,7 +89,34 @@ def test_fake_tensors_give_the_same_bytes_without_running():
     fields = ("output_bytes", "saved_bytes", "transient_bytes", "backward_bytes", "param_bytes")
     for r, f in zip(real.nodes, fake.nodes):
         assert [getattr(r, k) for k in fields] == [getattr(f, k) for k in fields]
-        assert f.forward_ms == f.backward_ms == 0.0
+
+
+def test_fake_times_are_estimated_from_flops_and_bytes():
+    """A planner given no times would find every cut balanced and every recompute free."""
+    model = MLP()
+    l0, act, _ = profile_graph(capture(model), (torch.randn(8, 16),), fake=True).nodes
+
+    def ms(flops, nbytes):
+        return 1e3 * (flops / FAKE_FLOPS_PER_S + 2 * nbytes / FAKE_BYTES_PER_S)
+
+    assert l0.forward_ms == pytest.approx(ms(2 * 8 * 16 * 32, 8 * 32 * 4))  # a product, its output
+    assert act.forward_ms == pytest.approx(ms(0, 8 * 32 * 4))
+    assert l0.backward_ms == pytest.approx(2 * l0.forward_ms)
+
+    class Attention(nn.Module):  # on the CPU, a kernel torch's FLOP counter has no formula for
+        def forward(self, q):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q).flatten(-2)
+
+    attention, flat = profile_graph(capture(Attention()), (torch.randn(2, 4, 16, 8),), fake=True).nodes
+    assert attention.forward_ms > ms(2 * 2 * 4 * 16 * 16 * (8 + 8), 0) > 0
+    assert flat.forward_ms == 0.0  # a view allocates nothing
+
+
+def test_optimizer_bytes_of_an_optimizer_whose_defaults_its_init_does_not_take():
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters())  # defaults hold decoupled_weight_decay
+    l0 = profile_graph(capture(model), (torch.randn(8, 16),), optimizer=optimizer, fake=True).nodes[0]
+    assert l0.optimizer_bytes == 2 * l0.param_bytes + 2 * 4
 
 
 def test_node_times_are_taken_on_the_node_s_device_stream(monkeypatch):
