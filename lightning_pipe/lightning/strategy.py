@@ -260,13 +260,14 @@ class MemoryPipeStrategy(ParallelStrategy):
         self._variants = Variants(module, self.leaf_modules)
         self.meter = MemoryMeter(len(devices), self._capacities()) if self.measure_memory else None
         self.clock = StageClock(len(devices))
-        self._needs_plan = self.planner is not None and self.balance is None
+        # A plan from an earlier fit is reused: validate/test/predict never profile.
+        self._needs_plan = self.planner is not None and self.balance is None and self.plan is None
         try:
             self._captured = self._training_graph()
         except NeedsExampleInputs:
             self._captured = None  # torch.export captures it from the first forward's inputs
         else:
-            self._install(self._captured)
+            self._install_known(self._captured)
         # An instance attribute shadows the class's forward without registering a submodule,
         # so state_dict keys stay those of the plain module.
         module.forward = self._forward  # type: ignore[method-assign]
@@ -312,12 +313,22 @@ class MemoryPipeStrategy(ParallelStrategy):
         if not planned:  # a plan shows its own table
             rank_zero_info(self.describe())
 
+    def _install_known(self, captured: Captured) -> None:
+        """Split by the plan already made for this graph, else by the user's or an even split."""
+        if self.plan is not None and sum(self.plan.balance) == len(captured.nodes):
+            self._install(captured, self.plan.balance, _policies(captured, self.plan))
+        else:
+            self._install(captured)
+
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Only a training forward plans: the sanity check, validation, test and predict run in
+        # eval mode, often with other batch sizes, and train on no plan of theirs.
+        plan_now = self._needs_plan and self._module.training
         if self._captured is None:
             self._captured = self._training_graph((args, kwargs))
-            if not self._needs_plan:
-                self._install(self._captured)
-        if self._needs_plan:
+            if not plan_now:
+                self._install_known(self._captured)
+        if plan_now:
             self._plan_from(args, kwargs)
         if self._probing:
             raise _Probed
@@ -364,8 +375,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         self.plan = make_plan(
             self.profile, targets, self.planner, self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth
         )
-        policies = {n.name: cast(Policy, p) for n, p in zip(self._captured.nodes, self.plan.policies) if p != "keep"}
-        self._install(self._captured, self.plan.balance, policies)
+        self._install(self._captured, self.plan.balance, _policies(self._captured, self.plan))
         report.show(self.plan, devices)
         logger = self._module.trainer.logger if self._module._trainer else None
         if logger is not None and logger.log_dir is not None:
@@ -547,6 +557,11 @@ class MemoryPipeStrategy(ParallelStrategy):
 
 class _Probed(Exception):
     """Ends a probing ``training_step`` at its first ``self(...)`` (see ``_probe``)."""
+
+
+def _policies(captured: Captured, plan: Plan) -> dict[str, Policy]:
+    """The plan's recompute and swap choices by node name."""
+    return {n.name: cast(Policy, p) for n, p in zip(captured.nodes, plan.policies) if p != "keep"}
 
 
 def _device_capacities(devices: list[torch.device]) -> list[int]:

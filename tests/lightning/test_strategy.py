@@ -227,3 +227,28 @@ def test_metered_fit_reports_stage_peaks_and_enforces_limits():
     with pytest.raises(ValueError, match="memory_limit has 3 entries but there are 2 stage devices"):
         three_limits = MemoryPipeStrategy(measure_memory=True, memory_limit=[1, 2, 3])
         trainer(three_limits, 2).fit(make("gpt")[0], loader(data, 8))
+
+
+def test_plan_is_made_from_the_first_training_batch_and_reused_by_validate(monkeypatch):
+    """The sanity check's smaller eval batch must not be what the plan is for, and a later
+    ``validate`` reuses the plan instead of profiling again."""
+    from lightning_pipe.lightning import strategy as strategy_module
+
+    profiled = []
+    real = strategy_module.profile_graph
+
+    def counting(*args, **kwargs):
+        profiled.append(torch.is_grad_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(strategy_module, "profile_graph", counting)
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(chunks=4)
+    t = trainer(strategy, 2, max_steps=2, limit_val_batches=1, num_sanity_val_steps=1)
+    t.fit(model, loader(data, 16), loader(data, 4))
+    assert len(profiled) == 1
+    assert strategy.profile is not None and strategy.profile.microbatch_size == 16 // 4  # not 4 // 4
+    plan = strategy.plan
+    t.validate(model, loader(data, 4))
+    assert len(profiled) == 1 and strategy.plan is plan
+    assert [len(s.node_names) for s in strategy.program.stages] == plan.balance
