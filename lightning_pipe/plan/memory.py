@@ -21,6 +21,8 @@ contiguous node range in O(1) when every node is kept. Given the ``link_bandwidt
 stage devices, it also prices what a stage sends to the next (:meth:`CostModel.send_ms`).
 """
 
+import re
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, TypeVar
@@ -103,8 +105,7 @@ class CostModel:
         self.profile = profile
         self.link_bandwidth = link_bandwidth  # bytes per second between stage devices
         self.n = len(nodes)
-        self.forward_ms = [n.forward_ms for n in nodes]
-        self.backward_ms = [n.backward_ms for n in nodes]
+        self.forward_ms, self.backward_ms = _pooled_times(profile)
         self.saved = [n.saved_bytes for n in nodes]
         self.last_saver = [n.last_saver for n in nodes]
         self.output = [n.output_bytes for n in nodes]
@@ -113,7 +114,7 @@ class CostModel:
         self._state = _prefix([n.grad_bytes + n.optimizer_bytes for n in nodes])
         self._saved = _prefix(self.saved)
         self._forward = _prefix(self.forward_ms)
-        self._compute = _prefix([n.forward_ms + n.backward_ms for n in nodes])
+        self._compute = _prefix([f + b for f, b in zip(self.forward_ms, self.backward_ms)])
         # A stage's backward runs with its micro-batches still stashed, so a node's backward
         # growth (fresh gradients, workspace) counts as much as its forward workspace.
         self._transient = _sparse_max([max(n.transient_bytes, n.backward_bytes) for n in nodes])
@@ -133,6 +134,8 @@ class CostModel:
                 self._leaving[cut].append((i, sent))
         for entry in self._leaving:
             entry.reverse()
+        # crossing[c]: bytes of the values made before node c and read from it on
+        self.crossing = [sum(self.output[i] for i, _ in entry) for entry in self._leaving]
 
     def params(self, lo: int, hi: int) -> int:
         return self._params[hi] - self._params[lo]
@@ -243,6 +246,29 @@ class CostModel:
             transient=self.transient(lo, hi) + restore,
             boundary=self.boundary(lo, hi),
         )
+
+
+def _pooled_times(profile: Profile) -> tuple[list[float], list[float]]:
+    """Forward and backward milliseconds per node, each the median over the nodes doing the
+    same work: names equal but for their numbers (``blocks_3_ln1``, ``blocks_5_ln2``; ``add_7``)
+    and the same byte counts, i.e. the same operation on the same shapes. Repeated blocks then
+    cost exactly the same, so splits that differ only in which copy they cut tie exactly rather
+    than by timing noise, and a pooled time is less noisy than one measurement."""
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for i, n in enumerate(profile.nodes):
+        work = (
+            re.sub(r"\d+", "#", n.name), n.output_bytes, n.saved_bytes, n.transient_bytes, n.param_bytes,
+            n.backward_bytes, n.output_grad_bytes,
+        )
+        groups.setdefault(work, []).append(i)
+    forward = [0.0] * len(profile.nodes)
+    backward = [0.0] * len(profile.nodes)
+    for members in groups.values():
+        f = statistics.median(profile.nodes[i].forward_ms for i in members)
+        b = statistics.median(profile.nodes[i].backward_ms for i in members)
+        for i in members:
+            forward[i], backward[i] = f, b
+    return forward, backward
 
 
 def regions(policies: Mapping[int, Policy], policy: Policy = "recompute") -> list[tuple[int, int]]:

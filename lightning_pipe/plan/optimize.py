@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from lightning_pipe.plan.memory import CostModel, Policy, StagePeak
 
-__all__ = ["StageOptimum", "lowest_peak", "optimize_stage", "policy_time"]
+__all__ = ["StageOptimum", "optimize_stage", "policy_time"]
 
 
 @dataclass
@@ -202,9 +202,3 @@ def _lowest_memory_policies(
         options.append({i: "swap" for i in range(lo, hi) if model.saved[i] > 0})
     return options
 
-
-def lowest_peak(
-    model: CostModel, lo: int, hi: int, in_flight: float, weight_versions: int, host_bandwidth: float | None
-) -> int:
-    """The lowest peak :func:`optimize_stage` can reach for the stage (capacity 0)."""
-    return optimize_stage(model, lo, hi, in_flight, 0, weight_versions, host_bandwidth).peak.total

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.partitioners import PARTITIONERS, split
+from lightning_pipe.plan.partitioners import BASELINES, NOISE, PARTITIONERS, split
 from lightning_pipe.plan.plan import InfeasiblePlanError, max_microbatch, planning_stages
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.schedule import Schedule, in_flight, weight_versions
@@ -87,3 +87,16 @@ def test_dawnpiper_fits_the_largest_microbatch_and_optimising_never_loses(seed):
         assert sizes["dawnpiper", optimise] == max(sizes[name, optimise] for name in PARTITIONERS)
     for name in PARTITIONERS:
         assert sizes[name, True] >= sizes[name, False]
+
+
+@pytest.mark.parametrize("block", range(2))
+def test_dawnpiper_is_as_fast_as_any_baseline_that_fits_within_the_noise(block):
+    for seed in range(1000 + 50 * block, 1050 + 50 * block):
+        n = random.Random(seed).randint(12, 30)
+        stages = planning_stages(*setting(seed, n))
+        ours = split("dawnpiper", stages)
+        for name in BASELINES:
+            theirs = split(name, stages)
+            if stages.fits(theirs):
+                assert stages.fits(ours)
+                assert stages.step_ms(ours) <= (1 + NOISE) * stages.step_ms(theirs) * (1 + 1e-12), (seed, name)

@@ -6,9 +6,10 @@ from lightning_pipe.plan.profile import NodeProfile, Profile
 
 
 def stage(specs):
-    """specs: (forward ms, saved bytes) per node of a chain; backward is twice the forward."""
+    """specs: (forward ms, saved bytes) per node of a chain; backward is twice the forward.
+    Names a, b, ...: nodes named alike but for numbers would be taken as copies sharing a time."""
     nodes = [
-        NodeProfile(f"n{i}", f, 2 * f, s, s, 0, 0, 0, 0, users=[i + 1] if i + 1 < len(specs) else [-1])
+        NodeProfile(chr(ord("a") + i), f, 2 * f, s, s, 0, 0, 0, 0, users=[i + 1] if i + 1 < len(specs) else [-1])
         for i, (f, s) in enumerate(specs)
     ]
     return CostModel(Profile(nodes, "cpu", "f", 1))

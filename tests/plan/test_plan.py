@@ -67,6 +67,26 @@ def test_a_bad_balance_is_told_apart_from_no_plan_at_all():
     with pytest.raises(InfeasiblePlanError, match="Other balances fit") as err:
         make_plan(profile, [CAP] * 4, "time", "1f1b", 8)
     assert str(err.value.min_peak) in str(err.value)
+    offered = make_plan(profile, [CAP] * 4, "dawnpiper", "1f1b", 8).balance  # dawnpiper fits
+    assert "use partitioner 'dawnpiper'" in str(err.value) and f"balance={offered}" in str(err.value)
+
+
+def test_when_dawnpiper_fails_no_plan_fits_and_no_partitioner_is_recommended():
+    profile = cnn_like().scaled(max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8) + 1)
+    for name in ("dawnpiper", "capslog", "time"):
+        with pytest.raises(InfeasiblePlanError, match="no plan fits") as err:
+            make_plan(profile, [CAP] * 4, name, "1f1b", 8)
+        assert "use partitioner" not in str(err.value)
+
+
+def test_without_memory_optimisation_nothing_is_recomputed_and_less_fits():
+    on = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
+    off = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, optimise_memory=False)
+    assert off < on
+    plan = make_plan(cnn_like().scaled(off), [CAP] * 4, "dawnpiper", "1f1b", 8, optimise_memory=False)
+    assert set(plan.policies) == {"keep"}
+    with pytest.raises(InfeasiblePlanError, match="optimise_memory=True"):
+        make_plan(cnn_like().scaled(off + 1), [CAP] * 4, "dawnpiper", "1f1b", 8, optimise_memory=False)
 
 
 def test_2bw_fits_fewer_than_1f1b():
