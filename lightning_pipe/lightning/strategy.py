@@ -9,8 +9,9 @@ import os
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
+from datetime import timedelta
 from types import UnionType
-from typing import Any, cast, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -27,6 +28,7 @@ from typing_extensions import override
 
 from lightning_pipe.graph.capture import Captured, NeedsExampleInputs
 from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.graph.shapes import Shapes, batch_shapes, grown, largest, show, tile
 from lightning_pipe.graph.variants import Variants, follow_balance
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.microlog import LossReduction
@@ -48,6 +50,8 @@ from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.units import MemorySize, mib, parse_bytes
 
 __all__ = ["MemoryPipeStrategy"]
+
+Runtime = Literal["local", "distributed"]
 
 
 class MemoryPipeStrategy(ParallelStrategy):
@@ -76,6 +80,11 @@ class MemoryPipeStrategy(ParallelStrategy):
         deferred_batch_norm: BatchNorm layers update their running statistics once per batch
             with the whole batch's statistics, as on one device, instead of once per
             micro-batch; each micro-batch is still normalised with its own statistics.
+        plan_shapes: the largest batch to plan for, as the shape of each batch tensor by its
+            path in the batch (``{"input_ids": [8, 512]}``; ``"0"``, ``"1"`` for a tuple batch;
+            ``"batch"`` for a lone tensor). The first training batch is repeated to these
+            shapes to profile. Without it the plan is made for the first training batch, and a
+            later batch larger in any dimension is planned again.
         loss_reduction: how ``training_step``'s loss reduces over the samples, for 1F1B and
             2BW, which call ``training_step`` per micro-batch and combine the micro-batch
             losses (the choice ``scale_grads`` makes in ``torch.distributed.pipelining``): ``"mean"``
@@ -83,11 +92,25 @@ class MemoryPipeStrategy(ParallelStrategy):
             ``"sum"`` adds them unscaled. Gradients, the returned loss and a logged loss then
             equal single-device training's. GPipe computes the loss on the whole batch and
             needs neither.
+        runtime: ``"local"``: every stage in this process, one per device; ``"distributed"``:
+            one process per device (Lightning's launcher, torchrun or SLURM), pipelines of
+            ``stages`` processes times data-parallel replicas (:mod:`.distributed`).
+        stages: pipeline depth under ``runtime="distributed"``; default all processes.
+        timeout: under ``runtime="distributed"``, how long a rank waits for another before
+            failing (default 30 minutes), so that an error on one rank ends every rank.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's
             own strategies; the Trainer fills them in when they are not given.
     """
 
     strategy_name = "memory_pipe"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "MemoryPipeStrategy":
+        # The distributed runtime is a subclass with the same arguments (lightning/distributed.py).
+        if cls is MemoryPipeStrategy and kwargs.get("runtime") == "distributed":
+            from lightning_pipe.lightning.distributed import DistributedPipeStrategy
+
+            cls = DistributedPipeStrategy
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -101,7 +124,11 @@ class MemoryPipeStrategy(ParallelStrategy):
         link_bandwidth: float | None = None,
         measure_memory: bool = False,
         deferred_batch_norm: bool = False,
+        plan_shapes: dict[str, list[int]] | None = None,
         loss_reduction: LossReduction = "mean",
+        runtime: Runtime = "local",
+        stages: int | None = None,
+        timeout: timedelta | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -131,8 +158,21 @@ class MemoryPipeStrategy(ParallelStrategy):
             raise ValueError(f"host_bandwidth must be positive (bytes per second), got {host_bandwidth}.")
         if link_bandwidth is not None and link_bandwidth <= 0:
             raise ValueError(f"link_bandwidth must be positive (bytes per second), got {link_bandwidth}.")
+        if plan_shapes is not None and not (
+            isinstance(plan_shapes, Mapping)
+            and all(isinstance(k, str) and isinstance(v, list | tuple) and v and all(
+                isinstance(n, int) and n > 0 for n in v) for k, v in plan_shapes.items())
+        ):
+            raise ValueError(
+                f"plan_shapes must map batch tensor paths to shapes of positive sizes, such as "
+                f"{{'input_ids': [8, 512]}}, got {plan_shapes!r}."
+            )
         if balance is not None and any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
+        _check_runtime(runtime, stages, schedule, timeout)
+        self.runtime = runtime
+        self.stages = stages
+        self.timeout = timeout or timedelta(minutes=30)
         self.chunks = chunks
         self.schedule = schedule
         self.balance = balance
@@ -143,6 +183,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         self.link_bandwidth = link_bandwidth
         self.measure_memory = measure_memory
         self.deferred_batch_norm = deferred_batch_norm
+        self.plan_shapes = {k: tuple(v) for k, v in (plan_shapes or {}).items()}
         self.loss_reduction = loss_reduction
         self._batch_norm: DeferredBatchNorm | None = None
         self.program: Program | None = None
@@ -150,6 +191,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         self.plan: Plan | None = None
         self.meter: MemoryMeter | None = None
         self._needs_plan = False
+        self._shapes_to_plan: Shapes = {}
         self._captured: Captured | None = None  # the training graph, which the plan is for
         self._pipeline: Pipeline | None = None  # the training graph's
         self._pipelines: dict[int, Pipeline] = {}  # per graph (by id) of each mode and input
@@ -321,15 +363,14 @@ class MemoryPipeStrategy(ParallelStrategy):
             self._install(captured)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Only a training forward plans: the sanity check, validation, test and predict run in
-        # eval mode, often with other batch sizes, and train on no plan of theirs.
-        plan_now = self._needs_plan and self._module.training
-        if self._captured is None:
-            self._captured = self._training_graph((args, kwargs))
-            if not plan_now:
-                self._install_known(self._captured)
-        if plan_now:
+        # Only a training batch plans, through _probe: the sanity check, validation, test and
+        # predict run in eval mode, often with other batch sizes, and train on no plan of theirs.
+        if self._needs_plan and self._probing:
+            self._captured = self._training_graph((args, kwargs))  # an exported graph admitting these sizes
             self._plan_from(args, kwargs)
+        elif self._captured is None:
+            self._captured = self._training_graph((args, kwargs))
+            self._install_known(self._captured)
         if self._probing:
             raise _Probed
         pipeline = self._pipeline_for(args, kwargs)
@@ -358,14 +399,12 @@ class MemoryPipeStrategy(ParallelStrategy):
         return self._pipelines[id(captured)]
 
     def _plan_from(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Profile one micro-batch of this call's inputs, plan, and re-split to the plan."""
+        """Profile this call's inputs (one micro-batch), plan, and re-split to the plan."""
         assert self.planner is not None and self.parallel_devices and self._captured is not None
         self._needs_plan = False
-        whole_batch = not (self._probing or (self._scheduled is not None and self._scheduled.active))
-        sample_args, sample_kwargs = scatter((args, kwargs), self.chunks)[0] if whole_batch else (args, kwargs)
         optimizer = self.optimizers[0] if self.optimizers else None
         with torch.enable_grad():
-            self.profile = profile_graph(self._captured, sample_args, sample_kwargs, optimizer=optimizer)
+            self.profile = profile_graph(self._captured, args, kwargs, optimizer=optimizer)
         if self._batch_norm is not None:
             self._batch_norm.discard()  # the profiler's runs are not part of the batch
         devices = list(self.parallel_devices)
@@ -375,7 +414,10 @@ class MemoryPipeStrategy(ParallelStrategy):
         self.plan = make_plan(
             self.profile, targets, self.planner, self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth
         )
+        self.plan.input_shapes = {path: list(shape) for path, shape in self._shapes_to_plan.items()}
         self._install(self._captured, self.plan.balance, _policies(self._captured, self.plan))
+        if self.meter is not None:
+            self.meter.reset_peaks()  # peaks of an earlier split are not this plan's
         report.show(self.plan, devices)
         logger = self._module.trainer.logger if self._module._trainer else None
         if logger is not None and logger.log_dir is not None:
@@ -435,8 +477,9 @@ class MemoryPipeStrategy(ParallelStrategy):
         for this step only, as Lightning's own callbacks set it, and its value restored after
         the step, so that a callback changing it (``StochasticWeightAveraging``) keeps working."""
         module = self.lightning_module
-        if self.schedule != "gpipe" and self._step is None:
-            self._probe(batch, batch_idx)
+        to_plan = self._batch_to_plan(batch)
+        if to_plan is not None or (self.schedule != "gpipe" and self._step is None):
+            self._probe(batch if to_plan is None else to_plan, batch_idx)
         if self._step is not None and self._lightning_skip is None and module is not None:
             loop = module.trainer.fit_loop
             self._lightning_skip = loop, loop._skip_backward
@@ -466,11 +509,34 @@ class MemoryPipeStrategy(ParallelStrategy):
             self._scheduled, self.schedule, self.chunks, self.precision_plugin, self._versions, self.loss_reduction
         )
 
+    def _batch_to_plan(self, batch: Any) -> Any | None:
+        """The batch to plan from before this training batch runs: the first one (grown to
+        ``plan_shapes``), or one larger than the plan was made for; ``None`` while the plan holds."""
+        now = batch_shapes(batch)
+        if self._needs_plan:
+            target = largest(now, self.plan_shapes)
+        elif self.plan is not None and self.planner is not None and self.balance is None:
+            planned = {path: tuple(shape) for path, shape in self.plan.input_shapes.items()}
+            more = grown(planned, now)
+            if not more:
+                return None
+            target = largest(planned, now)
+            rank_zero_info(
+                f"A training batch ({show(more)}) is larger than the plan was made for ({show(planned)}): "
+                f"planning again for {show(target)}. Pass MemoryPipeStrategy(plan_shapes={show(target)}) "
+                f"to plan for the largest batch from the start."
+            )
+            self._needs_plan = True
+        else:
+            return None
+        self._shapes_to_plan = target
+        return tile(batch, {path: shape for path, shape in target.items() if shape != now.get(path)})
+
     def _probe(self, batch: Any, batch_idx: int) -> None:
-        """Capture the graph before the first schedule-driven step, which needs its stages:
-        torch.export captures from ``forward``'s inputs, which only ``training_step`` makes.
-        So ``training_step`` runs on the first micro-batch, without gradients, until its
-        ``self(...)`` has captured (and planned), and stops there."""
+        """Run ``training_step`` on the first micro-batch of ``batch``, without gradients, up to
+        its ``self(...)``, and stop there: planning profiles ``forward``'s inputs, and
+        torch.export captures from them, which only ``training_step`` makes. Schedule-driven
+        steps need the captured stages before they start."""
         module = self.lightning_module
         assert module is not None
         self._probing = True
@@ -481,12 +547,13 @@ class MemoryPipeStrategy(ParallelStrategy):
             pass
         finally:
             self._probing = False
-        if self._scheduled is None:
+        if self._needs_plan or (self.schedule != "gpipe" and self._scheduled is None):
             raise RuntimeError(
                 "training_step never called the module's forward, which the pipeline runs: call "
                 "self(...) in training_step (self(**batch), not self.model(**batch))."
             )
-        self._make_step()
+        if self.schedule != "gpipe":
+            self._make_step()
 
     def _restore_skip_backward(self) -> None:
         if self._lightning_skip is not None:
@@ -582,6 +649,23 @@ def _state_to_param_devices(optimizer: Optimizer) -> None:
         for key, value in state.items():
             if key != "step" and isinstance(value, Tensor):
                 state[key] = value.to(param.device)
+
+
+def _check_runtime(runtime: Runtime, stages: int | None, schedule: Schedule, timeout: timedelta | None) -> None:
+    if runtime not in ("local", "distributed"):
+        raise ValueError(f"runtime must be 'local' (one process) or 'distributed' (one per stage), got {runtime!r}.")
+    if runtime == "local" and (stages is not None or timeout is not None):
+        raise ValueError(
+            "stages and timeout apply to runtime='distributed' (processes); with runtime='local' every device is a "
+            "stage. Pass runtime='distributed' or leave them unset."
+        )
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+        raise ValueError(f"stages must be a positive int (the pipeline depth) or None, got {stages!r}.")
+    if runtime == "distributed" and schedule == "2bw":
+        raise ValueError(
+            "schedule='2bw' runs only with runtime='local': torch.distributed.pipelining flushes the pipeline every "
+            "step and has no two-version weights. Use schedule='1f1b' or 'gpipe' with runtime='distributed'."
+        )
 
 
 def _check_types(**arguments: tuple[object, type | UnionType]) -> None:

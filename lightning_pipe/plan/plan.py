@@ -7,7 +7,7 @@ can be made offline from a saved profile and checked in.
 """
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum
@@ -66,7 +66,8 @@ class StageReport:
 class Plan:
     """A balance with per-node policies (``keep``/``recompute``/``swap``) and predictions.
     ``targets`` are the bytes each stage was planned to fit: the planning target, not the
-    device's limit (:data:`PLANNING_HEADROOM`)."""
+    device's limit (:data:`PLANNING_HEADROOM`). ``input_shapes``: the training batch's tensor
+    shapes (by path) the strategy planned for."""
 
     partitioner: str
     schedule: str
@@ -80,6 +81,7 @@ class Plan:
     step_ms: float
     bubble: float
     link_bandwidth: float | None = None
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def time_ms(self) -> float:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_pipe
 from lightning_pipe import MemoryPipeStrategy
+from lightning_pipe.graph.export import bind_arguments
 from tests.helpers import max_rel_diff, trainer
 
 VOCAB = 64
@@ -241,3 +242,28 @@ def test_exported_models_refuse_what_needs_fx_or_forward():
         trainer(MemoryPipeStrategy(chunks=2, planner=None, deferred_batch_norm=True), 2).fit(Normed(), data)
     with pytest.raises(RuntimeError, match=r"training_step never called the module's forward"):
         trainer(MemoryPipeStrategy(chunks=2, planner=None, schedule="1f1b"), 2).fit(Normed(bypass=True), data)
+    with pytest.raises(RuntimeError, match=r"training_step never called the module's forward"):
+        trainer(MemoryPipeStrategy(chunks=2), 2).fit(Normed(bypass=True), data)  # planning needs it too
+
+
+def _gpt2_batch(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_longer_sequences_are_planned_again_on_their_own_graph(schedule):
+    """torch.export specializes a graph to its sizes: a batch of longer sequences is captured
+    again, and the plan is made again for that graph."""
+    batches = DataLoader([_gpt2_batch(8, 12, 0), _gpt2_batch(8, 20, 1), _gpt2_batch(6, 16, 2)], batch_size=None)
+    reference = HFModule("gpt2")
+    trainer(max_steps=3).fit(reference, batches)
+    piped = HFModule("gpt2")
+    strategy = MemoryPipeStrategy(chunks=4, schedule=schedule)
+    trainer(strategy, 2, max_steps=3).fit(piped, batches)
+    assert strategy.plan.input_shapes == {"input_ids": [8, 20], "labels": [8, 20]}
+    longest = bind_arguments(piped, (), _gpt2_batch(2, 20, 0))
+    assert strategy._captured.admits(longest)  # the graph planned is the longer batch's
+    assert sum(strategy.plan.balance) == len(strategy._captured.nodes)
+    assert _parity(piped, reference) < 1e-5

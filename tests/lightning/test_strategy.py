@@ -252,3 +252,59 @@ def test_plan_is_made_from_the_first_training_batch_and_reused_by_validate(monke
     t.validate(model, loader(data, 4))
     assert len(profiled) == 1 and strategy.plan is plan
     assert [len(s.node_names) for s in strategy.program.stages] == plan.balance
+
+
+def _tokens(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(96, (batch, length + 1), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+# the sequence grows, then the batch; the last, smaller batch fits the plan
+GROWING = DataLoader([_tokens(8, 16, 0), _tokens(8, 24, 1), _tokens(16, 24, 2), _tokens(4, 16, 3)], batch_size=None)
+
+
+def _count_profiles(monkeypatch) -> list[int]:
+    from lightning_pipe.lightning import strategy as strategy_module
+
+    sizes = []
+    real = strategy_module.profile_graph
+
+    def counting(captured, args, kwargs, **options):
+        sizes.append(args[0]["input_ids"].shape[0])
+        return real(captured, args, kwargs, **options)
+
+    monkeypatch.setattr(strategy_module, "profile_graph", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_training_batch_larger_than_planned_is_planned_again(schedule, monkeypatch, caplog):
+    reference, _ = make("gpt", context=32)
+    trainer(max_steps=4).fit(reference, GROWING)
+    profiled = _count_profiles(monkeypatch)
+    model, _ = make("gpt", context=32)
+    strategy = MemoryPipeStrategy(chunks=4, schedule=schedule)
+    with caplog.at_level("INFO"):
+        trainer(strategy, 2, max_steps=4).fit(model, GROWING)
+    assert profiled == [2, 2, 4]  # micro-batches of the first batch, the longer one, the larger one
+    assert strategy.plan.input_shapes == {"input_ids": [16, 24], "labels": [16, 24]}
+    assert "plan_shapes={'input_ids': [16, 24], 'labels': [16, 24]}" in caplog.text
+    assert max_rel_diff(model, reference) < 1e-5
+
+
+def test_plan_shapes_plans_for_the_largest_batch_from_the_start(monkeypatch):
+    profiled = _count_profiles(monkeypatch)
+    model, _ = make("gpt", context=32)
+    strategy = MemoryPipeStrategy(chunks=4, plan_shapes={"input_ids": [16, 24], "labels": [16, 24]})
+    trainer(strategy, 2, max_steps=4).fit(model, GROWING)
+    assert profiled == [4]
+    assert strategy.plan.input_shapes == {"input_ids": [16, 24], "labels": [16, 24]}
+
+
+def test_plan_shapes_errors_name_the_fix():
+    with pytest.raises(ValueError, match=r"plan_shapes must map batch tensor paths to shapes of positive sizes"):
+        MemoryPipeStrategy(plan_shapes={"input_ids": [8, 0]})
+    model, _ = make("gpt", context=32)
+    strategy = MemoryPipeStrategy(chunks=4, plan_shapes={"ids": [16, 24]})
+    with pytest.raises(ValueError, match=r"names \['ids'\], which the training batch does not have; its tensors are"):
+        trainer(strategy, 2, max_steps=1).fit(model, GROWING)
