@@ -21,6 +21,8 @@ contiguous node range in O(1) when every node is kept. Given the ``link_bandwidt
 stage devices, it also prices what a stage sends to the next (:meth:`CostModel.send_ms`).
 """
 
+import bisect
+import itertools
 import re
 import statistics
 from collections.abc import Mapping, Sequence
@@ -127,6 +129,7 @@ class CostModel:
         # Values leaving a range [lo, hi): node i < hi whose last reader is at or after hi
         # (or the graph output). _leaving[hi] lists those (i, bytes), i descending.
         last = [max(n.users) if n.users and min(n.users) >= 0 else (self.n if n.users else -1) for n in nodes]
+        self._last_reader = [i if r < 0 else r for i, r in enumerate(last)]  # n: the graph output
         self._leaving: list[list[tuple[int, int]]] = [[] for _ in range(self.n + 1)]
         for i, n in enumerate(nodes):
             sent = max(0, n.output_bytes - n.saved_bytes)
@@ -194,15 +197,19 @@ class CostModel:
         a value's gradient in the backward of the last stage reading it, ``s``, and keeps it on
         that stage's device until its producer ``p`` runs that micro-batch's backward: up to
         ``waits[p][s]`` micro-batches at once. Only a whole split determines this, so the
-        partitioners' search leaves it out and checks it once a split is chosen."""
+        partitioners' search leaves it out and checks it once a split is chosen. A value read
+        only on its own stage waits for nothing, so only the values crossing a cut are visited."""
         waiting = [0] * len(balance)
         if not waits:
             return waiting
-        stage_of = [s for s, count in enumerate(balance) for _ in range(count)]
-        for i, users in enumerate(self.users):
-            p = stage_of[i]
-            last = max((len(balance) - 1 if u < 0 else stage_of[u] for u in users), default=p)
-            waiting[last] += self.output[i] * waits[p][last]
+        cuts = list(itertools.accumulate(balance))[:-1]
+        for p, cut in enumerate(cuts):
+            start = cuts[p - 1] if p else 0
+            for i, _ in self._leaving[cut]:  # i descending: stop at the first made before stage p
+                if i < start:
+                    break
+                last = bisect.bisect_right(cuts, self._last_reader[i])
+                waiting[last] += self.output[i] * waits[p][last]
         return waiting
 
     def static(self, lo: int, hi: int, weight_versions: int = 1) -> int:

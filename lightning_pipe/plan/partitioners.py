@@ -34,7 +34,7 @@ from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum, optimize_stage
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Action
-from lightning_pipe.plan.simulate import StageTime, simulate
+from lightning_pipe.plan.simulate import Replay, StageTime
 
 __all__ = ["BASELINES", "NOISE", "PARTITIONERS", "Partitioner", "Stages", "lowest_peak_balance", "partition", "split"]
 
@@ -67,6 +67,7 @@ class Stages:
     _optima: dict[tuple[int, int, int, int], StageOptimum] = field(default_factory=dict, repr=False)
     _placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict, repr=False)
     _steps: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)
+    _replay: Replay | None = field(default=None, repr=False)
 
     @property
     def count(self) -> int:
@@ -119,8 +120,10 @@ class Stages:
         key = tuple(balance)
         if key not in self._steps:
             times = self.times(balance)
+            if self.order and self._replay is None:
+                self._replay = Replay(self.order)
             self._steps[key] = (
-                simulate(times, self.order).step_ms if self.order
+                self._replay.run(times).step_ms if self._replay
                 else max(t.forward + t.backward + t.recompute + t.swap + t.send for t in times)
             )
         return self._steps[key]

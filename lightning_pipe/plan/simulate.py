@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from lightning_pipe.plan.schedule import Action
 
-__all__ = ["Simulation", "StageTime", "simulate"]
+__all__ = ["Replay", "Simulation", "StageTime", "simulate"]
 
 
 @dataclass
@@ -26,13 +26,6 @@ class StageTime:
     swap: float = 0.0
     send: float = 0.0
 
-    def duration(self, action: Action) -> float:
-        if action.kind == "forward":
-            return self.forward
-        if action.kind == "backward":
-            return self.recompute + self.swap + self.backward
-        return 0.0
-
 
 @dataclass
 class Simulation:
@@ -46,48 +39,64 @@ def simulate(times: Sequence[StageTime], schedule: Sequence[Sequence[Action]]) -
     """Replay each stage's action list in order: a forward waits for the previous stage's
     forward of that micro-batch plus the transfer, a backward for the next stage's backward
     plus the transfer (the last stage's for its own forward, which its order puts first)."""
-    count = len(times)
-    if len(schedule) != count:
-        raise ValueError(f"{count} stage times but {len(schedule)} action lists.")
-    done: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * count
-    busy = 0.0
-    position = [0] * count
-    remaining = sum(len(order) for order in schedule)
-    while remaining:
-        progressed = False
-        for s, order in enumerate(schedule):
-            while position[s] < len(order):
-                action = order[position[s]]
-                ready = _ready(action, done, times, count)
-                if ready is None:
-                    break
-                duration = times[s].duration(action)
-                clock[s] = max(clock[s], ready) + duration
-                busy += duration
-                done[(action.kind, action.microbatch, s)] = clock[s]
-                position[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ValueError("the action lists deadlock: some task waits on one that never runs.")
-    step = max(clock)
-    return Simulation(step, 1.0 - busy / (count * step) if step > 0 else 0.0)
+    return Replay(schedule).run(times)
 
 
-def _ready(
-    action: Action, done: dict[tuple[str, int, int], float], times: Sequence[StageTime], count: int
-) -> float | None:
-    """When the inputs of ``action`` are there; ``None`` while they are not yet computed."""
+class Replay:
+    """A schedule's action lists put in one order in which every task comes after its input:
+    that order does not depend on the times, so a planner comparing many splits under one
+    schedule orders it once and replays each split in one pass."""
+
+    def __init__(self, schedule: Sequence[Sequence[Action]]) -> None:
+        count = len(schedule)
+        index: dict[tuple[str, int, int], int] = {}
+        # per task: stage, kind, index of the task it waits for (-1: none), stage whose send it waits for
+        self.tasks: list[tuple[int, str, int, int]] = []
+        position = [0] * count
+        remaining = sum(len(order) for order in schedule)
+        while remaining:
+            progressed = False
+            for s, order in enumerate(schedule):
+                while position[s] < len(order):
+                    action = order[position[s]]
+                    waits = _input(action, count)
+                    if waits is not None and waits[0] not in index:
+                        break
+                    dependency, sender = (index[waits[0]], waits[1]) if waits is not None else (-1, -1)
+                    index[(action.kind, action.microbatch, s)] = len(self.tasks)
+                    self.tasks.append((s, action.kind, dependency, sender))
+                    position[s] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                raise ValueError("the action lists deadlock: some task waits on one that never runs.")
+        self.count = count
+
+    def run(self, times: Sequence[StageTime]) -> Simulation:
+        """Step time and bubble of the schedule with these per-stage times."""
+        if len(times) != self.count:
+            raise ValueError(f"{len(times)} stage times but {self.count} action lists.")
+        durations = [{"forward": t.forward, "backward": t.recompute + t.swap + t.backward} for t in times]
+        sends = [t.send for t in times]
+        clock = [0.0] * self.count
+        end = [0.0] * len(self.tasks)
+        busy = 0.0
+        for k, (s, kind, dependency, sender) in enumerate(self.tasks):
+            duration = durations[s].get(kind, 0.0)
+            ready = end[dependency] + (sends[sender] if sender >= 0 else 0.0) if dependency >= 0 else 0.0
+            clock[s] = (clock[s] if clock[s] > ready else ready) + duration
+            busy += duration
+            end[k] = clock[s]
+        step = max(clock)
+        return Simulation(step, 1.0 - busy / (self.count * step) if step > 0 else 0.0)
+
+
+def _input(action: Action, count: int) -> tuple[tuple[str, int, int], int] | None:
+    """The task whose end ``action`` waits for and the stage whose transfer lies between
+    (-1: none); ``None``: it waits for nothing."""
     s, i = action.stage, action.microbatch
     if action.kind == "forward":
-        if s == 0:
-            return 0.0
-        end = done.get(("forward", i, s - 1))
-        return None if end is None else end + times[s - 1].send
+        return (("forward", i, s - 1), s - 1) if s > 0 else None
     if action.kind == "backward":
-        if s == count - 1:
-            return done.get(("forward", i, s))
-        end = done.get(("backward", i, s + 1))
-        return None if end is None else end + times[s].send
-    return 0.0
+        return (("forward", i, s), -1) if s == count - 1 else (("backward", i, s + 1), s)
+    return None
