@@ -104,14 +104,6 @@ class MemoryPipeStrategy(ParallelStrategy):
 
     strategy_name = "memory_pipe"
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "MemoryPipeStrategy":
-        # The distributed runtime is a subclass with the same arguments (lightning/distributed.py).
-        if cls is MemoryPipeStrategy and kwargs.get("runtime") == "distributed":
-            from lightning_pipe.lightning.distributed import DistributedPipeStrategy
-
-            cls = DistributedPipeStrategy
-        return super().__new__(cls)
-
     def __init__(
         self,
         chunks: int = 4,
@@ -205,6 +197,10 @@ class MemoryPipeStrategy(ParallelStrategy):
         self._step_start = 0.0
         self.clock = StageClock(0)
         self._metering = ExitStack()
+        if runtime == "distributed":  # a subclass with these arguments runs it (lightning/distributed.py)
+            from lightning_pipe.lightning.distributed import become_distributed
+
+            become_distributed(self)
 
     @property
     def _module(self) -> LightningModule:

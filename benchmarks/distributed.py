@@ -1,0 +1,173 @@
+"""Distributed runtime vs torch.distributed.pipelining's own 1F1B on the same split, and vs
+our one-process runtime: step time and peak bytes per rank, on CPU processes over gloo.
+
+    python -m benchmarks.distributed [--stages 2] [--width 256] [--depth 16] [--batch 64] [--chunks 4]
+
+The model is the peers' ``nn.Sequential`` (one graph node per layer, so a balance in nodes is
+a balance in layers and both pipelines get the same split). Peaks are every storage live in
+the rank's process during one step (:class:`benchmarks.peers.ProcessMeter`), parameters
+included; step times are taken unmetered. CPU figures: the ranks share this machine's cores.
+"""
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from benchmarks.peers import LR, ProcessMeter, SequentialModule, sequential, sequential_data
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.plan.balance import balance_by_weight
+from lightning_pipe.runtime.build import build
+from lightning_pipe.runtime.distributed import DistributedPipeline, cuts
+from lightning_pipe.runtime.gpipe import Pipeline
+
+
+def _measure(step: Callable[[], None], steps: int, meter: ProcessMeter, sync: bool) -> tuple[list[float], int]:
+    """Step times (unmetered; the slowest rank's), then the peak of one metered step."""
+    step()  # warm-up
+    times = []
+    for _ in range(steps):
+        if sync:
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = torch.tensor((time.perf_counter() - start) * 1e3)
+        if sync:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    with meter:
+        meter.reset_peaks()
+        step()
+    return times, meter.peak
+
+
+def _ours(rank: int, stages: int, args: argparse.Namespace) -> tuple[list[float], int]:
+    module = SequentialModule(args.width, args.depth)
+    x, y = sequential_data(args.batch, args.width).tensors
+    captured = capture(module)
+    program = build(captured, module, balance_by_weight(captured.param_bytes(), stages),
+                    [torch.device("cpu")] * stages, place=False)
+    mesh = init_device_mesh("cpu", (stages, 1), mesh_dim_names=("pp", "dp"))
+    sample = x[: args.batch // args.chunks]
+    labels = y.chunk(args.chunks)
+
+    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, labels[int(target)]) / args.chunks
+
+    meter = ProcessMeter()
+    with meter:
+        pipe = DistributedPipeline(program, module, cuts(program, module, (sample,), {}), mesh, "1f1b",
+                                   args.chunks, loss_fn, torch.device("cpu"))
+        meter.own(0, pipe.held)
+        optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        pipe.rank.train_step(program.bind((x,), {}) if rank == 0 else None)
+        optimizer.step()
+
+    return _measure(step, args.steps, meter, sync=True)
+
+
+def _theirs(rank: int, stages: int, args: argparse.Namespace) -> tuple[list[float], int]:
+    model = sequential(args.width, args.depth)
+    x, y = sequential_data(args.batch, args.width).tensors
+    balance = balance_by_weight(capture(SequentialModule(args.width, args.depth)).param_bytes(), stages)
+    first = sum(balance[:rank])
+    meter = ProcessMeter()
+    with meter:
+        part = nn.Sequential(*(model[i] for i in range(first, first + balance[rank])))
+        meter.own(0, part.parameters())
+        schedule = Schedule1F1B(PipelineStage(part, rank, stages, torch.device("cpu")), n_microbatches=args.chunks,
+                                loss_fn=nn.functional.cross_entropy)
+        optimizer = torch.optim.SGD(part.parameters(), lr=LR)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == stages - 1:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        optimizer.step()
+
+    return _measure(step, args.steps, meter, sync=True)
+
+
+def _rank(rank: int, stages: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // stages))
+    dist.init_process_group("gloo", rank=rank, world_size=stages)
+    try:
+        result = {}
+        for name, run in (("lightning_pipe distributed 1F1B", _ours), ("torch pipelining Schedule1F1B", _theirs)):
+            times, peak = run(rank, stages, args)
+            result[name] = {"step_ms": times, "peak": peak}
+        (Path(out) / f"{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _local(stages: int, args: argparse.Namespace) -> tuple[list[float], int]:
+    """Our one-process runtime (GPipe over ``stages`` stages on the CPU): the whole process."""
+    module = SequentialModule(args.width, args.depth)
+    x, y = sequential_data(args.batch, args.width).tensors
+    captured = capture(module)
+    program = build(captured, module, balance_by_weight(captured.param_bytes(), stages),
+                    [torch.device("cpu")] * stages)
+    pipeline = Pipeline(program, module, args.chunks, torch.device("cpu"))
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+    meter = ProcessMeter()
+    meter.own(0, module.parameters())
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(pipeline(x), y).backward()
+        optimizer.step()
+
+    return _measure(step, args.steps, meter, sync=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_rank, args=(args.stages, port, args, out), nprocs=args.stages, join=True)
+        ranks = [json.loads((Path(out) / f"{r}.json").read_text()) for r in range(args.stages)]
+    print(f"CPU, {os.cpu_count()} cores, gloo; Sequential width {args.width} depth {args.depth}, batch {args.batch}, "
+          f"chunks {args.chunks}, {args.stages} stages; median of {args.steps} steps")
+    print(f"{'runtime':<36} {'step ms':>9}  peak MiB per rank")
+    for name in ranks[0]:
+        times = sorted(ranks[0][name]["step_ms"])
+        peaks = ", ".join(f"{r[name]['peak'] / 2**20:.2f}" for r in ranks)
+        print(f"{name:<36} {times[len(times) // 2]:>9.1f}  {peaks}")
+    times, peak = _local(args.stages, args)
+    times.sort()
+    name = "lightning_pipe local GPipe (1 proc)"
+    print(f"{name:<36} {times[len(times) // 2]:>9.1f}  {peak / 2**20:.2f} (whole process)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,555 @@
+"""``MemoryPipeStrategy(runtime="distributed")``: one pipeline stage per process.
+
+Every device is a process, started by Lightning's launcher (``devices``, ``num_nodes``) or by
+torchrun/SLURM through Lightning's cluster environments. Ranks form a ``("pp", "dp")``
+device mesh, pipeline outermost: ``stages`` pipeline ranks times ``world_size // stages``
+data-parallel replicas. At the first training batch global rank 0 captures, profiles and
+plans; the plan goes to every rank, which builds and keeps only its own stage
+(:class:`~lightning_pipe.runtime.distributed.DistributedPipeline`).
+
+The user's ``training_step`` runs unchanged on the last stage, once per micro-batch, inside
+the schedule's loss function: its ``self(x)`` returns that micro-batch's pipeline output.
+The first stage runs it only up to ``self(x)``, to learn the forward's arguments. What the
+last stage logs and returns goes to every rank of its pipeline, so the progress bar,
+loggers and ``ModelCheckpoint(monitor=...)`` see it everywhere.
+"""
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.optim import Optimizer
+from torchmetrics import Metric
+from typing_extensions import override
+
+from lightning_pipe.graph.microbatch import batch_size, scatter
+from lightning_pipe.graph.variants import Variants
+from lightning_pipe.lightning.metrics import log_step_metrics
+from lightning_pipe.lightning.microlog import LogCollector
+from lightning_pipe.lightning.steps import _loss_of
+from lightning_pipe.lightning.strategy import MemoryPipeStrategy, _policies
+from lightning_pipe.measure.clock import StageClock
+from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.plan.balance import balance_by_weight
+from lightning_pipe.plan.plan import PLANNING_HEADROOM, make_plan
+from lightning_pipe.plan.schedule import actions
+from lightning_pipe.plan.simulate import StageTime, simulate
+from lightning_pipe.runtime.build import build
+from lightning_pipe.runtime.distributed import DistributedPipeline, cuts
+
+__all__ = ["DistributedPipeStrategy", "become_distributed"]
+
+Logged = list[tuple[str, Any, dict[str, Any]]]
+
+
+class DistributedPipeStrategy(MemoryPipeStrategy):
+    """The distributed runtime of :class:`MemoryPipeStrategy`, which becomes one for
+    ``runtime="distributed"`` (:func:`become_distributed`), so that LightningCLI and users
+    see a single class and its arguments."""
+
+    def _start(self) -> None:
+        self.num_nodes = 1
+        self._mesh: DeviceMesh | None = None
+        self._pipe: DistributedPipeline | None = None
+        self._planned = False  # the pipeline is the training one (else provisional, for evaluation)
+        self._serve: Any = None  # what self(...) returns on the last stage
+        self._mode: str | None = None  # "probe" or "serve" while a user step runs
+        self._probed: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._step_loss: Callable[[Any, Tensor], Tensor] | None = None  # the running step's loss function
+
+    # --- ranks and processes, as Lightning's multi-process strategies ---------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return ParallelStrategy.global_rank.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return ParallelStrategy.local_rank.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return ParallelStrategy.node_rank.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return ParallelStrategy.world_size.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("The device mesh exists once the processes have started (setup_environment).")
+        return self._mesh
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages or self.world_size
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp = self.device_mesh["dp"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        backend = _get_default_process_group_backend_for_device(self.root_device)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
+        if self.world_size % self.num_stages:
+            raise ValueError(
+                f"stages={self.num_stages} does not divide the {self.world_size} processes into whole pipeline "
+                f"replicas. Use a divisor of {self.world_size} (devices * num_nodes), or leave stages=None."
+            )
+        shape = (self.num_stages, self.world_size // self.num_stages)
+        self._mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("pp", "dp"))
+        self._module._device_mesh = self._mesh
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            if not self._module.automatic_optimization:
+                raise ValueError(
+                    "runtime='distributed' runs each micro-batch's backward inside the schedule, which needs "
+                    "automatic optimization. Use runtime='local' for manual optimization."
+                )
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # clipping by norm needs the norm over every stage's parameters
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def model_to_device(self) -> None:
+        """Route ``forward``; the stages are built at the first step, from its batch."""
+        module = self._module
+        module.to(self.root_device)
+        module.forward = self._forward  # type: ignore[method-assign]
+        module._device = self.root_device
+
+    # --- building the pipeline --------------------------------------------------------------
+
+    def _ensure_pipeline(self, hook: str, batch: Any, batch_idx: int, training: bool) -> DistributedPipeline:
+        """Build at the first step; a training step replaces a provisional evaluation pipeline
+        (the sanity check's) by the planned one."""
+        if self._pipe is not None and (self._planned or not training):
+            return self._pipe
+        module = self._module
+        args, kwargs = self._forward_inputs(hook, batch, batch_idx)
+        captured = Variants(module, self.leaf_modules).training_graph((args, kwargs))
+        stages = self.num_stages
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        final = training or not fitting
+        box: list[Any] = [None]
+        if self.global_rank == 0:
+            sample = scatter((args, kwargs), self.chunks)[0]
+            plan = None
+            if training and self.planner is not None and self.balance is None:
+                optimizer = self.optimizers[0] if self.optimizers else None
+                with torch.enable_grad():
+                    self.profile = profile_graph(captured, *sample, optimizer=optimizer)
+                capacity = self._stage_capacities(stages)
+                plan = make_plan(self.profile, [int(c * PLANNING_HEADROOM) for c in capacity], self.planner,
+                                 self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth)
+            balance = plan.balance if plan else self.balance or balance_by_weight(captured.param_bytes(), stages)
+            policies = _policies(captured, plan) if plan else {}
+            program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
+            box = [(balance, policies, cuts(program, module, *sample), plan)]
+        dist.broadcast_object_list(box, src=0)
+        balance, policies, boundaries, self.plan = box[0]
+        program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
+        self._pipe = DistributedPipeline(
+            program, module, boundaries, self.device_mesh, self.schedule,  # type: ignore[arg-type]
+            self.chunks, self._loss, self.root_device, release=final,
+        )
+        self._planned = final
+        self.clock = self._pipe.module.clock = StageClock(1)  # this rank's stage as stage 0
+        if self.measure_memory:
+            self.meter = self._pipe.module.meter = MemoryMeter(1)
+            self.meter.own(0, self._pipe.held)
+        if final:
+            for optimizer in self.optimizers:  # state of tensors another rank holds
+                for param in [p for p in optimizer.state if p.numel() == 0]:
+                    del optimizer.state[param]
+        return self._pipe
+
+    def _stage_capacities(self, stages: int) -> list[int]:
+        limits = self.memory_limit
+        if limits is None:
+            device = self.root_device
+            total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                     else _host_memory() // max(1, self.num_processes))
+            return [total] * stages
+        if len(limits) not in (1, stages):
+            raise ValueError(f"memory_limit has {len(limits)} entries for {stages} stages; give one or one per stage.")
+        return limits * stages if len(limits) == 1 else limits
+
+    # --- the user's steps -------------------------------------------------------------------
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._mode == "probe":
+            self._probed = args, kwargs
+            raise _Probed
+        if self._mode == "serve":
+            self._mode = None
+            return self._serve
+        raise RuntimeError(
+            "Under runtime='distributed' the module's forward runs through the pipeline only as the "
+            "self(...) call of training_step, validation_step, test_step or predict_step, once per step. "
+            "Call self(...) exactly once there."
+        )
+
+    def _forward_inputs(self, hook: str, batch: Any, batch_idx: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments the user's step passes to ``self(...)``: it runs up to that call."""
+        self._mode, self._probed = "probe", None
+        try:
+            with torch.no_grad():
+                getattr(self._module, hook)(batch, batch_idx)
+        except _Probed:
+            pass
+        finally:
+            self._mode = None
+        if self._probed is None:
+            raise RuntimeError(f"{hook} never called self(...), which runs the pipeline: call self(...) in {hook}.")
+        return self._probed
+
+    @contextmanager
+    def _serving(self, output: Any) -> Iterator[None]:
+        self._serve, self._mode = output, "serve"
+        try:
+            yield
+        finally:
+            self._serve, self._mode = None, None
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """The schedule runs backward inside ``training_step``: Lightning skips its own for
+        this step (restored after it, as in the one-process runtime)."""
+        self._ensure_pipeline("training_step", batch, batch_idx, training=True)
+        loop = self._module.trainer.fit_loop
+        if self._lightning_skip is None:
+            self._lightning_skip = loop, loop._skip_backward
+            loop._skip_backward = True
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._training_step(*args, **kwargs)
+        finally:
+            self._restore_skip_backward()
+
+    def _training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        pipe = self._pipe
+        assert pipe is not None, "on_train_batch_start builds the pipeline"
+        module, optimizer = self._module, self.optimizers[0]
+        microbatches = scatter(batch, self.chunks)
+        sizes = [batch_size(mb) for mb in microbatches]
+        if len(sizes) != self.chunks or len(set(sizes)) != 1:
+            raise ValueError(
+                f"runtime='distributed' needs every training batch to split into chunks={self.chunks} equal "
+                f"micro-batches (torch.distributed.pipelining has static shapes), got sizes {sizes}. Use a batch "
+                f"size divisible by chunks and drop_last=True in the DataLoader."
+            )
+        accumulate = module.trainer.accumulate_grad_batches
+        weight = 1 / (self.chunks if self.loss_reduction == "mean" else 1) / accumulate
+        losses: dict[int, Tensor] = {}
+        with LogCollector(module, sizes, self.loss_reduction) as logs:
+
+            def loss_fn(output: Any, target: Tensor) -> Tensor:
+                i = int(target)
+                with logs.microbatch(i), self.precision_plugin.train_step_context(), self._serving(output):
+                    loss = _loss_of(module.training_step(microbatches[i], batch_idx, *args, **kwargs))
+                logs.returned(i, loss)
+                losses[i] = loss.detach()
+                return loss * weight
+
+            self._step_loss = loss_fn
+            inputs = None
+            if pipe.stage_index == 0:
+                inputs = pipe.module.program.bind(*self._forward_inputs("training_step", batch, batch_idx))
+            _before_step(module, optimizer, batch_idx)
+            self.clock.reset()
+            self._step_start = time.perf_counter()
+            with ExitStack() as metering:
+                if self.meter is not None:
+                    for context in (self.meter, self.meter.saved_tensors_hooks(), self.meter.running(0)):
+                        metering.enter_context(context)
+                pipe.rank.train_step(inputs)
+            logged: Logged = []
+            if pipe.rank.module.is_last:
+                with _recording(module, logged):
+                    logs.flush()
+        loss = torch.stack([losses[i] for i in sorted(losses)]).mean() if losses else None
+        loss, logged = self._from_last_stage((loss, logged))
+        if not pipe.rank.module.is_last:
+            _replay(module, logged)
+        call._call_callback_hooks(module.trainer, "on_before_backward", loss / accumulate)
+        call._call_lightning_module_hook(module.trainer, "on_before_backward", loss / accumulate)
+        if self._stepping:
+            pipe.sync_gradients()
+        call._call_callback_hooks(module.trainer, "on_after_backward")
+        call._call_lightning_module_hook(module.trainer, "on_after_backward")
+        return cast(Tensor, loss).to(self.root_device)
+
+    def _loss(self, output: Any, target: Tensor) -> Tensor:
+        assert self._step_loss is not None, "the last stage computes losses only inside training_step"
+        return self._step_loss(output, target)
+
+    def _from_last_stage(self, value: Any) -> Any:
+        """``value`` as the last stage of this rank's pipeline has it."""
+        box = [value]
+        pp = self.device_mesh.get_group("pp")
+        dist.broadcast_object_list(box, group_src=self.num_stages - 1, group=pp)
+        return box[0]
+
+    def _eval_step(self, hook: str, batch: Any, batch_idx: int, *args: Any) -> Any:
+        pipe = self._ensure_pipeline(hook, batch, batch_idx, training=False)
+        module = self._module
+        count = len(scatter(batch, self.chunks))
+        microbatches = None
+        if pipe.stage_index == 0:
+            inputs = pipe.module.program.bind(*self._forward_inputs(hook, batch, batch_idx))
+            microbatches = scatter(inputs, count)
+        output = pipe.rank.forward_only(microbatches, count)
+        result, logged = None, cast(Logged, [])
+        if pipe.rank.module.is_last:
+            with _recording(module, logged), self._serving(output):
+                result = getattr(module, hook)(batch, batch_idx, *args)
+        result, logged = self._from_last_stage((result, logged))
+        if not pipe.rank.module.is_last:
+            _replay(module, logged)
+        return result
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._eval_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._eval_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._eval_step("predict_step", *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        self._stepping = True
+        try:
+            output = ParallelStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)
+        finally:
+            self._stepping = False
+        self._log_stage_metrics((time.perf_counter() - self._step_start) * 1e3)
+        return output
+
+    def _log_stage_metrics(self, step_ms: float) -> None:
+        """Every rank's time and metered peaks, gathered and logged by global rank 0 under the
+        one-process runtime's names (replica 0's stages; the step time of the slowest rank)."""
+        trainer = self._module.trainer
+        if not trainer.loggers or not trainer._logger_connector.should_update_logs:
+            return  # the same on every rank: it depends on the step only
+        mine = {"step_ms": step_ms, "forward_ms": self.clock.forward_ms[0], "backward_ms": self.clock.backward_ms[0]}
+        if self.meter is not None:
+            mine.update(peak_bytes=self.meter.stages[0].peak,
+                        activation_bytes=self.meter.stages[0].kind_peaks["activations"])
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, mine)
+        if self.global_rank != 0:
+            return
+        replicas = self.world_size // self.num_stages
+        stages = [parts[s * replicas] for s in range(self.num_stages)]
+        metrics: dict[str, float] = {"pipe/step_ms": max(p["step_ms"] for p in parts)}
+        for s, part in enumerate(stages):
+            for key in ("forward_ms", "backward_ms", "peak_bytes", "activation_bytes"):
+                if key in part:
+                    metrics[f"pipe/stage{s}/{key}"] = part[key]
+            if self.plan is not None:
+                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = self.plan.stages[s].peak.total
+        times = [StageTime(p["forward_ms"] / self.chunks, p["backward_ms"] / self.chunks) for p in stages]
+        metrics["pipe/bubble_fraction"] = simulate(times, actions(self.schedule, self.chunks, self.num_stages)).bubble
+        log_step_metrics(trainer, metrics)
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        assert self._pipe is not None
+        self._pipe.clip_grad_norm_(float(clip_val))
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The plain module's ``state_dict``, gathered on global rank 0 (empty elsewhere)."""
+        if self._pipe is None:
+            return self._module.state_dict()
+        return self._pipe.state_dict() or {}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state of every parameter, gathered on global rank 0."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        state = optimizer.state_dict()
+        if self._pipe is None:
+            return state
+        mine = state["state"] if self._pipe.replica == 0 else {}
+        parts: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
+        dist.gather_object(mine, parts if self.global_rank == 0 else None, dst=0)
+        if self.global_rank != 0:
+            return {}
+        merged: dict[int, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._pipe is None:
+            self._module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        else:
+            self._pipe.load_state_dict(checkpoint["state_dict"])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+            for param in [p for p in optimizer.state if p.numel() == 0]:
+                del optimizer.state[param]  # another rank holds it
+
+    # --- collectives ------------------------------------------------------------------------
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None:
+            vars(self.lightning_module).pop("forward", None)
+        self._restore_skip_backward()
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        ParallelStrategy.teardown(self)
+
+
+def become_distributed(strategy: MemoryPipeStrategy) -> None:
+    """Turn a freshly constructed ``MemoryPipeStrategy`` into the distributed runtime."""
+    strategy.__class__ = DistributedPipeStrategy
+    cast(DistributedPipeStrategy, strategy)._start()
+
+
+class _Probed(Exception):
+    """Ends a user step at its ``self(...)`` once the arguments are known."""
+
+
+def _before_step(module: LightningModule, optimizer: Optimizer, batch_idx: int) -> None:
+    """Zero the gradients at the start of an accumulation window, as Lightning would."""
+    trainer = module.trainer
+    if batch_idx % trainer.accumulate_grad_batches == 0:
+        call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
+        call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
+        call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
+
+
+@contextmanager
+def _recording(module: LightningModule, logged: Logged) -> Iterator[None]:
+    """Log as usual, and keep each call (a ``Metric`` as its step value) to replay elsewhere."""
+    log = module.log
+
+    def recording(name: str, value: Any, **kwargs: Any) -> None:
+        log(name, value, **kwargs)
+        shown = value._forward_cache if isinstance(value, Metric) else value
+        logged.append((name, shown.detach().cpu() if isinstance(shown, Tensor) else shown, kwargs))
+
+    module.log = recording  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        del module.log
+
+
+def _replay(module: LightningModule, logged: Logged) -> None:
+    for name, value, kwargs in logged:
+        module.log(name, value.to(module.device) if isinstance(value, Tensor) else value, **kwargs)
+
+
+def _host_memory() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,394 @@
+"""Distributed: one pipeline stage per process, on ``torch.distributed.pipelining``.
+
+The one adapter around ``torch.distributed.pipelining``: nothing else imports it. A rank builds
+the same :class:`~lightning_pipe.runtime.build.Program` as the one-process runtime and keeps
+only its own stage (recompute and swap segments included). ``PipelineStage`` and the
+schedules (``ScheduleGPipe``, ``Schedule1F1B``) only talk between adjacent stages and only
+send tensors, so what crosses a cut is flattened: every value a later stage reads (a U-Net
+skip, the encoder output every decoder stage reads, a forward argument the last stage reads)
+is carried through the stages in between, and non-tensor leaves (sizes, flags) are constants
+taken from one example micro-batch. Shapes are static, as ``pipelining`` requires: the cut
+metadata is given to ``PipelineStage`` so that it runs no shape-inference pass of its own.
+
+Forward-only runs (validation, test, predict) take any batch size: they send each cut's
+values as objects, micro-batch by micro-batch.
+"""
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.fx.node import map_aggregate
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from lightning_pipe.graph.capture import get_attr
+from lightning_pipe.graph.microbatch import gather
+from lightning_pipe.measure.clock import StageClock
+from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.runtime.build import Program, Stage
+
+__all__ = ["Cut", "DistributedPipeline", "DistributedSchedule", "PipelineRank", "StageModule", "TensorMeta", "cuts"]
+
+DistributedSchedule = Literal["gpipe", "1f1b"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor crossing a cut, per micro-batch."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def example(self, requires_grad: bool) -> Tensor:
+        return torch.empty(self.shape, dtype=self.dtype).requires_grad_(requires_grad and self.dtype.is_floating_point)
+
+
+@dataclass
+class Cut:
+    """What crosses one cut, flattened: tensor leaves travel, the other leaves are constants."""
+
+    spec: TreeSpec
+    leaves: list[Any]  # TensorMeta for a tensor, else the constant itself
+
+    @classmethod
+    def of(cls, value: Any) -> "Cut":
+        leaves, spec = tree_flatten(value)
+        return cls(spec, [TensorMeta(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else v for v in leaves])
+
+    def flatten(self, value: Any) -> tuple[Tensor, ...]:
+        leaves, _ = tree_flatten(value)
+        return tuple(v for v, meta in zip(leaves, self.leaves) if isinstance(meta, TensorMeta))
+
+    def unflatten(self, tensors: Sequence[Tensor]) -> Any:
+        sent = iter(tensors)
+        return tree_unflatten([next(sent) if isinstance(m, TensorMeta) else m for m in self.leaves], self.spec)
+
+    def examples(self, requires_grad: bool) -> tuple[Tensor, ...]:
+        return tuple(m.example(requires_grad) for m in self.leaves if isinstance(m, TensorMeta))
+
+
+def cuts(program: Program, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Cut]:
+    """Run ``program`` on one micro-batch (no gradients) and describe what crosses each cut:
+    entry ``s`` is what stage ``s`` receives (entry 0: the forward's arguments), entry ``n``
+    what the last stage returns."""
+    env = {**program.bind(args, kwargs), **program.attribute_values(root)}
+    with torch.no_grad():
+        for stage in program.stages:
+            env.update(zip(stage.outputs, stage(*[env[n] for n in stage.inputs])))
+    result = [Cut.of({n: env[n] for n in carried(program, s)}) for s in range(len(program.stages))]
+    return result + [Cut.of(map_aggregate(program.output, lambda n: env[cast(str, n)]))]
+
+
+def carried(program: Program, stage: int) -> list[str]:
+    """Names of the values stage ``stage`` receives: made before it (a forward argument counts
+    as made before stage 0) and read by it or a later stage (or returned)."""
+    made = dict.fromkeys(program.placeholders, -1)
+    for s in program.stages:
+        made.update((name, s.index) for name in s.outputs)
+    return [n for n, m in made.items() if m < stage <= program.last_use.get(n, -1)]
+
+
+class StageModule(nn.Module):
+    """This rank's stage as a module on flat tensors, for ``PipelineStage``.
+
+    The stage's graph modules are its children, so ``parameters()`` are the ones it uses,
+    each the model's own ``Parameter``; the model itself is not a child.
+    """
+
+    def __init__(self, program: Program, index: int, root: nn.Module, boundaries: Sequence[Cut]) -> None:
+        super().__init__()
+        self.stage: Stage = program.stages[index]
+        self.segments = nn.ModuleList(seg.module for seg in self.stage.segments)
+        self.program = program
+        self._root = [root]  # in a list: not a child
+        self.inputs, self.outputs = boundaries[index], boundaries[index + 1]
+        self.receives = carried(program, index)
+        self.sends = carried(program, index + 1) if index + 1 < len(program.stages) else None
+        self.is_last = self.sends is None
+        self.clock: StageClock | None = None  # this rank's stage as stage 0
+        self.meter: MemoryMeter | None = None
+
+    def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        with self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
+            outputs = self.outputs.flatten(self.run(self.inputs.unflatten(tensors)))
+        if self.meter is not None:
+            self.meter.tag_backward(outputs, 0)  # the backward's allocations are this stage's
+        return outputs
+
+    def run(self, received: dict[str, Any]) -> Any:
+        """What this stage sends on (by name), or on the last stage the forward's output."""
+        env = dict(received)
+        env.update((n, v) for n, v in self.program.attribute_values(self._root[0]).items() if n in self.stage.inputs)
+        env.update(zip(self.stage.outputs, self.stage(*[env[n] for n in self.stage.inputs])))
+        if self.sends is None:
+            return map_aggregate(self.program.output, lambda n: env[cast(str, n)])
+        return {n: env[n] for n in self.sends}
+
+    def tensors(self) -> list[Tensor]:
+        """Every parameter and buffer the stage reads, by attribute or inside its modules."""
+        found = {id(t): t for seg in self.segments for t in [*seg.parameters(), *seg.buffers()]}
+        for name, qualname in self.program.attributes.items():
+            if name in self.stage.inputs:
+                value = get_attr(self._root[0], qualname)
+                found[id(value)] = value
+        return list(found.values())
+
+
+class PipelineRank:
+    """One rank's stage in one pipeline replica: training steps on a ``pipelining`` schedule,
+    forward-only runs over object point-to-point, and the gradient reductions across ranks."""
+
+    def __init__(
+        self,
+        module: StageModule,
+        index: int,
+        num_stages: int,
+        pp_group: dist.ProcessGroup,
+        device: torch.device,
+        schedule: DistributedSchedule,
+        chunks: int,
+        loss_fn: Callable[[Any, Tensor], Tensor],
+    ) -> None:
+        self.module = module
+        self.index = index
+        self.num_stages = num_stages
+        self.group = pp_group
+        self.device = device
+        self.chunks = chunks
+        self._loss_fn = loss_fn
+        first, last = index == 0, index == num_stages - 1
+        stage = _TimedStage(
+            module, index, num_stages, device,
+            input_args=module.inputs.examples(requires_grad=not first),
+            output_args=module.outputs.examples(requires_grad=not last),
+            group=pp_group,
+        )
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        self._schedule = kind(stage, chunks, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, output: Any, target: Tensor) -> Tensor:
+        outputs = output if isinstance(output, tuple) else (output,)
+        return self._loss_fn(self.module.outputs.unflatten(outputs), target)
+
+    def train_step(self, received: dict[str, Any] | None) -> None:
+        """Forward and backward of one batch, gradients accumulated in ``.grad``. Stage 0
+        passes the whole batch's forward arguments (by name); the last stage's ``loss_fn``
+        receives each micro-batch's output and a one-element tensor with its index."""
+        if self.index == 0:
+            assert received is not None, "stage 0 needs the forward's arguments"
+            self._schedule.step(*self.module.inputs.flatten(received), target=_indices(self.chunks))
+        elif self.index == self.num_stages - 1:
+            self._schedule.step(target=_indices(self.chunks))
+        else:
+            self._schedule.step()
+
+    def forward_only(self, microbatches: list[dict[str, Any]] | None, count: int) -> Any:
+        """The forward of ``count`` micro-batches, any shapes: stage 0 passes them (by name);
+        the last stage returns the merged output, the others ``None``."""
+        outputs = []
+        for i in range(count):
+            if self.index == 0:
+                assert microbatches is not None, "stage 0 needs the forward's arguments"
+                received = microbatches[i]
+            else:
+                received = self._recv(self.index - 1)
+            with torch.no_grad():
+                result = self.module.run(received)
+            if self.module.is_last:
+                outputs.append(result)
+            else:
+                self._send(result, self.index + 1)
+        return gather(outputs, self.device) if outputs else None
+
+    def _send(self, value: Any, stage: int) -> None:
+        dist.send_object_list([value], group_dst=stage, group=self.group, device=self.device)
+
+    def _recv(self, stage: int) -> Any:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, group_src=stage, group=self.group, device=self.device)
+        return box[0]
+
+
+class _TimedStage(PipelineStage):
+    """Times each micro-batch's backward on the stage module's clock."""
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
+        clock = cast(StageModule, self.submod).clock
+        with clock.backward(0, self.device) if clock else nullcontext():
+            super().backward_one_chunk(*args, **kwargs)
+
+
+def _indices(chunks: int) -> Tensor:
+    return torch.arange(chunks)
+
+
+
+class DistributedPipeline:
+    """This process's part of a pipeline of ``stages`` ranks times ``replicas`` data-parallel
+    copies, on a ``("pp", "dp")`` device mesh (pipeline outermost: global rank =
+    ``stage * replicas + replica``).
+
+    Every rank builds the same program from the same plan and keeps only the tensors its
+    stage reads; the rest become empty. Global rank 0's values are the model's: it sends
+    each rank its stage's tensors. A parameter read by several stages (a tied embedding) is
+    held by each of them, one logical parameter: its gradient is summed over those ranks
+    before the data-parallel average. ``release=False`` keeps every tensor (a provisional
+    pipeline, for evaluation before the planned one is built).
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        root: nn.Module,
+        boundaries: Sequence[Cut],
+        mesh: DeviceMesh,
+        schedule: DistributedSchedule,
+        chunks: int,
+        loss_fn: Callable[[Any, Tensor], Tensor],
+        device: torch.device,
+        release: bool = True,
+    ) -> None:
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None, "this rank is not in the mesh"
+        self.stage_index, self.replica = coordinate
+        self.num_stages = len(program.stages)
+        self.replicas = mesh.size(1)
+        self.mesh = mesh
+        modules = [StageModule(program, s, root, boundaries) for s in range(self.num_stages)]
+        self.module = modules[self.stage_index]
+        self.names = dict(root.state_dict(keep_vars=True))  # name -> tensor, tied ones under each name
+        self.owner = {id(t): stage.index for stage in reversed(program.stages) for t in stage.owned}
+        held = [{id(t) for t in m.tensors()} | {k for k, s in self.owner.items() if s == m.stage.index}
+                for m in modules]
+        self.held = [t for t in _unique(root) if id(t) in held[self.stage_index]]
+        self._share_from_rank0(root, held)
+        for tensor in _unique(root) if release else []:
+            if id(tensor) not in held[self.stage_index]:
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # not this rank's
+        self._tied = self._tied_groups(root, held)
+        self.rank = PipelineRank(
+            self.module, self.stage_index, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn
+        )
+
+    def _global_rank(self, stage: int, replica: int) -> int:
+        return stage * self.replicas + replica
+
+    def _share_from_rank0(self, root: nn.Module, held: list[set[int]]) -> None:
+        """Rank 0 sends every other rank the current values of its stage's tensors."""
+        me = dist.get_rank()
+        for stage in range(self.num_stages):
+            for replica in range(self.replicas):
+                peer = self._global_rank(stage, replica)
+                if peer == 0 or me not in (0, peer):
+                    continue
+                for tensor in _unique(root):
+                    if id(tensor) in held[stage]:
+                        with torch.no_grad():
+                            if me == 0:
+                                dist.send(tensor.detach().contiguous(), peer)
+                            else:
+                                buffer = torch.empty_like(tensor)
+                                dist.recv(buffer, 0)
+                                tensor.copy_(buffer)
+
+    def _tied_groups(self, root: nn.Module, held: list[set[int]]) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
+        """A process group per replica and set of stages sharing parameters; every rank
+        creates every group, in the same order, as ``new_group`` requires."""
+        shared: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for param in _unique(root):
+            if isinstance(param, nn.Parameter) and param.requires_grad:
+                stages = tuple(s for s in range(self.num_stages) if id(param) in held[s])
+                if len(stages) > 1:
+                    shared.setdefault(stages, []).append(param)
+        groups = []
+        for stages, params in sorted(shared.items(), key=lambda item: item[0]):
+            for replica in range(self.replicas):
+                group = dist.new_group([self._global_rank(s, replica) for s in stages])
+                if replica == self.replica and self.stage_index in stages:
+                    groups.append((group, params))
+        return groups
+
+    def sync_gradients(self) -> None:
+        """Sum tied parameters' gradients over the stages holding them, then average every
+        gradient over the data-parallel replicas of this stage."""
+        for group, params in self._tied:
+            all_reduce_grads(params, group, average=False)
+        if self.replicas > 1:
+            params = [p for p in self.held if isinstance(p, nn.Parameter) and p.requires_grad]
+            all_reduce_grads(params, self.mesh.get_group("dp"), average=True)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole pipeline: each parameter counted
+        once (at the stage owning it), the norm reduced over the pipeline's ranks."""
+        owned = [p for p in self.held if isinstance(p, nn.Parameter) and p.grad is not None
+                 and self.owner.get(id(p), 0) == self.stage_index]
+        grads = [cast(Tensor, p.grad) for p in owned]
+        if norm_type == float("inf"):
+            local = max((g.abs().max() for g in grads), default=torch.zeros(()))
+            total = local.detach().clone().float()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.mesh.get_group("pp"))
+        else:
+            local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros(()))
+            total = local.detach().clone()
+            dist.all_reduce(total, group=self.mesh.get_group("pp"))
+            total = total ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.held:
+            if isinstance(p, nn.Parameter) and p.grad is not None:
+                p.grad.mul_(coefficient.to(p.grad.dtype))
+        return total
+
+    def state_dict(self) -> dict[str, Tensor] | None:
+        """The plain module's ``state_dict``, gathered on global rank 0 (``None`` elsewhere)
+        from replica 0's ranks, each sending what its stage owns."""
+        mine = {}
+        if self.replica == 0:
+            mine = {name: t.detach().clone() for name, t in self.names.items()
+                    if self.owner.get(id(t), 0) == self.stage_index}
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        merged: dict[str, Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        return {name: merged[name] for name in self.names}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Copy the values of the tensors this rank holds from a full ``state_dict``."""
+        held = {id(t) for t in self.held}
+        with torch.no_grad():
+            for name, tensor in self.names.items():
+                if id(tensor) in held and name in state:
+                    tensor.copy_(state[name])
+
+
+def _unique(root: nn.Module) -> list[Tensor]:
+    return list({id(t): t for t in [*root.parameters(), *root.buffers()]}.values())
+
+
+def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool) -> None:
+    """Sum (or average) the gradients of ``params`` over ``group``, one flat buffer per dtype;
+    a missing gradient counts as zeros."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.dtype, []).append(p)
+    size = dist.get_world_size(group)
+    for ps in by_dtype.values():
+        grads = [cast(Tensor, p.grad) for p in ps]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= size
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()

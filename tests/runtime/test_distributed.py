@@ -1,0 +1,103 @@
+"""Stages as processes on torch.distributed.pipelining (gloo): trains like one process."""
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.plan.balance import balance_by_weight
+from lightning_pipe.runtime.build import build
+from lightning_pipe.runtime.distributed import DistributedPipeline, carried, cuts
+from tests.models import make
+
+STEPS, BATCH, CHUNKS = 3, 8, 4
+CONFIGS = [(family, schedule) for family in ("gpt", "unet", "encdec") for schedule in ("gpipe", "1f1b")]
+
+
+def _batch(family: str) -> dict:
+    _, data = make(family)
+    return torch.utils.data.default_collate([data[i] for i in range(BATCH)])
+
+
+def _reference(family: str) -> dict[str, torch.Tensor]:
+    model, _ = make(family)
+    optimizer = model.configure_optimizers()
+    batch = _batch(family)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        model.loss(batch).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _train(rank: int, world: int, port: int, stages: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (stages, world // stages), mesh_dim_names=("pp", "dp"))
+        for family, schedule in CONFIGS:
+            model, _ = make(family, seed=rank)  # rank 0's weights must win
+            batch = _batch(family)
+            replica = mesh.get_coordinate()[1]
+            batch = {k: v.chunk(world // stages)[replica] for k, v in batch.items()}
+            microbatches = scatter(batch, CHUNKS)
+            captured = capture(model)
+            balance = balance_by_weight(captured.param_bytes(), stages)
+            program = build(captured, model, balance, [torch.device("cpu")] * stages, place=False)
+            box = [cuts(program, model, model.inputs(microbatches[0]), {}) if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+
+            def loss_fn(output, target, microbatches=microbatches, model=model):
+                return model.criterion(output, microbatches[int(target)]) / CHUNKS
+
+            pipe = DistributedPipeline(program, model, box[0], mesh, schedule, CHUNKS, loss_fn, torch.device("cpu"))
+            optimizer = model.configure_optimizers()
+            for _ in range(STEPS):
+                optimizer.zero_grad()
+                inputs = program.bind(model.inputs(batch), {}) if pipe.stage_index == 0 else None
+                pipe.rank.train_step(inputs)
+                pipe.sync_gradients()
+                optimizer.step()
+            state = pipe.state_dict()
+            if rank == 0:
+                torch.save(state, Path(out) / f"{family}-{schedule}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, stages: int, out: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_train, args=(world, port, stages, str(out)), nprocs=world, join=True)
+
+
+@pytest.mark.slow
+def test_pp2_trains_like_one_device_for_every_family_and_schedule(tmp_path):
+    _spawn(world=2, stages=2, out=tmp_path)
+    for family, schedule in CONFIGS:
+        expected = _reference(family)
+        state = torch.load(tmp_path / f"{family}-{schedule}.pt")
+        assert list(state) == list(expected), (family, schedule)
+        for name, value in expected.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=f"{family} {schedule} {name}")
+
+
+def test_carried_values_reach_every_later_reader():
+    model, _ = make("unet")
+    captured = capture(model)
+    program = build(captured, model, balance_by_weight(captured.param_bytes(), 4), [torch.device("cpu")] * 4,
+                    place=False)
+    # the stem's output is read by the last decoder level: it crosses every cut
+    stem = program.stages[0].outputs[0]
+    readers = [s.index for s in program.stages if stem in s.inputs]
+    assert all(stem in carried(program, c) for c in range(1, max(readers) + 1))
+    assert carried(program, 0) == list(program.placeholders)
