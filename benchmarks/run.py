@@ -43,11 +43,11 @@ from lightning_pipe.graph.capture import capture
 from lightning_pipe.lightning.strategy import MemoryPipeStrategy
 from lightning_pipe.measure.meter import StageOutOfMemoryError
 from lightning_pipe.measure.profiler import profile_graph
-from lightning_pipe.plan.memory import CostModel, predict_peaks, stage_ranges
-from lightning_pipe.plan.partitioners import PARTITIONERS, partition
+from lightning_pipe.plan.memory import CostModel, stage_ranges
+from lightning_pipe.plan.partitioners import BASELINES, PARTITIONERS, partition
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, make_plan, max_microbatch
 from lightning_pipe.plan.profile import Profile
-from lightning_pipe.plan.schedule import gradient_waits, in_flight, weight_versions
+from lightning_pipe.plan.schedule import in_flight
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 4
@@ -169,37 +169,25 @@ class Config:
 
 def run_probe(bench: Bench, config: Config, microbatch: int, profile: Profile) -> Probe:
     """One training step at ``microbatch``; out of memory or no feasible plan = does not fit."""
-    if config.memopt:
-        strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=config.planner,
-                                      memory_limit=config.capacity, measure_memory=True)
-    else:
-        balance = off_balance(config, profile.scaled(microbatch))
-        strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=None, balance=balance,
-                                      memory_limit=config.capacity, measure_memory=True)
     try:
+        if config.memopt:
+            strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=config.planner,
+                                          memory_limit=config.capacity, measure_memory=True)
+        else:  # the planner's split with every activation kept, planned as the strategy plans
+            plan = make_plan(profile.scaled(microbatch), targets(config), config.planner, config.schedule, CHUNKS,
+                             optimise_memory=False)
+            strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=None,
+                                          balance=plan.balance, memory_limit=config.capacity, measure_memory=True)
         fit(bench.model(), bench.data(microbatch * CHUNKS * STEPS), microbatch * CHUNKS, strategy, config.stages, STEPS)
     except (StageOutOfMemoryError, InfeasiblePlanError) as error:
         return Probe(microbatch, False, type(error).__name__)
-    if config.memopt:
-        predicted = [s.peak.total for s in strategy.plan.stages]
-    else:
-        predicted = unoptimised_peaks(config, profile.scaled(microbatch), strategy.balance)
+    predicted = [s.peak.total for s in (strategy.plan if config.memopt else plan).stages]
     return Probe(microbatch, True, "", predicted, strategy.meter.peaks())
 
 
-def off_balance(config: Config, profile: Profile) -> list[int]:
-    """The partitioner's balance alone, planned below the limit as the strategy plans."""
-    capacities = [int(config.capacity * PLANNING_HEADROOM)] * config.stages
-    return partition(config.planner, profile, capacities, in_flight(config.schedule, CHUNKS, config.stages),
-                     weight_versions=weight_versions(config.schedule))
-
-
-def unoptimised_peaks(config: Config, profile: Profile, balance: list[int]) -> list[int]:
-    """The cost model's per-stage peak of ``balance`` with every activation kept."""
-    peaks = predict_peaks(profile, balance, in_flight(config.schedule, CHUNKS, config.stages),
-                          weight_versions=weight_versions(config.schedule),
-                          waits=gradient_waits(config.schedule, CHUNKS, config.stages))
-    return [p.total for p in peaks]
+def targets(config: Config) -> list[int]:
+    """Per-stage planning targets, as the strategy makes them from the capacity."""
+    return [int(config.capacity * PLANNING_HEADROOM)] * config.stages
 
 
 def search(fits: Callable[[int], bool], guess: int, limit: int) -> tuple[int, bool]:
@@ -237,9 +225,9 @@ def memory_config(bench: Bench, config: Config, profile: Profile, guess: int, li
 
 def predicted_max(profile: Profile, config: Config) -> int | None:
     """The planner's own prediction of the largest micro-batch (``None``: not even one)."""
-    capacities = [int(config.capacity * PLANNING_HEADROOM)] * config.stages
     try:
-        return max_microbatch(profile, capacities, config.planner, config.schedule, CHUNKS)
+        return max_microbatch(profile, targets(config), config.planner, config.schedule, CHUNKS,
+                              optimise_memory=config.memopt)
     except InfeasiblePlanError:
         return None
 
@@ -263,13 +251,8 @@ def memory_benchmark(benches: dict[str, Bench], settings: Settings, profiles: di
         for schedule, memopt in variants:
             for planner in PARTITIONERS:
                 config = Config(name, stages, planner, schedule, memopt, capacity)
-                if memopt:
-                    config.predicted_max = predicted_max(profiles[name], config)
-                    guess = config.predicted_max or 1
-                else:  # without recompute it fits at most what the planned run fitted
-                    key = (name, stages, schedule, planner)
-                    fitted = (c for c in configs if c.memopt and (c.model, c.stages, c.schedule, c.planner) == key)
-                    guess = next((c.max_microbatch for c in fitted), REFERENCE_MICROBATCH)
+                config.predicted_max = predicted_max(profiles[name], config)
+                guess = config.predicted_max or 1
                 configs.append(memory_config(bench, config, profiles[name], guess, settings.max_probes))
                 print(f"  {name} x{stages} {schedule:<5} {planner:<9} memopt={'on ' if memopt else 'off'} "
                       f"max micro-batch {config.max_microbatch}{'' if config.exact else '+'} "
@@ -279,21 +262,37 @@ def memory_benchmark(benches: dict[str, Bench], settings: Settings, profiles: di
 
 def accuracy(configs: list[Config]) -> list[dict[str, Any]]:
     """Predicted vs metered per-stage peaks over every run that fitted, all planners together
-    (they share one cost model). Under-prediction is what turns into out-of-memory."""
+    (they share one cost model), per model x stages x schedule x memopt. Under-prediction is
+    what turns into out-of-memory."""
     rows = []
-    for key in dict.fromkeys((c.model, c.stages, c.memopt) for c in configs):
-        pairs = [(p, m) for c in configs if (c.model, c.stages, c.memopt) == key
+    for key in dict.fromkeys((c.model, c.stages, c.schedule, c.memopt) for c in configs):
+        pairs = [(p, m) for c in configs if (c.model, c.stages, c.schedule, c.memopt) == key
                  for probe in c.probes if probe.fits for p, m in zip(probe.predicted, probe.metered)]
         if pairs:
-            errors = [abs(p - m) / m for p, m in pairs]
-            rows.append({"model": key[0], "stages": key[1], "memopt": key[2], "stage_runs": len(pairs),
-                         "max_rel_error": max(errors), "mean_rel_error": statistics.fmean(errors),
-                         "max_under": max(0.0, max((m - p) / m for p, m in pairs))})
+            errors = [(p - m) / m for p, m in pairs]
+            rows.append({"model": key[0], "stages": key[1], "schedule": key[2], "memopt": key[3],
+                         "stage_runs": len(pairs), "max_rel_error": max(map(abs, errors)),
+                         "mean_rel_error": statistics.fmean(map(abs, errors)),
+                         "max_over": max(0.0, max(errors)), "max_under": max(0.0, -min(errors))})
     return rows
 
 
+def capacity_use(config: Config) -> float | None:
+    """The fullest stage's metered peak over the capacity, at the largest micro-batch that trained."""
+    fitted = [p for p in config.probes if p.fits and p.microbatch == config.max_microbatch]
+    return max(fitted[0].metered) / config.capacity if fitted else None
+
+
+def planned_oom(configs: list[Config]) -> list[str]:
+    """Runs at a micro-batch the planner accepted that still went over a stage's capacity."""
+    return [f"{c.model} x{c.stages} {c.schedule} {c.planner} memopt {'on' if c.memopt else 'off'} "
+            f"micro-batch {p.microbatch}"
+            for c in configs for p in c.probes
+            if p.error == "StageOutOfMemoryError" and c.predicted_max is not None and p.microbatch <= c.predicted_max]
+
+
 def ratios(configs: list[Config]) -> list[dict[str, Any]]:
-    """Headline: dawnpiper's largest micro-batch over time's and params'."""
+    """Headline: dawnpiper's largest micro-batch over every baseline's."""
     rows = []
     for c in configs:
         if c.planner != "dawnpiper":
@@ -302,8 +301,8 @@ def ratios(configs: list[Config]) -> list[dict[str, Any]]:
                  if (p.model, p.stages, p.schedule, p.memopt) == (c.model, c.stages, c.schedule, c.memopt)}
         rows.append({"model": c.model, "stages": c.stages, "schedule": c.schedule, "memopt": c.memopt,
                      "dawnpiper": c.max_microbatch,
-                     "vs_time": c.max_microbatch / peers["time"] if peers["time"] else None,
-                     "vs_params": c.max_microbatch / peers["params"] if peers["params"] else None})
+                     **{f"vs_{name}": c.max_microbatch / peers[name] if peers.get(name) else None
+                        for name in BASELINES}})
     return rows
 
 
@@ -473,29 +472,35 @@ def markdown(results: dict[str, Any]) -> str:
         f"forward runs before any gradient or optimizer state exists) under a per-stage "
         f"capacity of {CAPACITY_SHARE:.0%} of the largest metered stage peak of the unplanned even split at "
         f"micro-batch {REFERENCE_MICROBATCH}; a run that raises `StageOutOfMemoryError` or `InfeasiblePlanError` "
-        f"does not fit. *memopt off*: the partitioner's balance with no recompute or swap. `+`: the probe cap "
+        f"does not fit. *memopt off*: the partitioner's split planned with every activation kept "
+        f"(`make_plan(..., optimise_memory=False)`). `+`: the probe cap "
         f"({results['settings']['max_probes']}) was reached before the answer was bracketed. "
-        f"*predicted*: the planner's own `max_microbatch`. *next size up*: what stopped the smallest "
-        f"size that did not fit.",
+        f"*predicted*: the planner's own `max_microbatch`. *capacity use*: the fullest stage's metered peak over "
+        f"the capacity at the max micro-batch. *next size up*: what stopped the smallest size that did not fit "
+        f"(`InfeasiblePlanError`: the planner refused it; `StageOutOfMemoryError`: the run went over).",
         table(["model", "stages", "schedule", "memopt", "capacity", "planner", "max micro-batch", "predicted",
-               "next size up", "runs"],
+               "capacity use", "next size up", "runs"],
               [[c.model, c.stages, c.schedule, "on" if c.memopt else "off", _mib(c.capacity), c.planner,
-                f"{c.max_microbatch}{'' if c.exact else '+'}", c.predicted_max if c.memopt else None,
-                c.limited_by or None, len(c.probes)]
+                f"{c.max_microbatch}{'' if c.exact else '+'}", c.predicted_max,
+                None if (u := capacity_use(c)) is None else f"{u:.0%}", c.limited_by or None, len(c.probes)]
                for c in configs]),
-        "### Ratios: dawnpiper over time and params",
-        table(["model", "stages", "schedule", "memopt", "dawnpiper", "÷ time", "÷ params"],
-              [[r["model"], r["stages"], r["schedule"], "on" if r["memopt"] else "off", r["dawnpiper"], r["vs_time"],
-                r["vs_params"]] for r in results["ratios"]]),
+        _fill_section(configs),
+        "### Ratios: dawnpiper over every baseline",
+        "dawnpiper's max micro-batch over each baseline's, per row group.",
+        table(["model", "stages", "schedule", "memopt", "dawnpiper", *(f"÷ {b}" for b in BASELINES)],
+              [[r["model"], r["stages"], r["schedule"], "on" if r["memopt"] else "off", r["dawnpiper"],
+                *(r[f"vs_{b}"] for b in BASELINES)] for r in results["ratios"]]),
         "## Prediction accuracy of per-stage peaks",
-        "Predicted peak (memopt on: `plan.stages[s].peak.total`; off: the cost model's peak of the balance with "
-        "every activation kept) against the metered peak, over every stage of every run that fitted, all planners "
-        "together (they share one cost model; per-run values are in `benchmarks/results.json`). *Worst "
-        "under-prediction*: the largest (metered - predicted) / metered, the error that ends in out-of-memory.",
-        table(["model", "stages", "memopt", "stage runs", "max rel. error", "mean rel. error",
-               "worst under-prediction"],
-              [[r["model"], r["stages"], "on" if r["memopt"] else "off", r["stage_runs"],
-                f"{r['max_rel_error']:.1%}", f"{r['mean_rel_error']:.1%}", f"{r['max_under']:.1%}"]
+        "Predicted peak (`plan.stages[s].peak.total` of the plan that ran; memopt off: the plan made with every "
+        "activation kept) against the metered peak, over every stage of every run that fitted, all planners "
+        "together (they share one cost model; per-run values are in `benchmarks/results.json`). Error = "
+        "(predicted - metered) / metered; *worst under*: the largest under-prediction, the error that ends in "
+        "out-of-memory.",
+        table(["model", "stages", "schedule", "memopt", "stage runs", "max abs. error", "mean abs. error",
+               "worst over", "worst under"],
+              [[r["model"], r["stages"], r["schedule"], "on" if r["memopt"] else "off", r["stage_runs"],
+                f"{r['max_rel_error']:.1%}", f"{r['mean_rel_error']:.1%}", f"{r['max_over']:.1%}",
+                f"{r['max_under']:.1%}"]
                for r in results["accuracy"]]),
         "## Simulated step time at equal batch (simulated, not measured)",
         "`plan.step_ms` and `plan.bubble` from the planner's event simulation, at the largest micro-batch every "
@@ -514,6 +519,18 @@ def markdown(results: dict[str, Any]) -> str:
         _peer_section(results["peers"]),
     ]
     return "\n\n".join(parts) + "\n"
+
+
+def _fill_section(configs: list[Config]) -> str:
+    uses = sorted(u for c in configs if c.planner == "dawnpiper" and (u := capacity_use(c)) is not None)
+    oom = planned_oom(configs)
+    return "\n\n".join([
+        "### Capacity use and planned runs that ran out of memory",
+        f"dawnpiper's capacity use at its max micro-batch over {len(uses)} rows: median "
+        f"{statistics.median(uses):.0%}, lowest {uses[0]:.0%}, {sum(u >= 0.9 for u in uses)} rows at 90% or more. "
+        f"Planned runs (a micro-batch at or below the planner's `max_microbatch`) that raised "
+        f"`StageOutOfMemoryError`: {len(oom)}{': ' + '; '.join(oom) if oom else ''}.",
+    ])
 
 
 def _overhead_section(o: dict[str, Any]) -> str:
@@ -565,11 +582,13 @@ def summary(results: dict[str, Any]) -> str:
     lines = ["", "Headline: dawnpiper's largest trainable micro-batch over time's and params'"]
     for r in results["ratios"]:
         lines.append(f"  {r['model']:<5} x{r['stages']} {r['schedule']:<5} memopt={'on ' if r['memopt'] else 'off'} "
-                     f"dawnpiper {r['dawnpiper']:>3}  / time {_cell(r['vs_time'])}  / params {_cell(r['vs_params'])}")
+                     f"dawnpiper {r['dawnpiper']:>3}  "
+                     + "  ".join(f"/ {b} {_cell(r[f'vs_{b}'])}" for b in BASELINES))
     for r in results["accuracy"]:
-        lines.append(f"  peak prediction {r['model']:<5} x{r['stages']} memopt={'on ' if r['memopt'] else 'off'} "
-                     f"max {r['max_rel_error']:.1%} mean {r['mean_rel_error']:.1%} "
-                     f"under {r['max_under']:.1%} over {r['stage_runs']} stage runs")
+        lines.append(f"  peak prediction {r['model']:<5} x{r['stages']} {r['schedule']:<5} "
+                     f"memopt={'on ' if r['memopt'] else 'off'} max {r['max_rel_error']:.1%} "
+                     f"mean {r['mean_rel_error']:.1%} over {r['max_over']:.1%} under {r['max_under']:.1%} "
+                     f"({r['stage_runs']} stage runs)")
     o = results["overhead"]
     lines.append(f"  overhead: plain {o['plain_ms']:.1f} ms, 1-stage pipe {o['pipe1_ms']:.1f} ms, "
                  f"4-stage {o['pipe4_ms']:.1f} ms vs stage sum {o['pipe4_stage_sum_ms']:.1f} ms "
