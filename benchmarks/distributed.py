@@ -12,24 +12,28 @@ included; step times are taken unmetered. CPU figures: the ranks share this mach
 import argparse
 import json
 import os
-import socket
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import Schedule1F1B
 
-from benchmarks.peers import LR, ProcessMeter, SequentialModule, sequential, sequential_data
+from benchmarks.peers import (
+    LR,
+    ProcessMeter,
+    SequentialModule,
+    pipelining_stage,
+    sequential_data,
+    spawn,
+    timed_steps,
+)
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.plan.balance import balance_by_weight
-from lightning_pipe.runtime.build import build
+from lightning_pipe.runtime.build import Program, build
 from lightning_pipe.runtime.distributed import DistributedPipeline, cuts
 from lightning_pipe.runtime.gpipe import Pipeline
 
@@ -37,33 +41,30 @@ from lightning_pipe.runtime.gpipe import Pipeline
 def _measure(step: Callable[[], None], steps: int, meter: ProcessMeter, sync: bool) -> tuple[list[float], int]:
     """Step times (unmetered; the slowest rank's), then the peak of one metered step."""
     step()  # warm-up
-    times = []
-    for _ in range(steps):
-        if sync:
-            dist.barrier()
-        start = time.perf_counter()
-        step()
-        elapsed = torch.tensor((time.perf_counter() - start) * 1e3)
-        if sync:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
+    times = timed_steps(step, steps, sync)
     with meter:
         meter.reset_peaks()
         step()
     return times, meter.peak
 
 
-def _ours(rank: int, stages: int, args: argparse.Namespace) -> tuple[list[float], int]:
+def _program(stages: int, args: argparse.Namespace, place: bool) -> tuple[SequentialModule, Tensor, Tensor, Program]:
+    """The peers' model split evenly by parameter bytes, and its data."""
     module = SequentialModule(args.width, args.depth)
     x, y = sequential_data(args.batch, args.width).tensors
     captured = capture(module)
     program = build(captured, module, balance_by_weight(captured.param_bytes(), stages),
-                    [torch.device("cpu")] * stages, place=False)
+                    [torch.device("cpu")] * stages, place=place)
+    return module, x, y, program
+
+
+def _ours(rank: int, stages: int, args: argparse.Namespace) -> tuple[list[float], int]:
+    module, x, y, program = _program(stages, args, place=False)
     mesh = init_device_mesh("cpu", (stages, 1), mesh_dim_names=("pp", "dp"))
     sample = x[: args.batch // args.chunks]
     labels = y.chunk(args.chunks)
 
-    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+    def loss_fn(output: Any, target: Tensor) -> Tensor:
         return nn.functional.cross_entropy(output, labels[int(target)]) / args.chunks
 
     meter = ProcessMeter()
@@ -82,52 +83,27 @@ def _ours(rank: int, stages: int, args: argparse.Namespace) -> tuple[list[float]
 
 
 def _theirs(rank: int, stages: int, args: argparse.Namespace) -> tuple[list[float], int]:
-    model = sequential(args.width, args.depth)
     x, y = sequential_data(args.batch, args.width).tensors
     balance = balance_by_weight(capture(SequentialModule(args.width, args.depth)).param_bytes(), stages)
-    first = sum(balance[:rank])
     meter = ProcessMeter()
     with meter:
-        part = nn.Sequential(*(model[i] for i in range(first, first + balance[rank])))
+        _, part, step = pipelining_stage(rank, stages, balance, args.chunks, args.width, args.depth, x, y,
+                                         Schedule1F1B)
         meter.own(0, part.parameters())
-        schedule = Schedule1F1B(PipelineStage(part, rank, stages, torch.device("cpu")), n_microbatches=args.chunks,
-                                loss_fn=nn.functional.cross_entropy)
-        optimizer = torch.optim.SGD(part.parameters(), lr=LR)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        if rank == 0:
-            schedule.step(x)
-        elif rank == stages - 1:
-            schedule.step(target=y)
-        else:
-            schedule.step()
-        optimizer.step()
-
     return _measure(step, args.steps, meter, sync=True)
 
 
-def _rank(rank: int, stages: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // stages))
-    dist.init_process_group("gloo", rank=rank, world_size=stages)
-    try:
-        result = {}
-        for name, run in (("lightning_pipe distributed 1F1B", _ours), ("torch pipelining Schedule1F1B", _theirs)):
-            times, peak = run(rank, stages, args)
-            result[name] = {"step_ms": times, "peak": peak}
-        (Path(out) / f"{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, stages: int, args: argparse.Namespace, out: str) -> None:
+    result = {}
+    for name, run in (("lightning_pipe distributed 1F1B", _ours), ("torch pipelining Schedule1F1B", _theirs)):
+        times, peak = run(rank, stages, args)
+        result[name] = {"step_ms": times, "peak": peak}
+    (Path(out) / f"{rank}.json").write_text(json.dumps(result))
 
 
 def _local(stages: int, args: argparse.Namespace) -> tuple[list[float], int]:
     """Our one-process runtime (GPipe over ``stages`` stages on the CPU): the whole process."""
-    module = SequentialModule(args.width, args.depth)
-    x, y = sequential_data(args.batch, args.width).tensors
-    captured = capture(module)
-    program = build(captured, module, balance_by_weight(captured.param_bytes(), stages),
-                    [torch.device("cpu")] * stages)
+    module, x, y, program = _program(stages, args, place=True)
     pipeline = Pipeline(program, module, args.chunks, torch.device("cpu"))
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
     meter = ProcessMeter()
@@ -150,11 +126,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(args.stages, port, args, out), nprocs=args.stages, join=True)
+        spawn(_rank, args.stages, args, out)
         ranks = [json.loads((Path(out) / f"{r}.json").read_text()) for r in range(args.stages)]
     print(f"CPU, {os.cpu_count()} cores, gloo; Sequential width {args.width} depth {args.depth}, batch {args.batch}, "
           f"chunks {args.chunks}, {args.stages} stages; median of {args.steps} steps")

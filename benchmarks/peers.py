@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from lightning_pipe.measure.meter import MemoryMeter
 
@@ -111,7 +113,7 @@ def torchgpipe_steps(batch: int, chunks: int, stages: int, steps: int, warmup: i
         nn.functional.cross_entropy(pipe(x), y).backward()
         optimizer.step()
 
-    times = [_timed(step) for _ in range(steps)]
+    times = timed_steps(step, steps)
     meter = ProcessMeter()
     meter.own(0, pipe.parameters())
     with _metered_workers(meter), meter:
@@ -122,10 +124,43 @@ def torchgpipe_steps(batch: int, chunks: int, stages: int, steps: int, warmup: i
     return {"step_ms": times, "balance": list(balance), "process_peak": meter.peak}
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+def timed_steps(step: Callable[[], None], steps: int, sync: bool = False) -> list[float]:
+    """Each step's time in ms; ``sync``: the ranks start each step together and each time is
+    the slowest rank's."""
+    times = []
+    for _ in range(steps):
+        if sync:
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = torch.tensor((time.perf_counter() - start) * 1e3)
+        if sync:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return times
+
+
+def spawn(rank_fn: Callable[..., None], world: int, *args: Any) -> None:
+    """``rank_fn(rank, world, *args)`` in ``world`` processes joined in a gloo process group on
+    this machine, each with its share of the cores."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gloo_rank, args=(world, port, rank_fn, args), nprocs=world, join=True)
+
+
+def _gloo_rank(rank: int, world: int, port: int, rank_fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rank_fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def threads(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
 
 
 # --- torch.distributed.pipelining ------------------------------------------------------------
@@ -136,72 +171,56 @@ def pipelining_steps(balance: list[int], batch: int, chunks: int, steps: int, wa
     """``ScheduleGPipe`` over one gloo process per stage, each holding the layers ``balance``
     gives it: step times (slowest rank per step), each rank's peak bytes over the steps after
     ``warmup``, and the parameters after all steps."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_pipelining_rank, args=(len(balance), port, balance, batch, chunks, steps, warmup, width, depth, out),
-                 nprocs=len(balance), join=True)
+        spawn(_pipelining_rank, len(balance), balance, batch, chunks, steps, warmup, width, depth, out)
         ranks = [json.loads((Path(out) / f"{r}.json").read_text()) for r in range(len(balance))]
         state = {}
         for r in range(len(balance)):
             state.update(torch.load(Path(out) / f"{r}.pt"))
-    return {"step_ms": ranks[0]["step_ms"], "peaks": [r["peak"] for r in ranks], "threads": ranks[0]["threads"],
+    return {"step_ms": ranks[0]["step_ms"], "peaks": [r["peak"] for r in ranks], "threads": threads(len(balance)),
             "state_dict": state}
 
 
-def _pipelining_rank(rank: int, world: int, port: int, balance: list[int], batch: int, chunks: int,
+def _pipelining_rank(rank: int, world: int, balance: list[int], batch: int, chunks: int,
                      steps: int, warmup: int, width: int, depth: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    threads = max(1, (os.cpu_count() or 1) // world)
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        x, y = sequential_data(batch, width).tensors
-        names, part, step = _pipelining_stage(rank, world, balance, chunks, width, depth, x, y)
-        times = []
-        for _ in range(steps):
-            dist.barrier()
-            elapsed = torch.tensor(_timed(step))
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times.append(elapsed.item())
-        torch.save({f"{name}.{k}": v for name, layer in zip(names, part) for k, v in layer.state_dict().items()},
-                   Path(out) / f"{rank}.pt")
+    x, y = sequential_data(batch, width).tensors
+    names, part, step = pipelining_stage(rank, world, balance, chunks, width, depth, x, y)
+    times = timed_steps(step, steps, sync=True)
+    torch.save({f"{name}.{k}": v for name, layer in zip(names, part) for k, v in layer.state_dict().items()},
+               Path(out) / f"{rank}.pt")
 
-        meter = ProcessMeter()  # a fresh stage, metered from its start: receive buffers included
-        with meter:
-            _, part, step = _pipelining_stage(rank, world, balance, chunks, width, depth, x, y)
-            meter.own(0, part.parameters())
-            for _ in range(warmup):
-                step()
-            meter.reset_peaks()
+    meter = ProcessMeter()  # a fresh stage, metered from its start: receive buffers included
+    with meter:
+        _, part, step = pipelining_stage(rank, world, balance, chunks, width, depth, x, y)
+        meter.own(0, part.parameters())
+        for _ in range(warmup):
             step()
-        (Path(out) / f"{rank}.json").write_text(json.dumps({"step_ms": times, "peak": meter.peak, "threads": threads}))
-    finally:
-        dist.destroy_process_group()
+        meter.reset_peaks()
+        step()
+    (Path(out) / f"{rank}.json").write_text(json.dumps({"step_ms": times, "peak": meter.peak}))
 
 
-def _pipelining_stage(rank: int, world: int, balance: list[int], chunks: int, width: int, depth: int,
-                      x: Tensor, y: Tensor) -> tuple[list[str], nn.Sequential, Callable[[], None]]:
-    """This rank's layers of :func:`sequential` as a ``PipelineStage``, and one training step."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
+def pipelining_stage(rank: int, world: int, balance: list[int], chunks: int, width: int, depth: int,
+                     x: Tensor, y: Tensor, schedule: type[PipelineScheduleSingle] = ScheduleGPipe,
+                     ) -> tuple[list[str], nn.Sequential, Callable[[], None]]:
+    """This rank's layers of :func:`sequential` as a ``PipelineStage`` on ``schedule``, and one
+    training step."""
     first = sum(balance[:rank])
     names = [str(i) for i in range(first, first + balance[rank])]
     model = sequential(width, depth)
     part = nn.Sequential(*(model[i] for i in range(first, first + balance[rank])))
-    schedule = ScheduleGPipe(PipelineStage(part, rank, world, torch.device("cpu")), n_microbatches=chunks,
-                             loss_fn=nn.functional.cross_entropy)
+    scheduled = schedule(PipelineStage(part, rank, world, torch.device("cpu")), n_microbatches=chunks,
+                         loss_fn=nn.functional.cross_entropy)
     optimizer = torch.optim.SGD(part.parameters(), lr=LR)
 
     def step() -> None:
         optimizer.zero_grad()
         if rank == 0:
-            schedule.step(x)
+            scheduled.step(x)
         elif rank == world - 1:
-            schedule.step(target=y)
+            scheduled.step(target=y)
         else:
-            schedule.step()
+            scheduled.step()
         optimizer.step()
 
     return names, part, step

@@ -1,7 +1,9 @@
 """``lightning-pipe plan``: profile a model on the CPU and print each partitioner's plan for a
-device spec such as ``4x16GiB``, with the largest micro-batch that fits: a dry run before
-renting GPUs. Stages are planned, as in training, to a planning target below each device's
-memory limit."""
+device spec such as ``4x16GiB`` or ``8xA100-40GB``, with the largest micro-batch that fits: a
+dry run before renting GPUs. Stages are planned, as in training, to a planning target below
+each device's memory limit. For a named GPU the profile is made on fake tensors, its times
+estimated for that GPU, and its memory, host link and link between stages come from its
+datasheet."""
 
 import argparse
 import importlib
@@ -21,7 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from lightning_pipe.graph.capture import CaptureError, capture
 from lightning_pipe.graph.microbatch import scatter
-from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.measure.profiler import FAKE_DEVICE, profile_graph
+from lightning_pipe.plan.devices import DEVICES, DeviceSpec, parse_devices
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, Plan, make_plan, max_microbatch
 from lightning_pipe.plan.profile import Profile
@@ -49,6 +52,8 @@ class _Setup:
     schedule: Schedule
     host_bandwidth: float | None
     leaf_modules: list[str]
+    device: DeviceSpec | None = None  # a named GPU: times estimated for it
+    link_bandwidth: float | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,11 +73,16 @@ def main(argv: list[str] | None = None) -> int:
                       help="a forward argument of the whole batch, e.g. image=float32[16,3,32,32] or "
                            "batch.input_ids=int64[16,64] (a dict argument); repeat for more. "
                            "Default: the model's example_input_array")
-    plan.add_argument("--devices", help="each stage device's memory limit, with a unit: 4x16GiB or 16GiB,16GiB,8GiB. "
+    plan.add_argument("--devices", help="each stage device's memory limit, with a unit: 4x16GiB or 16GiB,16GiB,8GiB; "
+                                        f"or COUNTxGPU, one of {', '.join(DEVICES)}: 8xA100-40GB. "
                                         "Default with --config: trainer.devices x the strategy's memory_limit")
+    plan.add_argument("--memory-limit", help="with a named GPU, each stage's memory limit instead of the GPU's memory")
     plan.add_argument("--chunks", type=int, help=f"micro-batches per batch (default {_CHUNKS})")
     plan.add_argument("--schedule", choices=_SCHEDULES, help=f"pipeline schedule (default {_SCHEDULE})")
-    plan.add_argument("--host-bandwidth", type=float, help="bytes/s to host memory; allows swap (default: none)")
+    plan.add_argument("--host-bandwidth", type=float, help="bytes/s to host memory; allows swap (default: a named "
+                                                           "GPU's host link, else none)")
+    plan.add_argument("--link-bandwidth", type=float, help="bytes/s between stage devices (default: a named GPU's "
+                                                           "link, else transfers are free)")
     args = parser.parse_args(argv)
     try:
         setup = _setup(args)
@@ -84,17 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     targets = [int(limit * PLANNING_HEADROOM) for limit in setup.limits]
     with _progress_bar() as bar:
         profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
+                                fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
                                 progress=_tracker(bar, "profiling nodes", len(captured.nodes)))
         advance = _tracker(bar, "planning", len(PARTITIONERS))
         results = []
         for done, name in enumerate(PARTITIONERS, 1):
             results.append((name, _plan(profile, targets, name, setup)))
             advance(done, len(PARTITIONERS))
-    print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) on {profile.device} at micro-batch "
+    where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
+    print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
           f"{profile.microbatch_size}; "
           f"{len(targets)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
           f"memory limit {_sizes(setup.limits)}, planning target {_sizes(targets)} "
-          f"({PLANNING_HEADROOM:.0%} of the limit)\n")
+          f"({PLANNING_HEADROOM:.0%} of the limit); host link {_rate(setup.host_bandwidth)}, link between stages "
+          f"{_rate(setup.link_bandwidth)}\n")
     for name, result in results:
         if isinstance(result, InfeasiblePlanError):
             print(f"== {name}: does not fit: {result}\n")
@@ -114,21 +127,43 @@ def _setup(args: argparse.Namespace) -> _Setup:
     path, model = _model(args, config)
     chunks = args.chunks if args.chunks is not None else settings.get("chunks", _CHUNKS)
     schedule = args.schedule or settings.get("schedule", _SCHEDULE)
-    host_bandwidth = args.host_bandwidth if args.host_bandwidth is not None else settings.get("host_bandwidth")
+    device, limits = _limits(args, trainer, settings)
+    host_bandwidth = _given(args.host_bandwidth, settings.get("host_bandwidth"), device and device.host_bandwidth)
+    link_bandwidth = _given(args.link_bandwidth, settings.get("link_bandwidth"), device and device.link_bandwidth)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}.")
     if schedule not in _SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(_SCHEDULES)}, got {schedule!r}.")
-    if host_bandwidth is not None and (not isinstance(host_bandwidth, (int, float)) or host_bandwidth <= 0):
-        raise ValueError(f"host_bandwidth must be a positive number of bytes per second, got {host_bandwidth!r}.")
-    if args.devices:
-        limits = _devices(args.devices)
-    elif args.config:
-        limits = _config_limits(args.config, trainer.get("devices"), settings.get("memory_limit"))
-    else:
-        raise ValueError("give --devices, each stage device's memory limit, e.g. 4x16GiB.")
+    for name, rate in (("host_bandwidth", host_bandwidth), ("link_bandwidth", link_bandwidth)):
+        if rate is not None and (not isinstance(rate, (int, float)) or rate <= 0):
+            raise ValueError(f"{name} must be a positive number of bytes per second, got {rate!r}.")
     return _Setup(path, model, _inputs(args.input, model, path), limits, chunks, schedule, host_bandwidth,
-                  list(settings.get("leaf_modules") or []))
+                  list(settings.get("leaf_modules") or []), device, link_bandwidth)
+
+
+def _limits(
+    args: argparse.Namespace, trainer: dict[str, Any], settings: dict[str, Any]
+) -> tuple[DeviceSpec | None, list[int]]:
+    """The named GPU, if any, and each stage's memory limit."""
+    named = parse_devices(args.devices) if args.devices else None
+    if named is not None:
+        device, count = named
+        if count < 1:
+            raise ValueError(f"--devices {args.devices!r} has no stages.")
+        return device, [parse_bytes(args.memory_limit) if args.memory_limit else device.memory] * count
+    if args.memory_limit:
+        raise ValueError("--memory-limit goes with a named GPU such as 8xA100-40GB; with memory sizes, "
+                         "--devices gives each stage's limit.")
+    if args.devices:
+        return None, _devices(args.devices)
+    if args.config:
+        return None, _config_limits(args.config, trainer.get("devices"), settings.get("memory_limit"))
+    raise ValueError("give --devices, each stage device's memory limit (e.g. 4x16GiB) or a GPU (e.g. 8xA100-40GB).")
+
+
+def _given(*choices: Any) -> Any:
+    """The first setting given: the command line's, the config's, the named GPU's."""
+    return next((c for c in choices if c is not None), None)
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -263,7 +298,7 @@ def _plan(
     profile: Profile, targets: list[int], name: Partitioner, setup: _Setup
 ) -> tuple[Plan, int] | InfeasiblePlanError:
     """The partitioner's plan and its largest micro-batch, or why nothing fits."""
-    settings = (setup.schedule, setup.chunks, setup.host_bandwidth)
+    settings = (setup.schedule, setup.chunks, setup.host_bandwidth, setup.link_bandwidth)
     try:
         return make_plan(profile, targets, name, *settings), max_microbatch(profile, targets, name, *settings)
     except InfeasiblePlanError as err:
@@ -283,6 +318,10 @@ def _tracker(bar: Progress, description: str, total: int) -> Callable[[int, int]
     """A ``(done, total)`` callback moving a new task of ``bar``."""
     task = bar.add_task(description, total=total)
     return lambda done, _total: bar.update(task, completed=done)
+
+
+def _rate(bytes_per_s: float | None) -> str:
+    return "none" if bytes_per_s is None else f"{bytes_per_s / 1e9:g} GB/s"
 
 
 def _sizes(values: list[int]) -> str:

@@ -1,12 +1,16 @@
 """Smoke tests of the benchmarks' smallest pieces, so ``benchmarks/run.py`` and
 ``benchmarks/hf_capture.py`` cannot silently rot."""
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 
 from benchmarks.models import Bench
 from benchmarks.run import Config, memory_config, reference_capacity, sample_profile, search
 from examples.models import GPT, TokenDataset
+from lightning_pipe.plan.devices import DEVICES
 
 
 def _tiny_gpt() -> GPT:
@@ -40,3 +44,57 @@ def test_hugging_face_capture_benchmark_runs_on_a_tiny_gpt2():
                    "--chunks", "2", "--memory", "64MiB"])
     assert result["nodes"] > 20 and result["parameters"] > 0
     assert all(result[k] >= 0 for k in ("capture_s", "profile_s", "plan_s"))
+
+
+@pytest.mark.slow
+def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from benchmarks import paper
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=32, vocab_size=128, use_cache=False)
+    tiny = paper.Workload("gpt2", "tiny GPT-2", paper._hf(transformers.GPT2LMHeadModel, config), paper._tokens(32),
+                          paper._keywords, paper._hf_loss)
+    small = replace(DEVICES["A100-40GB"], name="A100-64MiB", memory=64 * 2**20)
+    results = paper.main(["--stages", "2", "--out", str(tmp_path)], workloads=[tiny], device=small)
+
+    rows = results["rows"]
+    assert [(r["schedule"], r["memopt"], r["partitioner"]) for r in rows] == [
+        (s, m, p) for s in ("gpipe", "2bw") for m in (False, True) for p in ("time", "dawnpiper")]
+    for r in rows:  # trained by fake execution, at most what the planner predicted, under the cap
+        assert 1 <= r["max_microbatch"] <= r["predicted"] and r["fake_runs"] >= 1
+        assert 0 < r["fake_peak_gib"] * 2**30 <= small.memory and r["batch"] == 2 * r["max_microbatch"]
+    assert [r["vs_time"] for r in results["ratios"]] == [
+        d["max_microbatch"] / t["max_microbatch"] for t, d in zip(rows[::2], rows[1::2])]
+    # dawnpiper's search from the size another partitioner fits finds what max_microbatch finds
+    bench = paper.Bench(tiny, small)
+    time_fits = bench.predicted(2, "2bw", True, "time")
+    assert bench.predicted(2, "2bw", True, "dawnpiper", at_least=time_fits) == bench.predicted(2, "2bw", True,
+                                                                                                "dawnpiper")
+    page = (tmp_path / "docs" / "paper-scale.md").read_text()
+    assert "## Table 1: synchronous" in page and "## Table 2: asynchronous" in page and "| tiny GPT-2 |" in page
+    assert json.loads((tmp_path / "benchmarks" / "paper_results.json").read_text())["rows"] == rows
+
+
+def test_paper_benchmark_guesses_the_next_size_from_the_measured_peaks():
+    from benchmarks.paper import _next_size
+
+    gib = 2**30
+    assert _next_size(0, 120, {120: 50 * gib}, 40 * gib) == 96  # the peak taken as proportional to the size
+    assert _next_size(96, 120, {96: 36 * gib, 120: 44 * gib}, 40 * gib) == 108  # straight between two sizes
+    assert _next_size(96, 100, {96: 36 * gib, 100: 36 * gib + 1}, 40 * gib) == 98  # past high: bisect
+
+
+@pytest.mark.slow
+def test_paper_benchmark_rows_are_the_same_from_worker_processes(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from benchmarks import paper
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, use_cache=False)
+    tiny = paper.Workload("gpt2", "tiny GPT-2", paper._hf(transformers.GPT2LMHeadModel, config), paper._tokens(16),
+                          paper._keywords, paper._hf_loss)
+    monkeypatch.setattr(paper, "paper_models", lambda: {"gpt2": tiny})  # the forked workers see it too
+    small = replace(DEVICES["A100-40GB"], memory=16 * 2**20)
+    settings = paper.Settings(["gpt2"], [2, 3], ["1f1b"], ["params"], [False])
+    pooled, inline = (paper.run([tiny], settings, small, jobs) for jobs in (2, 1))
+    assert [(r.stages, r.max_microbatch) for r in pooled] == [(r.stages, r.max_microbatch) for r in inline]
+    assert [r.stages for r in pooled] == [2, 3] and all(r.max_microbatch > 0 for r in pooled)

@@ -139,13 +139,36 @@ def test_lightning_pipe_plan_captures_with_torch_export_what_fx_cannot_trace(cap
     assert len(_largest(out)) == 5
 
 
+def test_lightning_pipe_plan_for_named_gpus_takes_their_memory_links_and_times(capsys):
+    from lightning_pipe.cli import main
+
+    unet = ["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--chunks", "2"]
+    assert main(["plan", *unet, "--devices", "2xA100-40GB"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "on fake tensors, times for A100-40GB, at micro-batch 4" in first
+    assert "memory limit 2 x 40.0GiB, planning target 2 x 36.0GiB" in first
+    assert first.endswith("host link 32 GB/s, link between stages 300 GB/s")
+    assert main(["plan", *unet, "--devices", "2xh100-80gb", "--memory-limit", "20GiB", "--host-bandwidth", "1e9",
+                 "--link-bandwidth", "2e9"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "times for H100-80GB" in first and "memory limit 2 x 20.0GiB" in first
+    assert first.endswith("host link 1 GB/s, link between stages 2 GB/s")
+
+
 GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "examples.models.Nope", "--devices", "2x1GiB"], "cannot import 'examples.models.Nope'"),
     (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2 x lots"],
-     "Cannot read 'lots' as a memory size"),
+     "unknown device 'lots' in '2 x lots': give one of V100-32GB, A100-40GB, A100-80GB, H100-80GB (e.g. "
+     "8xA100-40GB), or a memory size per device such as 4x16GiB."),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2xA100",
+      "--chunks", "2"], "unknown device 'A100' in '2xA100'"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2x1GiB",
+      "--memory-limit", "1GiB"], "--memory-limit goes with a named GPU"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "0xA100-40GB"],
+     "--devices '0xA100-40GB' has no stages"),
     (["--model", "examples.models.UNet", "--input", "image=complex[8]", "--devices", "2x1GiB"], "cannot read --input"),
     (["--model", "examples.models.UNet", "--devices", "2x1GiB"], "give the batch with --input"),
     (["--model", "examples.models.UNet", "--input", "img=float32[8,3,32,32]", "--devices", "2x1GiB"],

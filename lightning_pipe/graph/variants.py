@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_structure
 from lightning_pipe.graph.capture import Captured, capture
 from lightning_pipe.graph.export import bind_arguments
 
-__all__ = ["Variants", "follow_balance", "modes"]
+__all__ = ["Variants", "follow_balance", "in_mode", "modes"]
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -42,8 +42,17 @@ class Variants:
         """The graph with every module in training mode, the one a pipeline is planned and
         placed for, whatever mode the module is in now (Lightning validates before it
         trains). Without ``inputs`` only torch.fx can capture it."""
-        with _training(self.module):
+        with in_mode(self.module, training=True):
             return self.get(inputs)
+
+    def known(self, inputs: Inputs | None = None) -> Captured | None:
+        """The graph already captured for the module's current modes and these inputs, if any."""
+        key = modes(self.module)
+        arguments = bind_arguments(self.module, *inputs) if inputs is not None else None
+        for k, captured in self.graphs:
+            if k == key and (captured.specialization is None or (arguments is not None and captured.admits(arguments))):
+                return captured
+        return None
 
     def get(self, inputs: Inputs | None = None) -> Captured:
         """The graph for the module's current modes and these ``(args, kwargs)``, captured at
@@ -52,11 +61,11 @@ class Variants:
         Raises:
             CaptureError: see :func:`~lightning_pipe.graph.capture.capture`.
         """
+        known = self.known(inputs)
+        if known is not None:
+            return known
         key = modes(self.module)
         arguments = bind_arguments(self.module, *inputs) if inputs is not None else None
-        for k, captured in self.graphs:
-            if k == key and (captured.specialization is None or (arguments is not None and captured.admits(arguments))):
-                return captured
         # A second graph for the same modes and input structure: a size changed, so keep them all symbolic.
         again = arguments is not None and any(
             k == key and c.specialization is not None and c.specialization.spec == tree_structure(arguments)
@@ -72,9 +81,10 @@ class Variants:
 
 
 @contextmanager
-def _training(module: nn.Module) -> Iterator[None]:
+def in_mode(module: nn.Module, training: bool) -> Iterator[None]:
+    """Every submodule in training (or evaluation) mode inside, each one's mode restored after."""
     before = [(m, m.training) for m in module.modules()]
-    module.train()
+    module.train(training)
     try:
         yield
     finally:

@@ -17,34 +17,42 @@ loggers and ``ModelCheckpoint(monitor=...)`` see it everywhere.
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments.lightning import LightningEnvironment
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
-from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import batch_size, scatter
-from lightning_pipe.graph.variants import Variants
+from lightning_pipe.graph.variants import Variants, follow_balance, in_mode
 from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector
+from lightning_pipe.lightning.sharded import is_sharded, load_meta, load_optimizer, load_tensors, save_sharded
 from lightning_pipe.lightning.steps import _loss_of
 from lightning_pipe.lightning.strategy import MemoryPipeStrategy, _policies
 from lightning_pipe.measure.clock import StageClock
@@ -55,7 +63,7 @@ from lightning_pipe.plan.plan import PLANNING_HEADROOM, make_plan
 from lightning_pipe.plan.schedule import actions
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
-from lightning_pipe.runtime.distributed import DistributedPipeline, cuts
+from lightning_pipe.runtime.distributed import DistributedPipeline, StageRunner, cuts, pipeline_mesh
 
 __all__ = ["DistributedPipeStrategy", "become_distributed"]
 
@@ -76,6 +84,11 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         self._mode: str | None = None  # "probe" or "serve" while a user step runs
         self._probed: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._step_loss: Callable[[Any, Tensor], Tensor] | None = None  # the running step's loss function
+        self._sharded_from: Path | None = None  # a sharded checkpoint being resumed
+        self._optimizers_from: Path | None = None  # ... whose optimizer state waits for the pipeline
+        self._graphs: Variants | None = None  # the forward's graphs, by modes and inputs
+        self._pipe_graph: Captured | None = None  # the graph the pipeline runs (the training graph)
+        self._runners: dict[int, StageRunner] = {}  # this rank's stage of each other graph (evaluation's)
 
     # --- ranks and processes, as Lightning's multi-process strategies ---------------------
 
@@ -85,25 +98,11 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
-    @property
-    @override
-    def global_rank(self) -> int:
-        return ParallelStrategy.global_rank.fget(self)  # type: ignore[attr-defined,no-any-return]
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return ParallelStrategy.local_rank.fget(self)  # type: ignore[attr-defined,no-any-return]
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return ParallelStrategy.node_rank.fget(self)  # type: ignore[attr-defined,no-any-return]
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return ParallelStrategy.world_size.fget(self)  # type: ignore[attr-defined,no-any-return]
+    # ParallelStrategy's, from the cluster environment (MemoryPipeStrategy's are one process's)
+    global_rank = ParallelStrategy.global_rank
+    local_rank = ParallelStrategy.local_rank
+    node_rank = ParallelStrategy.node_rank
+    world_size = ParallelStrategy.world_size
 
     @property
     def is_distributed(self) -> bool:
@@ -134,6 +133,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            _LAUNCHERS.append(self._launcher)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -146,32 +146,42 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        assert self.cluster_environment is not None
-        backend = _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
+        self._connect()
         if self.world_size % self.num_stages:
             raise ValueError(
                 f"stages={self.num_stages} does not divide the {self.world_size} processes into whole pipeline "
                 f"replicas. Use a divisor of {self.world_size} (devices * num_nodes), or leave stages=None."
             )
-        shape = (self.num_stages, self.world_size // self.num_stages)
-        self._mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("pp", "dp"))
+        if self._mesh is None:  # once per strategy, whichever of fit, validate, test, predict runs first
+            replicas = self.world_size // self.num_stages
+            self._mesh = pipeline_mesh(self.num_stages, replicas, self.root_device.type, self.timeout)
         self._module._device_mesh = self._mesh
+
+    def _connect(self) -> None:
+        """The default process group, waiting ``timeout`` for a peer. When Lightning's launcher
+        starts the other ranks (after global rank 0), rank 0 waits for them to start (imports
+        included) for at least ``_START_UP``: their start-up is no unanswered peer."""
+        env = self.cluster_environment
+        assert env is not None
+        if dist.is_initialized():
+            return
+        options: dict[str, Any] = {}
+        if isinstance(env, LightningEnvironment):  # not torchrun's or a scheduler's, which start every rank at once
+            options["store"] = dist.TCPStore(  # type: ignore[attr-defined]  # public, not re-exported in the stubs
+                env.main_address, env.main_port, self.world_size, is_master=self.global_rank == 0,
+                timeout=max(self.timeout, _START_UP),
+            )
+        backend = _get_default_process_group_backend_for_device(self.root_device)
+        _init_dist_connection(env, backend, timeout=self.timeout, **options)
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
-            if not self._module.automatic_optimization:
-                raise ValueError(
-                    "runtime='distributed' runs each micro-batch's backward inside the schedule, which needs "
-                    "automatic optimization. Use runtime='local' for manual optimization."
-                )
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and not self._module.automatic_optimization:
+            raise ValueError(
+                "runtime='distributed' runs each micro-batch's backward inside the schedule, which needs "
+                "automatic optimization. Use runtime='local' for manual optimization."
+            )
+        Strategy.setup(self, trainer)  # Lightning's own: accelerator, precision, optimizers
         # clipping by norm needs the norm over every stage's parameters
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
@@ -192,7 +202,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             return self._pipe
         module = self._module
         args, kwargs = self._forward_inputs(hook, batch, batch_idx)
-        captured = Variants(module, self.leaf_modules).training_graph((args, kwargs))
+        self._graphs = self._graphs or Variants(module, self.leaf_modules)
+        captured = self._graphs.training_graph((args, kwargs))
         stages = self.num_stages
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
@@ -206,7 +217,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
                     self.profile = profile_graph(captured, *sample, optimizer=optimizer)
                 capacity = self._stage_capacities(stages)
                 plan = make_plan(self.profile, [int(c * PLANNING_HEADROOM) for c in capacity], self.planner,
-                                 self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth)
+                                 self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth, carry=True)
             balance = plan.balance if plan else self.balance or balance_by_weight(captured.param_bytes(), stages)
             policies = _policies(captured, plan) if plan else {}
             program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
@@ -214,11 +225,15 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         dist.broadcast_object_list(box, src=0)
         balance, policies, boundaries, self.plan = box[0]
         program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
+        if final:  # the evaluation graph, while every rank holds every tensor (an exported one needs them)
+            with in_mode(module, training=False):
+                self._graphs.get((args, kwargs))
         self._pipe = DistributedPipeline(
             program, module, boundaries, self.device_mesh, self.schedule,  # type: ignore[arg-type]
-            self.chunks, self._loss, self.root_device, release=final,
+            self.chunks, self._loss, self.root_device, release=final, timeout=self.timeout,
         )
         self._planned = final
+        self._pipe_graph, self._runners = captured, {}
         self.clock = self._pipe.module.clock = StageClock(1)  # this rank's stage as stage 0
         if self.measure_memory:
             self.meter = self._pipe.module.meter = MemoryMeter(1)
@@ -227,6 +242,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             for optimizer in self.optimizers:  # state of tensors another rank holds
                 for param in [p for p in optimizer.state if p.numel() == 0]:
                     del optimizer.state[param]
+            self._load_sharded_optimizers()
         return self._pipe
 
     def _stage_capacities(self, stages: int) -> list[int]:
@@ -362,11 +378,11 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         pipe = self._ensure_pipeline(hook, batch, batch_idx, training=False)
         module = self._module
         count = len(scatter(batch, self.chunks))
-        microbatches = None
-        if pipe.stage_index == 0:
-            inputs = pipe.module.program.bind(*self._forward_inputs(hook, batch, batch_idx))
-            microbatches = scatter(inputs, count)
-        output = pipe.rank.forward_only(microbatches, count)
+        forward_args, forward_kwargs = self._forward_inputs(hook, batch, batch_idx)
+        runner = self._runner(pipe, forward_args, forward_kwargs)
+        inputs = runner.program.bind(forward_args, forward_kwargs)
+        microbatches = scatter(inputs, count) if pipe.stage_index == 0 else None
+        output = pipe.rank.forward_only(runner, microbatches, count)
         result, logged = None, cast(Logged, [])
         if pipe.rank.module.is_last:
             with _recording(module, logged), self._serving(output):
@@ -375,6 +391,28 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         if not pipe.rank.module.is_last:
             _replay(module, logged)
         return result
+
+    def _runner(self, pipe: DistributedPipeline, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StageRunner:
+        """This rank's stage of the graph for the module's current modes and these inputs: in
+        evaluation, the evaluation graph (no dropout; batch norm's running statistics), split
+        so that each stage reads the parameters its rank holds; built once per graph."""
+        assert self._graphs is not None and self._pipe_graph is not None, "the pipeline captured the training graph"
+        captured = self._graphs.known((args, kwargs))
+        if captured is None and pipe.released and self._pipe_graph.front_end == "torch.export":
+            raise RuntimeError(
+                "Under runtime='distributed' each rank holds only its stage's parameters once training starts, so "
+                "torch.export can capture no new graph of forward: evaluation runs the graph captured in evaluation "
+                "mode from the first training batch's arguments. Call self(...) with the same arguments (names, "
+                "shapes but the batch size) in every step (e.g. pass labels in predict_step too, pad to one length)."
+            )
+        captured = captured or self._graphs.get((args, kwargs))
+        if captured is self._pipe_graph:
+            return pipe.module
+        if id(captured) not in self._runners:
+            balance = follow_balance(captured, pipe.stage_of(), pipe.num_stages)
+            program = build(captured, self._module, balance, [self.root_device] * pipe.num_stages, place=False)
+            self._runners[id(captured)] = pipe.runner(program, self._module)
+        return self._runners[id(captured)]
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -436,10 +474,17 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The plain module's ``state_dict``, gathered on global rank 0 (empty elsewhere)."""
+        """The plain module's ``state_dict``, gathered on global rank 0 (empty elsewhere); when
+        sharded, each rank's own part."""
         if self._pipe is None:
-            return self._module.state_dict()
+            return self._module.state_dict() if self.global_rank == 0 or not self._sharded else {}
+        if self._sharded:
+            return self._pipe.owned_state()
         return self._pipe.state_dict() or {}
+
+    @property
+    def _sharded(self) -> bool:
+        return self.state_dict_type == "sharded"
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -448,8 +493,10 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             optimizer = optimizer._optimizer
         state = optimizer.state_dict()
         if self._pipe is None:
-            return state
+            return state if self.global_rank == 0 or not self._sharded else {**state, "state": {}}
         mine = state["state"] if self._pipe.replica == 0 else {}
+        if self._sharded:
+            return {**state, "state": mine}
         parts: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
         dist.gather_object(mine, parts if self.global_rank == 0 else None, dst=0)
         if self.global_rank != 0:
@@ -460,18 +507,56 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """A sharded checkpoint is a directory every rank writes its part to."""
+        if self._sharded:
+            save_sharded(checkpoint, Path(self.broadcast(filepath)), self.global_rank)
+        else:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded checkpoint's tensors are read in place later, each rank its own."""
+        path = Path(self.broadcast(checkpoint_path))
+        self._sharded_from = path if is_sharded(path) else None
+        if self._sharded_from is None:
+            if path.is_dir():
+                raise FileNotFoundError(
+                    f"{path} is a directory but not a sharded checkpoint of runtime='distributed' (it has no "
+                    f"{_METADATA_FILENAME}). Pass the directory trainer.save_checkpoint wrote, or a checkpoint file."
+                )
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        return load_meta(path)
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._pipe is None:
+        if self._sharded_from is not None:  # every tensor before the first batch, then the held ones
+            tensors = self._pipe.held_state() if self._pipe else self._module.state_dict(keep_vars=True)
+            load_tensors(self._sharded_from, tensors)
+        elif self._pipe is None:
             self._module.load_state_dict(checkpoint["state_dict"], strict=strict)
         else:
             self._pipe.load_state_dict(checkpoint["state_dict"])
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._sharded_from is not None:  # read once the pipeline says which parameters are this rank's
+            self._optimizers_from = self._sharded_from
+            if self._planned:
+                self._load_sharded_optimizers()
+            return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
             for param in [p for p in optimizer.state if p.numel() == 0]:
                 del optimizer.state[param]  # another rank holds it
+
+    def _load_sharded_optimizers(self) -> None:
+        if self._optimizers_from is None or self._pipe is None:
+            return
+        held = [p for p in self._pipe.held if isinstance(p, nn.Parameter)]
+        for i, optimizer in enumerate(self.optimizers):
+            load_optimizer(self._optimizers_from, i, optimizer, held)
+        self._optimizers_from = None
 
     # --- collectives ------------------------------------------------------------------------
 
@@ -499,6 +584,18 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the rank that stopped first in every rank's error (its peers otherwise see only
+        gloo's "Connection closed by peer"), and end the processes this one launched (for any
+        Trainer's strategy: a later Trainer in the same script launches none): one may be
+        blocked on a rank that never answers."""
+        first = _first_failure(self.global_rank, exception)
+        if first is not None and isinstance(exception, RuntimeError):  # as add_note would, on Python 3.10
+            exception.args = (f"{exception}\n{first}",)
+        for launcher in _LAUNCHERS:
+            launcher.kill(_get_sigkill_signal())
+
+    @override
     def teardown(self) -> None:
         if self.lightning_module is not None:
             vars(self.lightning_module).pop("forward", None)
@@ -512,6 +609,24 @@ def become_distributed(strategy: MemoryPipeStrategy) -> None:
     """Turn a freshly constructed ``MemoryPipeStrategy`` into the distributed runtime."""
     strategy.__class__ = DistributedPipeStrategy
     cast(DistributedPipeStrategy, strategy)._start()
+
+
+_LAUNCHERS: list[_SubprocessScriptLauncher] = []  # every one this process made, with the processes it started
+_FAILURE = "lightning_pipe/first_failure"
+_START_UP = timedelta(minutes=5)  # the least global rank 0 waits for the ranks it launches to start
+
+
+def _first_failure(rank: int, exception: BaseException) -> str | None:
+    """The first failure another rank recorded in the process group's store, or ``None`` after
+    recording this one. The store lives in global rank 0: without it, ``None``."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([_FAILURE]):
+            return store.get(_FAILURE).decode()
+        store.set(_FAILURE, f"rank {rank} stopped first, with {type(exception).__name__}: {exception}")
+    except (RuntimeError, ValueError):  # no process group, or its store is gone
+        pass
+    return None
 
 
 class _Probed(Exception):

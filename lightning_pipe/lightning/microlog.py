@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
 
-__all__ = ["LogCollector", "LossReduction"]
+__all__ = ["LogCollector", "LossReduction", "silenced"]
 
 LossReduction = Literal["mean", "sum"]
 
@@ -142,6 +142,23 @@ class LogCollector:
         # kept (not only their ids) so that a freed output's id cannot be taken by a later value
         leaves = tree_flatten(output)[0]
         self._outputs.extend((t, id(metric), k) for k, t in enumerate(leaves) if isinstance(t, Tensor))
+
+
+@contextmanager
+def silenced(module: LightningModule) -> Iterator[None]:
+    """Inside, ``self.log`` does nothing and every ``Metric`` of the module is a copy of
+    itself: a probing run of ``training_step`` leaves nothing logged or accumulated."""
+    metrics = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
+               if isinstance(child, Metric)]
+    for parent, name, child in metrics:
+        parent._modules[name] = child.clone()
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
+        for parent, name, child in metrics:
+            parent._modules[name] = child
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

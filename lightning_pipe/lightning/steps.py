@@ -10,6 +10,7 @@ returns the batch loss.
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -72,7 +73,10 @@ class ScheduledStep:
                     with logs.microbatch(step.microbatch), self.precision.train_step_context():
                         self.pipeline.active = True
                         try:
-                            output = module.training_step(microbatches[step.microbatch], batch_idx, *args, **kwargs)
+                            microbatch = microbatches[step.microbatch]
+                            run = partial(module.training_step, microbatch, batch_idx, *args, **kwargs)
+                            meter = self.pipeline.meter  # the loss lives on the last stage's device
+                            output = meter.run_as(stages - 1, run) if meter else run()
                         finally:
                             self.pipeline.active = False
                     losses[step.microbatch] = _loss_of(output)

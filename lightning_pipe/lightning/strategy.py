@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 from contextlib import ExitStack
 from datetime import timedelta
+from functools import partial
 from types import UnionType
 from typing import Any, Literal, cast, get_args
 
@@ -24,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_flatten, tree_map
 from typing_extensions import override
 
 from lightning_pipe.graph.capture import Captured, NeedsExampleInputs
@@ -31,10 +33,10 @@ from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.graph.shapes import Shapes, batch_shapes, grown, largest, show, tile
 from lightning_pipe.graph.variants import Variants, follow_balance
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
-from lightning_pipe.lightning.microlog import LossReduction
+from lightning_pipe.lightning.microlog import LossReduction, silenced
 from lightning_pipe.lightning.steps import ScheduledStep
 from lightning_pipe.measure.clock import StageClock
-from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.measure.meter import MemoryMeter, not_charged
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan import report
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
@@ -52,6 +54,7 @@ from lightning_pipe.units import MemorySize, mib, parse_bytes
 __all__ = ["MemoryPipeStrategy"]
 
 Runtime = Literal["local", "distributed"]
+StateDictType = Literal["full", "sharded"]
 
 
 class MemoryPipeStrategy(ParallelStrategy):
@@ -98,6 +101,10 @@ class MemoryPipeStrategy(ParallelStrategy):
         stages: pipeline depth under ``runtime="distributed"``; default all processes.
         timeout: under ``runtime="distributed"``, how long a rank waits for another before
             failing (default 30 minutes), so that an error on one rank ends every rank.
+        state_dict_type: under ``runtime="distributed"``, ``"full"`` gathers checkpoints on
+            global rank 0 into one file; ``"sharded"`` has every rank write its own stage's
+            tensors and optimizer state into a ``torch.distributed.checkpoint`` directory, for
+            models too big to gather.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's
             own strategies; the Trainer fills them in when they are not given.
     """
@@ -121,6 +128,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         runtime: Runtime = "local",
         stages: int | None = None,
         timeout: timedelta | None = None,
+        state_dict_type: StateDictType = "full",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -162,7 +170,9 @@ class MemoryPipeStrategy(ParallelStrategy):
         if balance is not None and any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
         _check_runtime(runtime, stages, schedule, timeout)
+        _check_state_dict_type(runtime, state_dict_type)
         self.runtime = runtime
+        self.state_dict_type = state_dict_type
         self.stages = stages
         self.timeout = timeout or timedelta(minutes=30)
         self.chunks = chunks
@@ -189,6 +199,8 @@ class MemoryPipeStrategy(ParallelStrategy):
         self._pipelines: dict[int, Pipeline] = {}  # per graph (by id) of each mode and input
         self._policies: dict[str, Policy] = {}  # the training graph's, by node name
         self._probing = False
+        self._probe_meter: MemoryMeter | None = None  # meters what a probing training_step does outside forward
+        self._probe_output: Any = None  # the profiled output a probing self(...) returned
         self._scheduled: ScheduledPipeline | None = None
         self._versions: WeightVersions | None = None
         self._step: ScheduledStep | None = None
@@ -313,7 +325,8 @@ class MemoryPipeStrategy(ParallelStrategy):
 
     def _training_graph(self, inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Captured:
         assert self.parallel_devices
-        captured = self._variants.training_graph(inputs)
+        with not_charged():  # torch.export traces on fake tensors: no device's bytes
+            captured = self._variants.training_graph(inputs)
         check_stage_count(len(captured.nodes), len(self.parallel_devices))
         if self._batch_norm is not None and self._batch_norm.layers and captured.front_end != "torch.fx":
             raise ValueError(
@@ -363,7 +376,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         # predict run in eval mode, often with other batch sizes, and train on no plan of theirs.
         if self._needs_plan and self._probing:
             self._captured = self._training_graph((args, kwargs))  # an exported graph admitting these sizes
-            self._plan_from(args, kwargs)
+            return self._profile_from(args, kwargs)  # the probe goes on to the loss, then plans
         elif self._captured is None:
             self._captured = self._training_graph((args, kwargs))
             self._install_known(self._captured)
@@ -394,15 +407,26 @@ class MemoryPipeStrategy(ParallelStrategy):
             )
         return self._pipelines[id(captured)]
 
-    def _plan_from(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Profile this call's inputs (one micro-batch), plan, and re-split to the plan."""
-        assert self.planner is not None and self.parallel_devices and self._captured is not None
+    def _profile_from(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Profile this call's inputs (one micro-batch); return the graph's output on them,
+        from which the probing ``training_step`` goes on to compute its loss (``_probe``)."""
+        assert self._captured is not None and self._probe_meter is not None
         self._needs_plan = False
         optimizer = self.optimizers[0] if self.optimizers else None
-        with torch.enable_grad():
-            self.profile = profile_graph(self._captured, args, kwargs, optimizer=optimizer)
+        output: list[Any] = []
+        with torch.enable_grad(), self._probe_meter.running(None):
+            self.profile = profile_graph(self._captured, args, kwargs, optimizer=optimizer, output=output)
         if self._batch_norm is not None:
             self._batch_norm.discard()  # the profiler's runs are not part of the batch
+        if not self._module.automatic_optimization:
+            raise _Probed  # training_step would step the optimizers itself
+        self._probe_output = output[0]
+        # A copy, as the merged output is: the probe meters how long the loss keeps it.
+        return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, output[0])
+
+    def _plan(self) -> None:
+        """Plan from the profile, and re-split to the plan."""
+        assert self.planner is not None and self.parallel_devices and self._captured and self.profile
         devices = list(self.parallel_devices)
         capacities = self._capacities() or _device_capacities(devices)
         # Plan below the limit: the memory model's workspace and boundary terms are estimates.
@@ -476,6 +500,9 @@ class MemoryPipeStrategy(ParallelStrategy):
         to_plan = self._batch_to_plan(batch)
         if to_plan is not None or (self.schedule != "gpipe" and self._step is None):
             self._probe(batch if to_plan is None else to_plan, batch_idx)
+        if self.meter is not None:  # the batch lives on the root device, the last stage's
+            tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)]
+            self.meter.own(len(self.meter.stages) - 1, tensors, "boundary")
         if self._step is not None and self._lightning_skip is None and module is not None:
             loop = module.trainer.fit_loop
             self._lightning_skip = loop, loop._skip_backward
@@ -486,7 +513,8 @@ class MemoryPipeStrategy(ParallelStrategy):
         self.clock.reset()
         self._step_start = time.perf_counter()
         if self._step is None:
-            return super().training_step(*args, **kwargs)
+            step = partial(super().training_step, *args, **kwargs)
+            return self.meter.run_as(len(self.meter.stages) - 1, step) if self.meter else step()
         try:
             if self._lightning_skip is not None and self._lightning_skip[1]:
                 # Lightning skips backward itself (SWA's BatchNorm epoch): forwards only, as it runs them
@@ -529,20 +557,40 @@ class MemoryPipeStrategy(ParallelStrategy):
         return tile(batch, {path: shape for path, shape in target.items() if shape != now.get(path)})
 
     def _probe(self, batch: Any, batch_idx: int) -> None:
-        """Run ``training_step`` on the first micro-batch of ``batch``, without gradients, up to
-        its ``self(...)``, and stop there: planning profiles ``forward``'s inputs, and
-        torch.export captures from them, which only ``training_step`` makes. Schedule-driven
-        steps need the captured stages before they start."""
+        """Run ``training_step`` on the first micro-batch of ``batch`` up to its ``self(...)``:
+        planning profiles ``forward``'s inputs, and torch.export captures from them, which
+        only ``training_step`` makes. Schedule-driven steps need the captured stages before they
+        start. To plan, ``self(...)`` returns the profiled output and ``training_step`` goes on
+        to its loss and that loss's backward, metered (nothing logged, metrics untouched, the
+        random state restored): the last stage holds them. Otherwise it stops there."""
         module = self.lightning_module
         assert module is not None
-        self._probing = True
+        planning = self._needs_plan
+        sample = scatter(batch, self.chunks)[0]
+        self._probing, self._probe_meter = True, MemoryMeter(1)
+        meter = self._probe_meter
+        cuda = [d for d in self.parallel_devices or [] if d.type == "cuda"]
+        loss: Any = None
+        forward_peak = 0
         try:
-            with torch.no_grad():
-                module.training_step(scatter(batch, self.chunks)[0], batch_idx)
+            with (
+                torch.random.fork_rng(cuda), torch.set_grad_enabled(planning), silenced(module), meter,
+                meter.saved_tensors_hooks(),
+            ):
+                returned = meter.run_as(0, partial(module.training_step, sample, batch_idx))
+                loss = returned["loss"] if isinstance(returned, Mapping) else returned
+                forward_peak = meter.stages[0].peak
+                meter.reset_peaks()
+                _probe_backward(loss, self._probe_output)
         except _Probed:
             pass
         finally:
-            self._probing = False
+            self._probing, self._probe_output = False, None
+        if planning and self.profile is not None and not self._needs_plan:
+            self.profile.batch_bytes = _tensor_bytes(sample)
+            self.profile.loss_bytes, self.profile.loss_backward_bytes = forward_peak, meter.stages[0].peak
+            self.profile.loss_kept_bytes = loss.untyped_storage().nbytes() if isinstance(loss, Tensor) else 0
+            self._plan()
         if self._needs_plan or (self.schedule != "gpipe" and self._scheduled is None):
             raise RuntimeError(
                 "training_step never called the module's forward, which the pipeline runs: call "
@@ -622,6 +670,18 @@ class _Probed(Exception):
     """Ends a probing ``training_step`` at its first ``self(...)`` (see ``_probe``)."""
 
 
+def _probe_backward(loss: Any, output: Any) -> None:
+    """Run the backward of the loss a probing ``training_step`` returned down to the graph's
+    ``output``, which the probe made a leaf (nothing when it returned no loss)."""
+    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+    if isinstance(loss, Tensor) and loss.requires_grad and leaves:
+        torch.autograd.grad(loss, leaves, allow_unused=True)
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, Tensor))
+
+
 def _policies(captured: Captured, plan: Plan) -> dict[str, Policy]:
     """The plan's recompute and swap choices by node name."""
     return {n.name: cast(Policy, p) for n, p in zip(captured.nodes, plan.policies) if p != "keep"}
@@ -661,6 +721,16 @@ def _check_runtime(runtime: Runtime, stages: int | None, schedule: Schedule, tim
         raise ValueError(
             "schedule='2bw' runs only with runtime='local': torch.distributed.pipelining flushes the pipeline every "
             "step and has no two-version weights. Use schedule='1f1b' or 'gpipe' with runtime='distributed'."
+        )
+
+
+def _check_state_dict_type(runtime: Runtime, state_dict_type: StateDictType) -> None:
+    if state_dict_type not in ("full", "sharded"):
+        raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
+    if state_dict_type == "sharded" and runtime != "distributed":
+        raise ValueError(
+            "state_dict_type='sharded' writes one shard per process: it needs runtime='distributed'. With "
+            "runtime='local' one process holds every stage; leave state_dict_type='full'."
         )
 
 

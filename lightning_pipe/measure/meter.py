@@ -6,18 +6,24 @@ outputs: each new storage is charged to the stage running at that moment and rel
 the storage dies (a weakref finalizer). In forward the pipeline says which stage runs; in
 backward the running autograd node says it (nodes are tagged with their stage after the
 stage's forward). Parameters, gradients and optimizer state are charged to the stage that
-owns the parameter. Nothing here reads the planner's formulas.
+owns the parameter. An operator may also allocate and free memory inside itself (a
+convolution's scratch), which no dispatch mode sees: the allocator reports it to a profiler
+session the meter runs around the first call of each operator signature, and every call
+charges those bytes to its stage for the instant it runs. Nothing here reads the planner's
+formulas.
 """
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+from torch._C._profiler import ProfilerConfig, ProfilerState, _ExperimentalConfig
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -34,6 +40,11 @@ _RELABEL = ("transient", "boundary", "activations")
 
 
 _flags = threading.local()
+_T = TypeVar("_T")
+
+# Bytes an operator allocates and frees inside itself, by signature (see _workspace): a pure
+# function of the operator and its inputs' layout, so observed once per process.
+_WORKSPACE: dict[Hashable, int] = {}
 
 
 @contextmanager
@@ -78,6 +89,7 @@ class _Entry:
     stage: int
     kind: str
     nbytes: int
+    movable: bool = True  # made by an operator, not owned (parameters, the batch)
 
 
 class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -97,22 +109,33 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._entries: MutableMapping[torch.UntypedStorage, _Entry] = WeakIdKeyDictionary()
         self._owner: MutableMapping[Tensor, int] = WeakIdKeyDictionary()  # parameter -> stage
         self._hooks: list[RemovableHandle] = []
-        self.last_saver: dict[int, int] = {}  # stage that made a saved storage -> last stage saving it
+        self.last_saver: dict[int, int] = {}  # first stage keeping a storage -> last stage saving it
         self._tag = f"lightning_pipe.stage.{id(self)}"  # meters may nest (profiling while metering)
         self._local = threading.local()
         self._lock = threading.RLock()  # finalizers may fire inside a locked update
+        self._total = 0  # bytes charged to any stage now
+        self.process_peak = 0  # the most bytes charged to all stages together at one moment
 
     # -- what runs now ---------------------------------------------------------------------
 
     @contextmanager
-    def running(self, stage: int) -> Iterator[None]:
-        """Charge what is allocated inside to ``stage`` (a stage's forward)."""
+    def running(self, stage: int | None) -> Iterator[None]:
+        """Charge what is allocated inside to ``stage`` (a stage's forward); ``None``: to no
+        stage (planning inside a step)."""
         previous = getattr(self._local, "stage", None)
         self._local.stage = stage
         try:
             yield
         finally:
             self._local.stage = previous
+
+    def run_as(self, stage: int, run: Callable[[], _T]) -> _T:
+        """Run code outside the pipeline's stages as part of ``stage``, its backward included:
+        the loss ``training_step`` computes lives on the last stage's device."""
+        with self.running(stage):
+            result = run()
+        self.tag_backward([result], stage)
+        return result
 
     def tag_backward(self, outputs: Iterable[Any], stage: int) -> None:
         """Mark the autograd nodes a stage's forward created, so its backward is charged to it."""
@@ -148,7 +171,7 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if t not in self._owner and t.requires_grad:
                     self._hooks.append(t.register_post_accumulate_grad_hook(self._own_grad))  # type: ignore[no-untyped-call]
                 self._owner[t] = stage
-            self._charge(t, stage, kind)
+            self._charge(t, stage, kind, movable=False)
 
     def _own_grad(self, param: Tensor) -> None:
         if param.grad is not None:
@@ -182,11 +205,21 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if entry is not None and entry.kind in _RELABEL and _RELABEL.index(entry.kind) < rank:
                     self._move(entry, entry.stage, kind)
 
-    def _charge(self, t: Tensor, stage: int, kind: str) -> None:
+    def keep(self, stage: int | None, tensors: Iterable[Any]) -> None:
+        """Storages ``stage`` keeps for its backward (autograd saves them, or a recomputed
+        segment holds its inputs): its activations, whichever stage made them, as on a device
+        of its own, where it would keep a copy. The first stage keeping one holds it: its
+        backward runs last. Owned storages (parameters, the batch) stay where they are."""
+        for t in tree_flatten(list(tensors))[0]:
+            entry = self._entries.get(t.untyped_storage()) if isinstance(t, Tensor) else None
+            if entry is not None and entry.movable and entry.kind in ("transient", "boundary"):
+                self._move(entry, entry.stage if stage is None else stage, "activations")
+
+    def _charge(self, t: Tensor, stage: int, kind: str, movable: bool = True) -> None:
         storage = t.untyped_storage()
         entry = self._entries.get(storage)
         if entry is None:
-            entry = _Entry(stage, kind, storage.nbytes())
+            entry = _Entry(stage, kind, storage.nbytes(), movable)
             self._entries[storage] = entry
             weakref.finalize(storage, self._release, entry)
             self._add(stage, kind, entry.nbytes)
@@ -196,45 +229,69 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _move(self, entry: _Entry, stage: int, kind: str) -> None:
         with self._lock:
             self.stages[entry.stage].current[entry.kind] -= entry.nbytes
+            self._total -= entry.nbytes
         entry.stage, entry.kind = stage, kind
         self._add(stage, kind, entry.nbytes)
 
     def _add(self, stage: int, kind: str, nbytes: int) -> None:
         with self._lock:
-            memory = self.stages[stage]
-            capacity = self.capacities[stage]
-            in_use = memory.total
-            if capacity is not None and in_use + nbytes > capacity:
-                raise StageOutOfMemoryError(stage, capacity, nbytes, in_use)
-            memory.current[kind] += nbytes
-            memory.kind_peaks[kind] = max(memory.kind_peaks[kind], memory.current[kind])
-            if in_use + nbytes > memory.peak:
-                memory.peak = in_use + nbytes
-                memory.peak_by_kind = dict(memory.current)
+            self._check(stage, nbytes)
+            self.stages[stage].current[kind] += nbytes
+            self._total += nbytes
+            self._note_peak(stage, kind)
+
+    def _spike(self, stage: int, nbytes: int) -> None:
+        """``nbytes`` of transient memory held for an instant (an operator's workspace)."""
+        with self._lock:
+            self._check(stage, nbytes)
+            self._note_peak(stage, "transient", nbytes)
+
+    def _check(self, stage: int, nbytes: int) -> None:
+        capacity, in_use = self.capacities[stage], self.stages[stage].total
+        if capacity is not None and in_use + nbytes > capacity:
+            raise StageOutOfMemoryError(stage, capacity, nbytes, in_use)
+
+    def _note_peak(self, stage: int, kind: str, extra: int = 0) -> None:
+        memory = self.stages[stage]
+        level = memory.current[kind] + extra
+        memory.kind_peaks[kind] = max(memory.kind_peaks[kind], level)
+        if memory.total + extra > memory.peak:
+            memory.peak = memory.total + extra
+            memory.peak_by_kind = {**memory.current, kind: level}
+        self.process_peak = max(self.process_peak, self._total + extra)
 
     def _release(self, entry: _Entry) -> None:
         with self._lock:
             self.stages[entry.stage].current[entry.kind] -= entry.nbytes
+            self._total -= entry.nbytes
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         where = None if getattr(_flags, "off", False) else self._stage_now()
-        if where is not None:
-            # Views and in-place results share an input's storage: not an allocation.
-            inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
-            aliases = [r.alias_info is not None for r in func._schema.returns]
-            for k, t in enumerate(tree_flatten(out)[0]):
-                if not isinstance(t, Tensor):
-                    continue
-                if where[1] == "gradients" or not (
-                    id(t.untyped_storage()) in inputs or aliases[min(k, len(aliases) - 1)]
-                ):
-                    self._charge(t, *where)  # (under AccumulateGrad: a buffer adopted as .grad)
+        if where is None:
+            return func(*args, **kwargs)
+        flat = tree_flatten((args, kwargs))[0]
+        out, workspace = _workspace(func, args, kwargs, flat)
+        # Views and in-place results share an input's storage: not an allocation.
+        inputs = {id(t.untyped_storage()) for t in flat if isinstance(t, Tensor)}
+        aliases = [r.alias_info is not None for r in func._schema.returns]
+        for k, t in enumerate(tree_flatten(out)[0]):
+            if not isinstance(t, Tensor):
+                continue
+            if where[1] == "gradients" or not (id(t.untyped_storage()) in inputs or aliases[min(k, len(aliases) - 1)]):
+                self._charge(t, *where)  # (under AccumulateGrad: a buffer adopted as .grad)
+        if workspace:
+            self._spike(where[0], workspace)
         return out
 
     # -- reading ---------------------------------------------------------------------------
+
+    def charged(self, t: Tensor) -> tuple[int, str] | None:
+        """The stage and kind ``t``'s storage is charged to, if any."""
+        entry = self._entries.get(t.untyped_storage())
+        return None if entry is None else (entry.stage, entry.kind)
 
     def peaks(self) -> list[int]:
         return [m.peak for m in self.stages]
@@ -244,6 +301,7 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             m.peak = m.total
             m.peak_by_kind = dict(m.current)
             m.kind_peaks = dict(m.current)
+        self.process_peak = self._total
 
     @staticmethod
     def cuda_peaks(devices: Sequence[torch.device]) -> list[int] | None:
@@ -253,14 +311,71 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return [torch.cuda.max_memory_allocated(d) for d in devices]
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """Hooks that label tensors autograd saves as stashed activations."""
+        """Hooks that charge tensors autograd saves to the saving stage as stashed activations
+        (:meth:`keep`)."""
 
         def pack(t: Tensor) -> Tensor:
-            self.mark([t], "activations")
-            entry = self._entries.get(t.untyped_storage())
             saver = getattr(self._local, "stage", None)
+            self.keep(saver, [t])
+            entry = self._entries.get(t.untyped_storage())
             if entry is not None and saver is not None:
                 self.last_saver[entry.stage] = max(self.last_saver.get(entry.stage, -1), saver)
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+_MEMORY_EVENTS = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
+
+
+def _workspace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any]) -> tuple[Any, int]:
+    """Run an operator; return its result and the most bytes it held inside itself beyond
+    what it returns. Observed from the allocator's reports to a profiler session at the first
+    call of each signature (operator, input layouts, other arguments), which is all they depend
+    on; while another profiler runs, an unseen signature counts none, and so does one on fake
+    tensors, which allocate nothing to observe (they get what a real call showed)."""
+    key = _signature(func, kwargs, flat)
+    known = _WORKSPACE.get(key) if key is not None else None
+    if known is not None or torch._C._autograd._profiler_enabled() or any(isinstance(t, FakeTensor) for t in flat):
+        return func(*args, **kwargs), known or 0
+    out, workspace = _observed(lambda: func(*args, **kwargs), _on_cuda(flat))
+    if key is not None:
+        _WORKSPACE[key] = workspace
+    return out, workspace
+
+
+def _observed(run: Callable[[], Any], cuda: bool) -> tuple[Any, int]:
+    """``run()`` in a profiler session that records allocations: its result and the peak of
+    the bytes it allocated, less those still allocated when it returns (its outputs)."""
+    torch._C._autograd._enable_profiler_legacy(_MEMORY_EVENTS)
+    try:
+        out = run()
+    finally:
+        threads = torch._C._autograd._disable_profiler_legacy()
+    start = next(e for thread in threads for e in thread)
+    sizes = [(start.cpu_elapsed_us(e), e.cuda_memory_usage() if cuda else e.cpu_memory_usage())
+             for thread in threads for e in thread]  # only allocations and frees have a size
+    now = peak = 0
+    for _, size in sorted(sizes, key=lambda s: s[0]):
+        now += size
+        peak = max(peak, now)
+    return out, peak - max(now, 0)
+
+
+def _signature(func: Any, kwargs: dict[str, Any], flat: list[Any]) -> Hashable | None:
+    """What an operator's workspace depends on; ``None`` where an argument is not hashable."""
+    key = (func, tuple(kwargs), *(_layout(x) if isinstance(x, Tensor) else x for x in flat))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _layout(t: Tensor) -> tuple[Any, ...]:
+    strides = t.stride() if t.layout == torch.strided else None
+    return t.shape, strides, t.dtype, t.device, t.layout
+
+
+def _on_cuda(flat: list[Any]) -> bool:
+    return any(isinstance(t, Tensor) and t.device.type == "cuda" for t in flat)

@@ -8,32 +8,32 @@ The result is a :class:`~lightning_pipe.plan.profile.Profile`, plain data for th
 """
 
 import inspect
-import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pipe.graph.capture import Captured, get_attr
 from lightning_pipe.graph.export import localize_args
 from lightning_pipe.graph.microbatch import batch_size
 from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.measure.roofline import WorkCounter
+from lightning_pipe.plan.devices import DEVICES, DeviceSpec
 from lightning_pipe.plan.profile import NodeProfile, Profile, SharedParam
 from lightning_pipe.stream import current_stream, elapsed_ms, record_event
 
-__all__ = ["FAKE_BYTES_PER_S", "FAKE_FLOPS_PER_S", "profile_graph"]
+__all__ = ["FAKE_DEVICE", "profile_graph"]
 
-#: The nominal device a fake profile's times are estimated for (an accelerator in half
-#: precision). Only their ratios matter to balancing and recompute; against
+#: The GPU a fake profile's times are estimated for when none is given (the DawnPiper
+#: paper's). Only their ratios matter to balancing and recompute; against
 #: ``host_bandwidth`` and ``link_bandwidth`` the absolute times do.
-FAKE_FLOPS_PER_S = 100e12
-FAKE_BYTES_PER_S = 1e12
+FAKE_DEVICE = DEVICES["A100-40GB"]
 
 
 def profile_graph(
@@ -45,7 +45,9 @@ def profile_graph(
     repeats: int = 3,
     warmup: int = 1,
     fake: bool = False,
+    device: DeviceSpec = FAKE_DEVICE,
     progress: Callable[[int, int], None] | None = None,
+    output: list[Any] | None = None,
 ) -> Profile:
     """Measure every node of ``captured`` on one sample micro-batch ``(args, kwargs)``.
 
@@ -60,11 +62,14 @@ def profile_graph(
         args, kwargs: a sample micro-batch, as passed to ``forward``.
         optimizer: the user's optimizer; its class and settings measure optimizer-state bytes.
         fake: measure bytes on fake tensors (no data, no compute) where running is
-            impossible, e.g. activations that do not fit; times are then estimated (a
-            node's FLOPs at :data:`FAKE_FLOPS_PER_S` plus writing and reading the bytes it
-            allocates at :data:`FAKE_BYTES_PER_S`; backward twice forward).
+            impossible, e.g. activations that do not fit; times are then estimated for
+            ``device``: each operator's roofline (:mod:`~lightning_pipe.measure.roofline`),
+            in forward and in backward.
+        device: the GPU a fake profile's times are for.
         progress: called with (nodes timed, all nodes) after each node, for a progress bar:
             timing takes ``warmup + repeats`` runs of every node.
+        output: a list the graph's output on the sample is appended to, detached (a leaf
+            requiring grad where the output does): what ``training_step`` makes its loss from.
     """
     gm = captured.graph_module
     kwargs = kwargs or {}
@@ -75,10 +80,14 @@ def profile_graph(
         if fake_mode is not None:
             args, kwargs = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, Tensor) else x, (args, kwargs))
         runner = _NodeRunner(gm, _bind(gm, args, kwargs))
-        memory, work = _measure_memory(runner, captured.nodes, count_flops=fake)
+        memory = _measure_memory(runner, captured.nodes)
+        if output is not None:
+            result = fx.node.map_arg(gm.graph.output_node().args[0], runner.env.__getitem__)
+            output.append(tree_map(_leaf, result))
+        estimated = _roofline_times(runner, captured.nodes, device) if fake else None
         times = []
         for k, n in enumerate(captured.nodes):
-            times.append(_estimated_ms(*work[k]) if fake else _time_node(runner, n, repeats, warmup))
+            times.append(estimated[k] if estimated else _time_node(runner, n, repeats, warmup))
             if progress is not None:
                 progress(len(times), len(captured.nodes))
     with torch.no_grad():
@@ -91,8 +100,6 @@ def profile_graph(
     index = {node: k for k, node in enumerate(captured.nodes)}
     profiles = []
     for k, node in enumerate(captured.nodes):
-        grad_bytes = sum(_nbytes(p) for p in params[k] if p.requires_grad)
-        forward_transient, saved, backward_growth, last_saver = memory[k]
         value = runner.env[node]
         profiles.append(
             NodeProfile(
@@ -100,15 +107,21 @@ def profile_graph(
                 forward_ms=times[k][0],
                 backward_ms=times[k][1],
                 output_bytes=_tensor_bytes(value),
-                saved_bytes=saved,
-                transient_bytes=max(forward_transient, backward_growth - grad_bytes, 0),
+                saved_bytes=memory[k].saved,
+                transient_bytes=memory[k].workspace,
                 param_bytes=sum(_nbytes(p) for p in params[k]),
-                grad_bytes=grad_bytes,
+                grad_bytes=sum(_nbytes(p) for p in params[k] if p.requires_grad),
                 optimizer_bytes=sum(state_bytes.get(id(p), 0) for p in params[k]),
                 users=sorted(index.get(u, -1) for u in node.users),
-                backward_bytes=max(backward_growth, 0),
+                backward_bytes=memory[k].backward,
                 output_grad_bytes=_tensor_bytes([t for t in tree_flatten(value)[0] if _needs_grad(t)]),
-                last_saver=last_saver,
+                last_saver=memory[k].last_saver,
+                made_bytes=memory[k].made,
+                held_bytes=memory[k].held,
+                held_until=memory[k].held_until,
+                held_by=memory[k].held_by,
+                saved_inputs_bytes=memory[k].saved_inputs,
+                saved_inputs_from=memory[k].saved_inputs_from,
             )
         )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -138,31 +151,60 @@ def _shared(captured: Captured) -> list[SharedParam]:
     return [SharedParam(nbytes, users) for nbytes, users in readers.values() if len(users) > 1]
 
 
-def _measure_memory(
-    runner: "_NodeRunner", nodes: list[fx.Node], count_flops: bool = False
-) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
-    """Per node: forward workspace, bytes it allocated that backward keeps, the growth while
-    backward runs, and the last node keeping its bytes; one meter "stage" per node. And per
-    node its forward's work: FLOPs (where counted) and the bytes it allocated."""
+@dataclass
+class _NodeBytes:
+    """What one node's forward and backward do to memory (see NodeProfile)."""
+
+    made: int = 0
+    workspace: int = 0
+    saved: int = 0
+    saved_inputs: int = 0
+    saved_inputs_from: int = -1
+    held: int = 0
+    held_until: int = -1
+    held_by: int = -1
+    backward: int = 0
+    last_saver: int = -1
+
+
+def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBytes]:
+    """Bytes per node (one meter "stage" per node)."""
     index = {node: k for k, node in enumerate(nodes)}
     meter = MemoryMeter(len(nodes))
-    forward_transient = [0] * len(nodes)
-    work = [(0, 0)] * len(nodes)
-    counter = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS) if count_flops else None
+    measured = [_NodeBytes() for _ in nodes]
+    made: dict[int, tuple[int, Tensor]] = {}  # storage -> the node making it, and a tensor on it
+    last_read: dict[int, int] = {}  # storage -> the last node reading a value on it
     with meter, meter.saved_tensors_hooks():
-        with counter or nullcontext():
-            for node in runner.gm.graph.nodes:
-                if node.op in ("placeholder", "get_attr"):
-                    runner.env[node] = runner.run_node(node)
-                elif node.op != "output":
-                    k = index[node]
-                    before = counter.get_total_flops() if counter else 0
-                    with meter.running(k):
-                        runner.env[node] = runner.run_on(node, _device_of(node, runner))
-                    meter.tag_backward([runner.env[node]], k)
-                    forward_transient[k] = meter.stages[k].peak - meter.stages[k].total
-                    work[k] = ((counter.get_total_flops() if counter else 0) - before, meter.stages[k].peak)
-        saved = [m.current["activations"] for m in meter.stages]
+        for node in runner.gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                runner.env[node] = runner.run_node(node)
+            elif node.op != "output":
+                k = index[node]
+                with meter.running(k):
+                    runner.env[node] = runner.run_on(node, _device_of(node, runner))
+                meter.tag_backward([runner.env[node]], k)
+                stage = meter.stages[k]
+                kept = _kept_from_others(meter, node, k, runner)
+                measured[k].saved_inputs = sum(t.untyped_storage().nbytes() for t in kept)
+                makers = [made[id(t.untyped_storage())][0] for t in kept if id(t.untyped_storage()) in made]
+                measured[k].saved_inputs_from = min(makers, default=-1)
+                measured[k].made = stage.total - measured[k].saved_inputs
+                measured[k].workspace = stage.peak - stage.total
+                for t in tree_flatten(runner.env[node])[0]:
+                    if isinstance(t, Tensor):
+                        key = id(t.untyped_storage())
+                        if meter.charged(t) == (k, "transient"):
+                            made[key] = (k, t)
+                        last_read[key] = max(last_read.get(key, -1), _last_reader(node, index))
+        for k, m in enumerate(meter.stages):
+            measured[k].saved = m.current["activations"]
+        for key, (k, t) in made.items():  # what a node made and does not keep, until kept or last read
+            holder = meter.charged(t)
+            if holder != (k, "activations"):
+                measured[k].held += t.untyped_storage().nbytes()
+                if holder is not None and holder[1] == "activations":
+                    measured[k].held_by = max(measured[k].held_by, holder[0])
+                measured[k].held_until = max(measured[k].held_until, last_read[key])
         result = fx.node.map_arg(runner.gm.graph.output_node().args[0], runner.env.__getitem__)
         outputs = [t for t in tree_flatten(result)[0] if _needs_grad(t)]
         leaves = [p for p in runner.module.parameters() if p.requires_grad]
@@ -172,29 +214,49 @@ def _measure_memory(
             # grad(), not backward(): the model's .grad stay untouched.
             grads = torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
             del grads
-        growth = [m.peak - s for m, s in zip(meter.stages, start)]
-    last_saver = [meter.last_saver.get(k, -1) for k in range(len(nodes))]
-    return list(zip(forward_transient, saved, growth, last_saver)), work
+        for k, (m, s) in enumerate(zip(meter.stages, start)):
+            measured[k].backward = max(m.peak - s, 0)
+            measured[k].last_saver = meter.last_saver.get(k, -1)
+    return measured
 
 
-def _estimated_ms(flops: int, nbytes: int) -> tuple[float, float]:
-    """Forward and backward milliseconds of a node on the nominal device of a fake profile:
-    its FLOPs, and the bytes it allocates written once and read once. Backward does about
-    twice the work (a product's gradient needs one product per input)."""
-    forward = 1e3 * (flops / FAKE_FLOPS_PER_S + 2 * nbytes / FAKE_BYTES_PER_S)
-    return forward, 2 * forward
+def _kept_from_others(meter: MemoryMeter, node: fx.Node, k: int, runner: "_NodeRunner") -> list[Tensor]:
+    """A tensor on each storage an earlier node made that node ``k`` saved first: now charged
+    to it, but not allocated by it."""
+    storages = {
+        id(t.untyped_storage()): t
+        for a in node.all_input_nodes
+        for t in tree_flatten(runner.env.get(a))[0]
+        if isinstance(t, Tensor) and meter.charged(t) == (k, "activations")
+    }
+    return list(storages.values())
 
 
-def _attention_flops(
-    query: Sequence[int], key: Sequence[int], value: Sequence[int], *args: Any, out_shape: Any = None, **kwargs: Any
-) -> int:
-    """``softmax(q kᵀ) v``: two batched products (shapes ``(batch, heads, length, features)``)."""
-    *heads, length, features = query
-    return 2 * math.prod(heads) * length * key[-2] * (features + value[-1])
+def _last_reader(node: fx.Node, index: dict[fx.Node, int]) -> int:
+    """The last node reading ``node``'s value: ``len(index)`` for the graph output, the node
+    itself when nothing reads it."""
+    return max((index.get(u, len(index)) for u in node.users), default=index[node])
 
 
-# Ops torch's FlopCounterMode has no formula for: attention as the CPU runs it.
-_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}
+def _roofline_times(runner: "_NodeRunner", nodes: list[fx.Node], device: DeviceSpec) -> list[tuple[float, float]]:
+    """Per node, its forward's and its backward's milliseconds on ``device`` by roofline,
+    from a forward and backward of the whole graph on fake tensors."""
+    index = {node: k for k, node in enumerate(nodes)}
+    counter = WorkCounter(len(nodes), device)
+    with counter:
+        for node in runner.gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                runner.env[node] = runner.run_node(node)
+            elif node.op != "output":
+                with counter.running(index[node]):
+                    runner.env[node] = runner.run_on(node, _device_of(node, runner))
+                counter.tag_backward([runner.env[node]], index[node])
+        result = fx.node.map_arg(runner.gm.graph.output_node().args[0], runner.env.__getitem__)
+        outputs = [t for t in tree_flatten(result)[0] if _needs_grad(t)]
+        leaves = [p for p in runner.module.parameters() if p.requires_grad]
+        if outputs and leaves:
+            torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
+    return list(zip(counter.forward_ms, counter.backward_ms))
 
 
 class _NodeRunner(fx.Interpreter):
@@ -306,6 +368,10 @@ def _settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
         return dict(optimizer.defaults)
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+def _leaf(x: Any) -> Any:
+    return x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x
 
 
 def _needs_grad(x: Any) -> bool:

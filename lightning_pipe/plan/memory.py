@@ -1,24 +1,35 @@
 """Memory model: predict each stage's peak bytes from a profile, a split and a schedule.
 
-    peak(stage) = static + in_flight * stashed + transient + boundary
+A stage's memory follows its schedule: forwards add a micro-batch's stash at a time, and the
+first backward starts with every micro-batch in flight stashed. So the peak is the larger of
+
+    forward:  static + (in_flight - 1) * stashed + waiting outputs + one forward's live bytes
+    backward: static + (in_flight - 1) * stashed + one backward's live bytes
 
 static: parameters (one copy per weight version the schedule keeps), gradients and optimizer
 state the stage owns, and the one copy per batch of each parameter it borrows (a tied weight
-whose first user is on an earlier stage); stashed: activation bytes one micro-batch leaves for backward;
-in_flight: micro-batches whose activations a schedule holds at once (GPipe: all of them);
-transient: the largest workspace of a node's forward or backward, plus the largest set of
-bytes brought back at once for the backward of a recomputed region or a swapped node;
-boundary: the stage's outputs of one micro-batch that are not already stashed, plus the
-gradients waiting at the stage (see :meth:`CostModel.waiting_gradients`).
+whose first user is on an earlier stage); stashed: bytes one micro-batch keeps for backward
+(a storage counts at the node saving it first, as on a device of its own); in_flight:
+micro-batches whose stash a schedule holds at once (GPipe: all of them). One forward's live
+bytes at a node: what the nodes before it stashed, the values they made that are still to be
+read, and the node's own allocations (outputs and workspace); one backward's at a node: the
+stash of the nodes up to it, the gradients made for earlier nodes' values not yet taken, and
+the node's backward growth (in a step's first backward the parameter gradients appear as it
+goes). Under GPipe a stage's outputs of earlier micro-batches wait for the stage reading them
+while it runs (the last stage's, for the merge of all micro-batches'). The last stage also holds
+the training batch and the loss made from its outputs, which the strategy measures. What waits
+at a stage for other stages (gradients for an earlier stage's backward under 1F1B and 2BW, a
+long skip's values under GPipe) is known once a split is (:meth:`CostModel.waiting`).
 
 Per node, a policy says where its saved bytes live between forward and backward: ``keep``
-(on the device), ``swap`` (in host memory: no device bytes while in flight) or ``recompute``
-(dropped; a maximal run of recomputed nodes, a *region*, stashes only its inputs and runs its
-forward again before its backward).
+(on the device), ``swap`` (in host memory: no device bytes while in flight, brought back when
+the backward of what follows it begins) or ``recompute`` (dropped; a maximal run of recomputed
+nodes, a *region*, stashes only its inputs and rebuilds its stash before its backward).
 
-:class:`CostModel` holds prefix sums over the profile so that a planner can price any
-contiguous node range in O(1) when every node is kept. Given the ``link_bandwidth`` between
-stage devices, it also prices what a stage sends to the next (:meth:`CostModel.send_ms`).
+:class:`CostModel` holds prefix sums over the profile so that a planner can price contiguous
+node ranges fast; one range's live bytes are computed once (vectorised) and cached. Given the
+``link_bandwidth`` between stage devices, it also prices what a stage sends to the next
+(:meth:`CostModel.send_ms`).
 """
 
 import bisect
@@ -27,11 +38,12 @@ import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, TypeVar
+from typing import Literal, TypeAlias, TypeVar
 
 import numpy as np
 
 from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.schedule import Schedule
 
 __all__ = ["CostModel", "Policy", "StagePeak", "predict_peaks", "stage_ranges"]
 
@@ -72,19 +84,24 @@ def predict_peaks(
     policies: Sequence[Policy] = (),
     weight_versions: int = 1,
     waits: Sequence[Sequence[int]] = (),
+    *,
+    backward_waits: Sequence[Sequence[int]] = (),
+    schedule: Schedule = "1f1b",
+    chunks: int = 1,
 ) -> list[StagePeak]:
     """Predicted peak of every stage; ``in_flight[s]`` micro-batches hold activations at once.
 
     ``policies`` gives one policy per node (all kept when empty); ``weight_versions`` is the
-    number of parameter copies the schedule keeps (2 for PipeDream-2BW); ``waits`` is the
-    schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits` (none wait when empty).
+    number of parameter copies the schedule keeps (2 for PipeDream-2BW); ``waits`` and
+    ``backward_waits`` are the schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits`
+    and :func:`~lightning_pipe.plan.schedule.gradient_waits_in_backward` (none wait when
+    empty); ``schedule`` and ``chunks`` say what waits on the stages and how large the batch is.
     """
-    model = CostModel(profile)
+    model = CostModel(profile, schedule=schedule, chunks=chunks)
     chosen = {i: p for i, p in enumerate(policies) if p != "keep"}
-    waiting = model.waiting_gradients(balance, waits)
+    waiting = model.waiting(balance, waits, backward_waits, chosen)
     return [
-        model.peak(r.start, r.stop, in_flight[s], {i: chosen[i] for i in r if i in chosen}, weight_versions)
-        .waiting(waiting[s])
+        model.peak(r.start, r.stop, in_flight[s], chosen, weight_versions, waiting[s])
         for s, r in enumerate(stage_ranges(balance))
     ]
 
@@ -102,11 +119,21 @@ def _prefix(values: Sequence[_Number]) -> list[_Number]:
 class CostModel:
     """A profile's per-node costs, indexed for pricing node ranges ``[lo, hi)`` fast."""
 
-    def __init__(self, profile: Profile, link_bandwidth: float | None = None) -> None:
+    def __init__(
+        self, profile: Profile, link_bandwidth: float | None = None, *, schedule: Schedule = "1f1b", chunks: int = 1,
+        carry: int = 0,
+    ) -> None:
         nodes = profile.nodes
         self.profile = profile
+        self.carry = carry  # micro-batches whose carried values a stage holds (see carried, static)
         self.link_bandwidth = link_bandwidth  # bytes per second between stage devices
         self.n = len(nodes)
+        # GPipe: a stage's outputs wait for the next stage, the last stage's for the merge.
+        self.merges = schedule == "gpipe"
+        self.chunks = chunks
+        self.batch = chunks * (profile.batch_bytes or profile.input_bytes)  # the training batch, on the last stage
+        self._arrays = _NodeArrays(profile)
+        self._kept: dict[tuple[int, int], _Live] = {}
         self.forward_ms, self.backward_ms = _pooled_times(profile)
         self.saved = [n.saved_bytes for n in nodes]
         self.last_saver = [n.last_saver for n in nodes]
@@ -114,18 +141,22 @@ class CostModel:
         self.users = [n.users for n in nodes]
         self._params = _prefix([n.param_bytes for n in nodes])
         self._state = _prefix([n.grad_bytes + n.optimizer_bytes for n in nodes])
+        self._grads = _prefix([n.grad_bytes for n in nodes])
         self._saved = _prefix(self.saved)
         self._forward = _prefix(self.forward_ms)
         self._compute = _prefix([f + b for f, b in zip(self.forward_ms, self.backward_ms)])
-        # A stage's backward runs with its micro-batches still stashed, so a node's backward
-        # growth (fresh gradients, workspace) counts as much as its forward workspace.
-        self._transient = _sparse_max([max(n.transient_bytes, n.backward_bytes) for n in nodes])
+        self._transient = _sparse_max([max(n.transient_bytes, n.backward_bytes - n.grad_bytes) for n in nodes])
         self.producers: list[list[int]] = [[] for _ in nodes]
         for j, n in enumerate(nodes):
             for u in n.users:
                 if u >= 0:
                     self.producers[u].append(j)
         self.reads_input = set(profile.input_users)
+        # the node whose storage a node's value lives on: itself, or for a view its largest input's
+        self._base = list(range(self.n))
+        for j, n in enumerate(nodes):
+            if n.made_bytes == 0 and n.output_bytes and self.producers[j]:
+                self._base[j] = self._base[max(self.producers[j], key=self.output.__getitem__)]
         # Values leaving a range [lo, hi): node i < hi whose last reader is at or after hi
         # (or the graph output). _leaving[hi] lists those (i, bytes), i descending.
         last = [max(n.users) if n.users and min(n.users) >= 0 else (self.n if n.users else -1) for n in nodes]
@@ -147,11 +178,6 @@ class CostModel:
         """Saved bytes of one micro-batch when every node is kept."""
         return self._saved[hi] - self._saved[lo]
 
-    def freeable(self, a: int, b: int) -> int:
-        """Saved bytes that recomputing or swapping nodes ``[a, b)`` takes off the device:
-        those of a node whose stashed storages no node after ``b - 1`` keeps too."""
-        return sum(self.saved[k] for k in range(a, b) if self.last_saver[k] < b)
-
     def compute_ms(self, lo: int, hi: int) -> float:
         """Forward plus backward time of one micro-batch."""
         return self._compute[hi] - self._compute[lo]
@@ -160,17 +186,26 @@ class CostModel:
         return self._forward[hi] - self._forward[lo]
 
     def transient(self, lo: int, hi: int) -> int:
-        """Largest workspace of a node's forward or backward in the range."""
+        """Largest workspace of a node's forward or backward growth in the range."""
         level = (hi - lo).bit_length() - 1
         table = self._transient[level]
         return max(table[lo], table[hi - (1 << level)])
 
     def boundary(self, lo: int, hi: int) -> int:
-        total = 0
-        for i, sent in self._leaving[hi]:
+        """Bytes of one micro-batch's values nodes ``[lo, hi)`` made that later stages read
+        and no node of the range keeps: alive once the range's forward is done."""
+        return self._live(lo, hi, {}).leaving
+
+    def carried(self, lo: int, hi: int) -> int:
+        """Bytes a stage of nodes ``[lo, hi)`` holds per micro-batch for values it only passes
+        on: made before it and read after it (a U-Net skip, an encoder output), as the
+        distributed runtime carries them between adjacent stages. Each has a receive buffer
+        and, if it has a gradient, a buffer for that gradient coming back; the graph inputs
+        count when a later stage reads one."""
+        total = self.profile.input_bytes if lo > 0 and any(u >= hi for u in self.reads_input) else 0
+        for i, _ in self._leaving[hi]:  # i descending: the values made in the range come first
             if i < lo:
-                break
-            total += sent
+                total += self.output[i] + self.profile.nodes[i].output_grad_bytes
         return total
 
     def send_ms(self, lo: int, hi: int) -> float:
@@ -212,21 +247,90 @@ class CostModel:
                 waiting[last] += self.output[i] * waits[p][last]
         return waiting
 
-    def static(self, lo: int, hi: int, weight_versions: int = 1) -> int:
-        return weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo] + self.borrowed(lo, hi)
+    def waiting(
+        self,
+        balance: Sequence[int],
+        waits: Sequence[Sequence[int]],
+        backward_waits: Sequence[Sequence[int]],
+        policies: Mapping[int, Policy] = {},
+    ) -> list[tuple[int, int]]:
+        """Per stage of ``balance``, the bytes waiting at it while it runs forwards and while it
+        runs its backward: gradients for earlier stages, and under GPipe outputs for later ones."""
+        forward = self.waiting_gradients(balance, waits)
+        backward = self.waiting_gradients(balance, backward_waits)
+        outputs = self.waiting_outputs(balance, policies)
+        return [(f + o, b) for f, b, o in zip(forward, backward, outputs)]
 
-    def region_inputs(self, a: int, b: int, lo: int, policies: Mapping[int, Policy]) -> int:
-        """Bytes a recomputed region ``[a, b)`` of a stage starting at ``lo`` must stash: the
-        values it reads from outside itself, except what a kept producer stashes anyway."""
-        total = self.profile.input_bytes if any(i in self.reads_input for i in range(a, b)) else 0
-        seen = set()
-        for i in range(a, b):
-            for j in self.producers[i]:
-                if j < a and j not in seen:
-                    seen.add(j)
-                    kept = j >= lo and policies.get(j, "keep") == "keep"
-                    total += max(0, self.output[j] - self.saved[j]) if kept else self.output[j]
+    def waiting_outputs(self, balance: Sequence[int], policies: Mapping[int, Policy] = {}) -> list[int]:
+        """Per stage, bytes of the values it made for a stage beyond the next that wait for
+        it. Under GPipe, stage ``t`` reads a micro-batch's values ``t - s`` clock ticks after
+        stage ``s`` made them, so up to ``t - s`` micro-batches of a long skip wait at ``s``;
+        a stage's peak counts one (:meth:`peak`), this the rest. Other schedules run a
+        micro-batch's forward through every stage at once: none wait; nor when stages carry
+        such values on (``carry``)."""
+        waiting = [0] * len(balance)
+        if not self.merges or self.carry:
+            return waiting
+        cuts = list(itertools.accumulate(balance))[:-1]
+        a = self._arrays
+        for s, r in enumerate(stage_ranges(balance)):
+            if r.stop == self.n:
+                continue
+            end = _held_end(a, r.start, r.stop, {i: p for i, p in policies.items() if i in r})
+            for k in np.flatnonzero((end >= r.stop) & (a.held[r.start : r.stop] > 0)):
+                reader = bisect.bisect_right(cuts, min(int(end[k]), self.n - 1))
+                extra = min(self.chunks - 1, reader - s) - min(1, self.chunks - 1)
+                waiting[s] += max(0, extra) * int(a.held[r.start + k])
+        return waiting
+
+    def static(self, lo: int, hi: int, weight_versions: int = 1) -> int:
+        """Bytes held all along: parameters, their state, borrowed copies and, with ``carry``,
+        the buffers of carried values (allocated once, kept across steps)."""
+        carried = self.carry * self.carried(lo, hi) if self.carry else 0
+        return (weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo] + self.borrowed(lo, hi)
+                + carried)
+
+    def region_inputs(self, a: int, b: int, lo: int, hi: int, policies: Mapping[int, Policy]) -> int:
+        """Bytes a recomputed region ``[a, b)`` of a stage on ``[lo, hi)`` keeps, if it saves
+        anything: the storages of the values it reads from outside itself (a view's, its
+        base's) that nothing else keeps as long."""
+        return self._region_inputs(a, b, lo, hi, policies, set())
+
+    def _region_inputs(
+        self, a: int, b: int, lo: int, hi: int, policies: Mapping[int, Policy], seen: set[int]
+    ) -> int:
+        """:meth:`region_inputs`, leaving out the storages in ``seen`` (another region of the
+        stage keeps them) and adding the region's to it."""
+        if not self.stashed(a, b):
+            return 0
+        total = self.profile.input_bytes if any(i in self.reads_input for i in range(a, b)) and -1 not in seen else 0
+        seen.add(-1)  # the graph input
+        bases = {self._base[j] for i in range(a, b) for j in self.producers[i] if j < a} - seen
+        seen |= bases
+        arrays = self._arrays
+        for q in bases:
+            if not self._kept_anyway(q, a, b, lo, hi, policies):
+                total += int(arrays.held[q])
+            if policies.get(q, "keep") != "keep" and arrays.last_saver[q] < b:  # its own output, dropped with its stash
+                total += min(int(arrays.made[q] - arrays.held[q]), self.output[q])
         return total
+
+    def _kept_anyway(self, q: int, a: int, b: int, lo: int, hi: int, policies: Mapping[int, Policy]) -> bool:
+        """Whether a node other than region ``[a, b)``'s keeps what node ``q`` made at least as
+        long: an earlier stage, a kept node of the stage, or a node of the region whose stash
+        the region cannot drop (a later node keeps it too)."""
+        keeper = int(self._arrays.held_by[q])
+        if keeper < 0 or keeper >= hi:
+            return False  # the region keeps it first
+        if keeper < lo:  # an earlier stage keeps it, unless it drops it (when known)
+            return policies.get(keeper, "keep") == "keep" or not self._freed_by(keeper, keeper, lo)
+        if a <= keeper < b:
+            return not self._freed_by(keeper, a, b)
+        return policies.get(keeper, "keep") == "keep"
+
+    def _freed_by(self, keeper: int, a: int, b: int) -> bool:
+        """Whether dropping the stash of ``[a, b)`` drops what ``keeper`` keeps first."""
+        return bool(a <= keeper < b and self._arrays.last_saver[keeper] < b)
 
     def peak(
         self,
@@ -235,24 +339,224 @@ class CostModel:
         in_flight: float,
         policies: Mapping[int, Policy] = {},
         weight_versions: int = 1,
+        waiting: tuple[int, int] = (0, 0),
     ) -> StagePeak:
         """Predicted peak of a stage holding nodes ``[lo, hi)``; ``policies`` maps node index
-        to its non-``keep`` policy. ``in_flight`` may be fractional when a planner prices a
-        group of stages as one."""
-        stashed = self.stashed(lo, hi)
-        restore = 0
-        for a, b in regions(policies, "swap"):  # a run of swapped nodes is loaded back at once
-            stashed -= self.freeable(a, b)
-            restore = max(restore, self._saved[b] - self._saved[a])
-        for a, b in regions(policies):
-            stashed += self.region_inputs(a, b, lo, policies) - self.freeable(a, b)
-            restore = max(restore, self._saved[b] - self._saved[a])
-        return StagePeak(
-            static=self.static(lo, hi, weight_versions),
-            activations=round(in_flight * stashed),
-            transient=self.transient(lo, hi) + restore,
-            boundary=self.boundary(lo, hi),
-        )
+        to its non-``keep`` policy (other stages' too, when known: a value an earlier stage
+        keeps first is not the stage's to keep, unless that stage drops it). ``in_flight``
+        may be fractional when a planner prices a group of stages as one. ``waiting``: bytes
+        that wait at the stage for other stages while it runs forwards, and while it runs its
+        own backward (:meth:`waiting_gradients`, :meth:`waiting_outputs`), known once a split
+        is."""
+        live = self._live(lo, hi, policies)
+        static = self.static(lo, hi, weight_versions)
+        backward = [p.waiting(waiting[1]) for p in self._backward_peaks(lo, hi, in_flight, live, static)]
+        if hi < self.n:
+            outputs = min(1.0, in_flight - 1) if self.merges else 0.0  # GPipe: outputs wait for the next stage
+            forward = [self._forward_peak(in_flight, live, static, round(outputs * live.leaving))]
+        else:
+            forward = self._last_peaks(lo, in_flight, live, static)
+        return max([p.waiting(waiting[0]) for p in forward] + backward, key=lambda p: p.total)
+
+    def _forward_peak(self, in_flight: float, live: "_Live", static: int, boundary: int) -> StagePeak:
+        """The peak of the forward of the last micro-batch in flight."""
+        others = round((in_flight - 1) * live.stashed)
+        return StagePeak(static, others + live.forward[0], live.forward[1], boundary)
+
+    def _backward_peaks(self, lo: int, hi: int, in_flight: float, live: "_Live", static: int) -> list[StagePeak]:
+        """The peaks of a step's first backward, with every micro-batch in flight stashed and
+        the gradients of the parameters made as it goes (they were freed for it), and of its
+        later backwards, with all of them: one micro-batch fewer in flight, unless the
+        schedule runs another forward before each (1F1B and 2BW with more micro-batches)."""
+        gradient = self._last_backward(lo, in_flight) if hi == self.n else 0
+        grads = self._grads[hi] - self._grads[lo]
+        later = in_flight if not self.merges and self.chunks > in_flight else in_flight - 1
+        first_stash, first_rest = live.first_backward
+        others = round((in_flight - 1) * live.stashed)
+        peaks = [StagePeak(static - grads, others + first_stash, first_rest, gradient)]
+        if later >= 1:
+            others = round((later - 1) * live.stashed)
+            peaks.append(StagePeak(static, others + live.backward[0], live.backward[1], gradient))
+        return peaks
+
+    def _last_peaks(self, lo: int, in_flight: float, live: "_Live", static: int) -> list[StagePeak]:
+        """The last stage's forward and loss peaks: it also holds the training batch, and the
+        loss made from its outputs. Under GPipe every micro-batch's outputs wait for their
+        merge, and the loss is the whole batch's, its backward after the gradients of the
+        parameters were freed; otherwise it is one micro-batch's, and the losses of the
+        earlier micro-batches are kept."""
+        out, p = self._final_outputs(lo), self.profile
+        stashed = round(in_flight * live.stashed)
+        if self.merges:  # the outputs and their merge, then the loss of the merge
+            grads = self._grads[self.n] - self._grads[lo]
+            return [
+                self._forward_peak(in_flight, live, static, round((in_flight - 1) * live.leaving) + self.batch),
+                StagePeak(static, stashed, 0, round(in_flight * max(out + live.leaving, p.loss_bytes)) + self.batch),
+                StagePeak(static - grads, stashed, 0, round(in_flight * p.loss_backward_bytes) + self.batch),
+            ]
+        earlier = (self.chunks - 1) * p.loss_kept_bytes
+        loss = live.leaving + max(p.loss_bytes, p.loss_backward_bytes)
+        return [
+            self._forward_peak(in_flight, live, static, earlier + self.batch),
+            StagePeak(static, stashed, 0, loss + earlier + self.batch),
+        ]
+
+    def _last_backward(self, lo: int, in_flight: float) -> int:
+        """What the last stage holds besides its own during its backward: the batch, the
+        gradient of its outputs and the losses; one micro-batch's output too when the loss's
+        graph keeps it (per micro-batch, the loss reads the output itself)."""
+        out, kept = self._final_outputs(lo), self.profile.loss_kept_bytes
+        if self.merges:
+            return self.batch + round(in_flight * (out + kept))
+        return self.batch + 2 * out + self.chunks * kept
+
+    def _final_outputs(self, lo: int) -> int:
+        return sum(self.output[i] for i in range(lo, self.n) if -1 in self.users[i])
+
+    def _live(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> "_Live":
+        """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
+        (cached when every node is kept)."""
+        if any(lo <= i < hi for i in policies):
+            return _live(self, lo, hi, policies)
+        if (lo, hi) not in self._kept:
+            self._kept[lo, hi] = _live(self, lo, hi, policies)
+        return self._kept[lo, hi]
+
+
+@dataclass
+class _Live:
+    """One micro-batch on a stage: its stash, the values still to be read after its forward,
+    and the most bytes alive in its forward and in its backward (each as stash, other)."""
+
+    stashed: int
+    leaving: int
+    forward: tuple[int, int]
+    backward: tuple[int, int]  # with every parameter gradient made earlier (counted as static)
+    first_backward: tuple[int, int]  # with the parameter gradients of the nodes done so far
+
+
+class _NodeArrays:
+    """The profile's per-node bytes as arrays, and its dataflow edges by consumer."""
+
+    def __init__(self, profile: Profile) -> None:
+        nodes = profile.nodes
+
+        def array(values: Sequence[int]) -> _Array:
+            return np.asarray(values, dtype=np.int64)
+
+        self.saved = array([n.saved_bytes for n in nodes])
+        self.saved_inputs = array([n.saved_inputs_bytes for n in nodes])
+        self.saved_inputs_from = array([n.saved_inputs_from for n in nodes])
+        self.made = array([n.made_bytes for n in nodes])
+        self.held = array([n.held_bytes for n in nodes])
+        self.held_until = array([max(k, n.held_until) for k, n in enumerate(nodes)])
+        self.held_by = array([n.held_by for n in nodes])
+        self.held_end = np.where(self.held_by >= 0, np.maximum(self.held_by, np.arange(len(nodes))), self.held_until)
+        self.workspace = array([n.transient_bytes for n in nodes])
+        self.backward = array([max(n.backward_bytes - n.grad_bytes, 0) for n in nodes])
+        self.grads = array([n.grad_bytes for n in nodes])
+        self.last_saver = array([max(k, n.last_saver) for k, n in enumerate(nodes)])
+        # a reader whose value takes no gradient (a shape) gives its inputs none
+        edges = sorted((u, j) for j, n in enumerate(nodes) for u in n.users if u >= 0 and nodes[u].output_grad_bytes)
+        self.consumer = array([u for u, _ in edges])
+        self.producer = array([j for _, j in edges])
+        self.gradient = array([nodes[j].output_grad_bytes for _, j in edges])
+
+
+def _live(model: CostModel, lo: int, hi: int, policies: Mapping[int, Policy]) -> _Live:
+    """See :meth:`CostModel._live`. Positions are nodes ``lo..hi-1``; a swapped or recomputed
+    run drops the stash it alone keeps, a recomputed region keeps its inputs instead, and both
+    bring their stash back for their backward (:func:`_brought_back`)."""
+    a = model._arrays
+    size = hi - lo
+    own = {i: p for i, p in policies.items() if lo <= i < hi}
+    stash = a.saved[lo:hi].copy()
+    back = np.zeros(size, dtype=np.int64)
+    seen: set[int] = set()  # storages kept for a recomputed region
+    for policy in ("swap", "recompute"):
+        for start, stop in regions(own, policy):
+            freed = np.where(a.last_saver[start:stop] < stop, a.saved[start:stop], 0)
+            if policy == "swap":  # what its nodes save of the segment's inputs stays on the device
+                outside = (a.saved_inputs_from[start:stop] >= 0) & (a.saved_inputs_from[start:stop] < start)
+                freed = np.maximum(0, freed - np.where(outside, a.saved_inputs[start:stop], 0))
+            stash[start - lo : stop - lo] -= freed
+            back += _brought_back(model, lo, hi, start, stop, freed, own)
+            if policy == "recompute":
+                stash[start - lo] += model._region_inputs(start, stop, lo, hi, policies, seen)
+    kept = np.concatenate(([0], np.cumsum(stash)))
+    # values a node makes and does not keep itself stay alive after it until kept, or read
+    end = _held_end(a, lo, hi, policies)
+    held = np.zeros(size + 1, dtype=np.int64)
+    first = np.arange(1, size + 1)
+    last = np.minimum(end, hi - 1) - lo + 1
+    np.add.at(held, first, a.held[lo:hi])
+    np.add.at(held, np.maximum(first, last), -a.held[lo:hi])
+    held = np.cumsum(held)[:size]
+    forward = kept[:-1] + held + a.made[lo:hi] + a.workspace[lo:hi]
+    f = int(np.argmax(forward))
+    common = kept[1:] + _gradients(a, lo, hi) + a.backward[lo:hi] + back
+    backward = common + a.grads[lo:hi]  # a fresh gradient of the node's parameters, to add to theirs
+    b = int(np.argmax(backward))
+    first = common + np.cumsum(a.grads[lo:hi][::-1])[::-1]  # the parameter gradients made so far
+    g = int(np.argmax(first))
+    return _Live(
+        stashed=int(kept[-1]),
+        leaving=int(a.held[lo:hi][end >= hi].sum()),
+        forward=(int(kept[f]), int(forward[f] - kept[f])),
+        backward=(int(kept[b + 1]), int(backward[b] - kept[b + 1])),
+        first_backward=(int(kept[g + 1]), int(first[g] - kept[g + 1])),
+    )
+
+
+_Array: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int64]]"
+
+
+def _held_end(a: _NodeArrays, lo: int, hi: int, policies: Mapping[int, Policy]) -> _Array:
+    """Per node of ``[lo, hi)``, the last node before which what it holds is kept or freed:
+    the node keeping it first, unless that one's stash is recomputed or swapped; then the
+    last node reading it."""
+    end = a.held_end[lo:hi]
+    if not policies:
+        return end
+    dropped = np.isin(a.held_by[lo:hi], [i for i, p in policies.items() if p != "keep"])
+    return np.where(dropped, a.held_until[lo:hi], end)
+
+
+def _gradients(a: _NodeArrays, lo: int, hi: int) -> _Array:
+    """Per node of ``[lo, hi)``, bytes of the gradients the range's later nodes made for values
+    made up to it that are still to be taken when its backward runs (by it or an earlier node)."""
+    first, stop = np.searchsorted(a.consumer, [lo, hi])
+    producers, consumers = a.producer[first:stop], a.consumer[first:stop]
+    live = np.zeros(hi - lo + 1, dtype=np.int64)
+    if producers.size:
+        unique, index = np.unique(producers, return_inverse=True)
+        latest = np.zeros(unique.size, dtype=np.int64)
+        np.maximum.at(latest, index, consumers)
+        gradient = np.zeros(unique.size, dtype=np.int64)
+        np.maximum.at(gradient, index, a.gradient[first:stop])
+        begin = np.maximum(unique, lo) - lo  # from the producer (or the stage start) ...
+        np.add.at(live, begin, gradient)
+        np.add.at(live, latest - lo, -gradient)  # ... to before its last reader in the range
+    return np.cumsum(live)[:-1]
+
+
+def _brought_back(
+    model: CostModel, lo: int, hi: int, start: int, stop: int, freed: _Array,
+    policies: Mapping[int, Policy],
+) -> _Array:
+    """Bytes of a swapped or recomputed run ``[start, stop)`` back on the device during the
+    backward of each node of ``[lo, hi)``: its whole stash from when it is brought back (a
+    swapped run's, once the backward of the segment after it begins; a recomputed one's, at
+    its own last node) until each node's backward has taken its part."""
+    back = np.zeros(hi - lo, dtype=np.int64)
+    back[start - lo : stop - lo] = np.cumsum(freed)
+    if policies.get(start) == "swap":
+        after = policies.get(stop, "keep")
+        end = stop
+        while end < hi and policies.get(end, "keep") == after:
+            end += 1
+        back[stop - lo : end - lo] = int(freed.sum())
+    return back
 
 
 def _pooled_times(profile: Profile) -> tuple[list[float], list[float]]:

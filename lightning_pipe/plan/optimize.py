@@ -15,11 +15,19 @@ Times are per micro-batch, in milliseconds; ``host_bandwidth`` is bytes per seco
 device-host link (``None``: no swapping).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_pipe.plan.memory import CostModel, Policy, StagePeak
 
-__all__ = ["StageOptimum", "optimize_stage", "policy_time"]
+__all__ = ["NOISE", "StageOptimum", "optimize_stage", "policy_time"]
+
+# Measured times closer than this (relative) count as equal. Node times are measured: on a CPU
+# a plan's predicted step moves by 1-2% (one standard deviation) from one profile to the next.
+NOISE = 0.1
+# A stage the greedy and the low-memory fallbacks leave at most this far over its capacity is
+# searched further (_descended).
+DESCENT = 1.25
 
 
 @dataclass
@@ -74,9 +82,12 @@ def optimize_stage(
     weight_versions: int = 1,
     host_bandwidth: float | None = None,
     optimise: bool = True,
+    thorough: bool = False,
 ) -> StageOptimum:
     """Cheapest policies (by the greedy above) bringing stage ``[lo, hi)`` under ``capacity``;
-    with ``optimise`` false, every node keeps its activations."""
+    with ``optimise`` false, every node keeps its activations. A stage left near its capacity
+    is searched further (:func:`_descended`); with ``thorough``, so is one asked for its lowest
+    peak (``capacity`` 0), which costs a planner's search too much to do for every range."""
     base = model.peak(lo, hi, in_flight, {}, weight_versions)
     if base.total <= capacity or not optimise:
         return StageOptimum(peak=base, fits=base.total <= capacity)
@@ -88,12 +99,10 @@ def optimize_stage(
             ((_round_trip_ms(model, i, host_bandwidth), i) for i in range(lo, hi) if model.saved[i] > 0),
             key=lambda c: c[0] - model.compute_ms(c[1] + 1, hi),
         )
-    recomputes = []  # (ms per byte freed, node), highest MSPS first
-    for i in range(lo, hi):
-        freed = model.saved[i] - model.region_inputs(i, i + 1, lo, {})
-        if freed > 0:
-            recomputes.append((model.forward_ms[i] / freed, i))
-    recomputes.sort()
+    # (ms per byte freed, node), highest MSPS first. A node keeps its inputs (it saves them
+    # first) or what it made: inside a recomputed region with their producers, both go.
+    recomputes = _steady_order([(model.forward_ms[i] / model.saved[i], i) for i in range(lo, hi) if model.saved[i] > 0],
+                               model.saved)
 
     policies: dict[int, Policy] = {}
     late = link = 0.0
@@ -134,6 +143,7 @@ def optimize_stage(
             if i in policies or gain < 0:
                 continue
             policies[i] = "swap"
+            _join_swaps(model, lo, hi, i, policies)
             late += max(0.0, t - model.compute_ms(i + 1, hi))
             link += t
             restore = max(restore, model.saved[i])
@@ -145,7 +155,7 @@ def optimize_stage(
             first = run_start[i - 1] if policies.get(i - 1) == "recompute" else i
             stop = run_stop[i + 1] if policies.get(i + 1) == "recompute" else i + 1
             region = model.stashed(first, stop)
-            gain = in_flight * (model.saved[i] - model.region_inputs(i, i + 1, lo, {})) - max(0, region - restore)
+            gain = in_flight * model.saved[i] - max(0, region - restore)
             if gain < 0:  # the merged region would bring back more than it saves
                 continue
             policies[i] = "recompute"
@@ -153,13 +163,93 @@ def optimize_stage(
             restore = max(restore, region)
         estimate -= gain
         if estimate <= capacity and (found := check()):
-            return found
+            return _pruned(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, found)
     options = [dict(policies)] + _lowest_memory_policies(model, lo, hi, host_bandwidth)
     for policies_ in options:
         found = _priced(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, policies_)
         if _better(found, best):
             best = found
+    if not best.fits and ((capacity <= 0 and thorough) or best.peak.total <= DESCENT * capacity):
+        best = _descended(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, best)
+    if best.fits:
+        return _pruned(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, best)
     return best
+
+
+def _descended(
+    model: CostModel,
+    lo: int,
+    hi: int,
+    in_flight: float,
+    capacity: float,
+    weight_versions: int,
+    host_bandwidth: float | None,
+    found: StageOptimum,
+) -> StageOptimum:
+    """``found`` with its choices dropped one at a time, in node order, while each drop lowers
+    the peak, until it fits or no drop lowers it: recomputing everything is seldom the lowest
+    (a node kept between two regions can keep less than the merged region would)."""
+    lowered = True
+    while lowered and not found.fits:
+        lowered = False
+        for i in sorted(found.policies):
+            policies = {j: p for j, p in found.policies.items() if j != i}
+            fewer = _priced(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, policies)
+            if fewer.peak.total < found.peak.total:
+                found, lowered = fewer, True
+                if found.fits:
+                    break
+    return found
+
+
+def _pruned(
+    model: CostModel,
+    lo: int,
+    hi: int,
+    in_flight: float,
+    capacity: float,
+    weight_versions: int,
+    host_bandwidth: float | None,
+    found: StageOptimum,
+) -> StageOptimum:
+    """``found`` without the choices the stage fits without: recomputes before swaps (a swap
+    the link hides costs nothing, a recompute always costs its forward), each kind those
+    keeping the fewest bytes first (bytes, unlike times, do not vary between profiles): a node
+    chosen early can turn out to free nothing once its neighbours are chosen (a recomputed
+    region keeps its inputs, so what one node keeps may be the region's input)."""
+    for i in sorted(found.policies, key=lambda i: (found.policies[i] == "swap", model.saved[i], i)):
+        policies = {j: p for j, p in found.policies.items() if j != i}
+        fewer = _priced(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, policies)
+        if fewer.fits and fewer.added_ms <= found.added_ms:
+            found = fewer
+    return found
+
+
+def _join_swaps(model: CostModel, lo: int, hi: int, i: int, policies: dict[int, Policy]) -> None:
+    """Swap the nodes keeping nothing between swapped node ``i`` and the next swapped node
+    either side: that costs nothing, and one segment swaps what it passes between its nodes,
+    where two keep it on the device as the later one's input."""
+    for step in (-1, 1):
+        gap, j = [], i + step
+        while lo <= j < hi and j not in policies and model.saved[j] == 0:
+            gap.append(j)
+            j += step
+        if lo <= j < hi and policies.get(j) == "swap":
+            policies.update(dict.fromkeys(gap, "swap"))
+
+
+def _steady_order(costs: list[tuple[float, int]], saved: Sequence[int]) -> list[tuple[float, int]]:
+    """``(cost, node)`` cheapest first, where costs within :data:`NOISE` of a run's cheapest
+    count as equal and the node keeping more bytes goes first: measured times vary from one
+    profile to the next, bytes do not, so the same model gets the same choices."""
+    ordered = sorted(costs)
+    runs: list[list[tuple[float, int]]] = []
+    for cost in ordered:
+        if runs and cost[0] <= runs[-1][0][0] * (1 + NOISE):
+            runs[-1].append(cost)
+        else:
+            runs.append([cost])
+    return [c for run in runs for c in sorted(run, key=lambda c: (-saved[c[1]], c[1]))]
 
 
 def _better(a: StageOptimum, b: StageOptimum) -> bool:

@@ -31,7 +31,7 @@ from typing import Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.optimize import StageOptimum, optimize_stage
+from lightning_pipe.plan.optimize import NOISE, StageOptimum, optimize_stage
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Action
 from lightning_pipe.plan.simulate import Replay, StageTime
@@ -42,9 +42,6 @@ Partitioner = Literal["dawnpiper", "capslog", "time", "params", "uniform"]
 PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params", "uniform")
 BASELINES: tuple[Partitioner, ...] = ("time", "params", "uniform", "capslog")
 
-# Predicted step times closer than this (relative) count as equal. Node times are measured: on a
-# CPU a plan's predicted step moves by 1-2% (one standard deviation) from one profile to the next.
-NOISE = 0.1
 
 
 @dataclass
@@ -54,7 +51,8 @@ class Stages:
     schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits` (none wait when empty) and
     its per-stage :func:`~lightning_pipe.plan.schedule.actions`, which price a whole split by
     its simulated step (without them: by its slowest stage). ``optimise_memory`` false: no
-    stage recomputes or swaps."""
+    stage recomputes or swaps. ``backward_waits``: the gradients that wait while a stage runs
+    its own backward (:func:`~lightning_pipe.plan.schedule.gradient_waits_in_backward`)."""
 
     model: CostModel
     capacities: Sequence[int]
@@ -64,6 +62,8 @@ class Stages:
     waits: Sequence[Sequence[int]] = ()
     order: Sequence[Sequence[Action]] = ()
     optimise_memory: bool = True
+    backward_waits: Sequence[Sequence[int]] = ()
+    thorough: bool = False  # search stages asked for their lowest peak further (optimize_stage)
     _optima: dict[tuple[int, int, int, int], StageOptimum] = field(default_factory=dict, repr=False)
     _placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict, repr=False)
     _steps: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)
@@ -80,7 +80,7 @@ class Stages:
         if key not in self._optima:
             self._optima[key] = optimize_stage(
                 self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
-                self.host_bandwidth, self.optimise_memory,
+                self.host_bandwidth, self.optimise_memory, self.thorough,
             )
         return self._optima[key]
 
@@ -95,12 +95,22 @@ class Stages:
 
     def placed(self, balance: Sequence[int]) -> list[StageOptimum]:
         """Every stage of ``balance`` optimised under its capacity less the gradients that
-        wait at it (:meth:`CostModel.waiting_gradients`, known only for a whole split; cached)."""
+        wait at it (:meth:`CostModel.waiting_gradients`), with the outputs that wait at it for
+        a stage beyond the next (:meth:`CostModel.waiting_outputs`): both known only for a
+        whole split (cached)."""
         key = tuple(balance)
         if key not in self._placed:
             waiting = self.model.waiting_gradients(balance, self.waits)
-            optima = [self.optimum(r.start, r.stop, s, waiting[s]) for s, r in enumerate(stage_ranges(balance))]
-            self._placed[key] = [replace(o, peak=o.peak.waiting(w)) for o, w in zip(optima, waiting)]
+            ranges = stage_ranges(balance)
+            optima = [self.optimum(r.start, r.stop, s, waiting[s]) for s, r in enumerate(ranges)]
+            chosen = {i: p for o in optima for i, p in o.policies.items()}
+            waits = self.model.waiting(balance, self.waits, self.backward_waits, chosen)
+            peaks = [self.model.peak(r.start, r.stop, self.in_flight[s], chosen, self.weight_versions, waits[s])
+                     for s, (r, o) in enumerate(zip(ranges, optima))]
+            self._placed[key] = [
+                replace(o, peak=p, fits=o.fits and p.total <= capacity)
+                for o, p, capacity in zip(optima, peaks, self.capacities)
+            ]
         return self._placed[key]
 
     def fits(self, balance: Sequence[int]) -> bool:
@@ -289,16 +299,24 @@ def _steadiest(stages: Stages, fitting: list[list[int]]) -> list[int]:
     predicted within :data:`NOISE` of the fastest count as equally fast; each cut of those moves,
     one at a time, to where the fewest bytes cross it (what the devices send each other) while
     the split stays that fast and fits; then the split sending the fewest bytes wins (then the
-    faster, then the earlier cuts). Byte counts do not vary between runs."""
+    one recomputing and swapping the fewest, then the faster, then the earlier cuts). Byte
+    counts do not vary between runs."""
     limit = min(map(stages.step_ms, fitting)) * (1 + NOISE)
     settled = [_settled(stages, b, limit) for b in fitting if stages.step_ms(b) <= limit]
-    return min(settled, key=lambda b: (sum(stages.model.crossing[c] for c in _cuts(b)), stages.step_ms(b), b))
+    return min(settled, key=lambda b: (sum(stages.model.crossing[c] for c in _cuts(b)), *_cheapest(stages, b)))
+
+
+def _cheapest(stages: Stages, balance: list[int]) -> tuple[int, float, list[int]]:
+    """How splits that send as many bytes rank: fewest bytes recomputed or swapped (a byte
+    count, which timing noise does not move), then fastest, then earliest cuts."""
+    moved = sum(stages.model.saved[i] for o in stages.placed(balance) for i in o.policies)
+    return moved, stages.step_ms(balance), balance
 
 
 def _settled(stages: Stages, balance: list[int], limit: float) -> list[int]:
     """``balance`` with its cuts moved one at a time, over and over, to where fewer bytes cross:
-    to the fewest that keep the split fitting and its step within ``limit``, the fastest such
-    position (then the earliest). A cut looks only as far as the compute of its two stages
+    to the fewest that keep the split fitting and its step within ``limit``, the cheapest such
+    position (:func:`_cheapest`). A cut looks only as far as the compute of its two stages
     stays within :data:`NOISE` of the slowest stage's; each move lowers the bytes crossing, so
     this ends."""
     model, n = stages.model, stages.model.n
@@ -322,7 +340,7 @@ def _settled(stages: Stages, balance: list[int], limit: float) -> list[int]:
             for level in sorted(fewer):
                 taken = [c for c in fewer[level] if stages.fits(moved(c)) and stages.step_ms(moved(c)) <= limit]
                 if taken:
-                    cuts[k] = min(taken, key=lambda c: (stages.step_ms(moved(c)), c))
+                    cuts[k] = min(taken, key=lambda c: _cheapest(stages, moved(c)))
                     settling = True
                     break
     return _balance(cuts, n)

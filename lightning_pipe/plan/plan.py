@@ -7,13 +7,20 @@ can be made offline from a saved profile and checked in.
 """
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum
 from lightning_pipe.plan.partitioners import Partitioner, Stages, lowest_peak_balance, split
 from lightning_pipe.plan.profile import Profile
-from lightning_pipe.plan.schedule import Schedule, actions, gradient_waits, in_flight, weight_versions
+from lightning_pipe.plan.schedule import (
+    Schedule,
+    actions,
+    gradient_waits,
+    gradient_waits_in_backward,
+    in_flight,
+    weight_versions,
+)
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.units import format_bytes
 
@@ -132,17 +139,19 @@ def make_plan(
     link_bandwidth: float | None = None,
     *,
     optimise_memory: bool = True,
+    carry: bool = False,
 ) -> Plan:
     """Plan ``profile`` over one stage per planning target in ``capacities`` (bytes): split
     with ``partitioner``, then fit every stage with recompute and, given ``host_bandwidth``
     (bytes/s), swap (``optimise_memory`` false: neither). ``link_bandwidth`` (bytes/s between
-    stage devices) prices the values crossing each cut.
+    stage devices) prices the values crossing each cut. ``carry``: stages pass on what later
+    stages read, holding it for every micro-batch of a step (``runtime="distributed"``).
 
     Raises:
         InfeasiblePlanError: a stage does not fit even with memory optimisation.
     """
     stages, balance, optima = _attempt(
-        profile, capacities, partitioner, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory
+        profile, capacities, partitioner, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory, carry
     )
     if not all(o.fits for o in optima):
         raise _infeasible(stages, partitioner, balance, optima)
@@ -230,13 +239,17 @@ def planning_stages(
     host_bandwidth: float | None = None,
     link_bandwidth: float | None = None,
     optimise_memory: bool = True,
+    carry: bool = False,
 ) -> Stages:
     """What :func:`make_plan` hands its partitioner (:func:`~lightning_pipe.plan.partitioners.split`)."""
     count = len(capacities)
     return Stages(
-        CostModel(profile, link_bandwidth), list(capacities), in_flight(schedule, chunks, count),
+        CostModel(profile, link_bandwidth, schedule=schedule, chunks=chunks, carry=chunks if carry else 0),
+        list(capacities),
+        in_flight(schedule, chunks, count),
         weight_versions(schedule), host_bandwidth, gradient_waits(schedule, chunks, count),
-        actions(schedule, chunks, count), optimise_memory,
+        actions(schedule, chunks, count), optimise_memory=optimise_memory,
+        backward_waits=gradient_waits_in_backward(schedule, chunks, count),
     )
 
 
@@ -249,9 +262,12 @@ def _attempt(
     host_bandwidth: float | None,
     link_bandwidth: float | None,
     optimise_memory: bool,
+    carry: bool = False,
 ) -> tuple[Stages, list[int], list[StageOptimum]]:
     """Split and optimise every stage; the caller checks whether all fit."""
-    stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory)
+    stages = planning_stages(
+        profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory, carry
+    )
     balance = split(partitioner, stages)
     return stages, balance, stages.placed(balance)
 
@@ -260,8 +276,11 @@ def _infeasible(
     stages: Stages, partitioner: str, balance: list[int], optima: list[StageOptimum]
 ) -> InfeasiblePlanError:
     """Explain what does not fit and what to change, with the lowest peak any plan reaches."""
-    floor = lowest_peak_balance(stages)
-    peaks = [o.peak.total for o in stages.placed(floor)]
+    # optimised as far as they go, whatever the targets, searched further than a split's search can afford
+    lowest = replace(stages, thorough=True, _optima={}, _placed={}, _steps={})
+    floor = lowest_peak_balance(lowest)
+    unbounded = replace(lowest, capacities=[0] * stages.count, _optima={}, _placed={}, _steps={})
+    peaks = [o.peak.total for o in unbounded.placed(floor)]
     worst = max(range(stages.count), key=lambda s: peaks[s] / stages.capacities[s])
     bad = next(s for s, o in enumerate(optima) if not o.fits)
     optimised = "with memory optimisation" if stages.optimise_memory else "without memory optimisation"

@@ -20,9 +20,11 @@ class NodeProfile:
         name: the fx node name.
         forward_ms / backward_ms: median wall time of the node's forward / backward.
         output_bytes: bytes of the tensors the node returns.
-        saved_bytes: bytes of storages the node allocated that autograd keeps for backward
-            (whichever node saves them); each stashed storage is counted once, at its maker.
-        transient_bytes: peak bytes the node allocates beyond what outlives it (workspace).
+        saved_bytes: bytes of storages autograd keeps for backward that this node is the
+            first to save (whichever node made them): each stashed storage is counted once, at
+            the node keeping it longest, as on a device of its own.
+        transient_bytes: peak bytes the node's forward allocates beyond what outlives it
+            (workspace, an operator's internal scratch included).
         param_bytes: bytes of parameters first used by this node (shared ones count once).
         grad_bytes: bytes of the gradients of those parameters (trainable ones only).
         optimizer_bytes: bytes of optimizer state for those parameters, measured with the
@@ -32,8 +34,19 @@ class NodeProfile:
             parameters and inputs, and workspace.
         output_grad_bytes: bytes of the gradient that flows back into the node's output.
         last_saver: index of the last node that keeps for backward a storage this node
-            made (-1: none, or not measured). Recomputing or swapping this node frees its
-            saved bytes only together with that node.
+            saved first (-1: none, or not measured). Recomputing or swapping this node frees
+            its saved bytes only together with that node.
+        made_bytes: bytes of the storages the node's forward allocates that outlive it.
+        held_bytes: of those, the bytes the node does not save itself: its outputs, alive
+            until a later node saves them (from then on part of its ``saved_bytes``) or the
+            last node reading them has run.
+        held_until: index of the last node reading them, through views too (the node count:
+            the graph output).
+        held_by: index of the node saving some of them first (-1: none does). When that
+            node's saved bytes are recomputed or swapped, they live until ``held_until``.
+        saved_inputs_bytes: of ``saved_bytes``, those of storages earlier nodes made (inputs
+            it saves): a swapped segment leaves them on the device when it starts after
+            ``saved_inputs_from``, the earliest of those nodes (-1: none).
     """
 
     name: str
@@ -49,6 +62,12 @@ class NodeProfile:
     backward_bytes: int = 0
     output_grad_bytes: int = 0
     last_saver: int = -1
+    made_bytes: int = 0
+    held_bytes: int = 0
+    held_until: int = -1
+    held_by: int = -1
+    saved_inputs_bytes: int = 0
+    saved_inputs_from: int = -1
 
 
 @dataclass
@@ -70,6 +89,17 @@ class Profile:
         input_users: indices of the nodes reading a graph input.
         fake: bytes were measured on fake tensors and the times estimated (nothing ran).
         shared: the parameters several nodes read.
+        batch_bytes: bytes of one micro-batch's share of the training batch (the graph
+            inputs and what else ``training_step`` reads, such as labels); 0: the graph inputs.
+        loss_bytes: the most bytes ``training_step`` holds outside ``forward`` for one
+            micro-batch: a copy of the graph's output for as long as the loss keeps it (GPipe's
+            merged output is one), the loss and what it saves. Measured by the strategy; 0
+            when unknown.
+        loss_backward_bytes: the most bytes the loss's backward holds, what the loss kept and
+            the gradient of the output included.
+        loss_kept_bytes: of those, the bytes the returned loss holds (a loss may be a view of
+            its unreduced values): kept until the step ends, for every micro-batch when
+            ``training_step`` runs per micro-batch.
     """
 
     nodes: list[NodeProfile]
@@ -80,6 +110,10 @@ class Profile:
     input_users: list[int] = field(default_factory=list)
     fake: bool = False
     shared: list[SharedParam] = field(default_factory=list)
+    batch_bytes: int = 0
+    loss_bytes: int = 0
+    loss_backward_bytes: int = 0
+    loss_kept_bytes: int = 0
 
     def scaled(self, microbatch_size: int) -> "Profile":
         """Predict the profile at another micro-batch size: activation, output and
@@ -98,6 +132,9 @@ class Profile:
                 output_bytes=scale(n.output_bytes),
                 saved_bytes=scale(n.saved_bytes),
                 transient_bytes=scale(n.transient_bytes),
+                made_bytes=scale(n.made_bytes),
+                held_bytes=scale(n.held_bytes),
+                saved_inputs_bytes=scale(n.saved_inputs_bytes),
                 backward_bytes=scale(max(n.backward_bytes - n.grad_bytes, 0)) + min(n.grad_bytes, n.backward_bytes),
                 output_grad_bytes=scale(n.output_grad_bytes),
                 forward_ms=n.forward_ms * f,
@@ -105,7 +142,11 @@ class Profile:
             )
             for n in self.nodes
         ]
-        return replace(self, nodes=nodes, microbatch_size=microbatch_size, input_bytes=scale(self.input_bytes))
+        return replace(
+            self, nodes=nodes, microbatch_size=microbatch_size, input_bytes=scale(self.input_bytes),
+            batch_bytes=scale(self.batch_bytes), loss_bytes=scale(self.loss_bytes),
+            loss_backward_bytes=scale(self.loss_backward_bytes), loss_kept_bytes=scale(self.loss_kept_bytes),
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -5,8 +5,8 @@ from functools import lru_cache
 from typing import Literal, NamedTuple
 
 __all__ = [
-    "Action", "Schedule", "Step", "actions", "clock_cycles", "global_order", "gradient_waits", "in_flight",
-    "weight_versions",
+    "Action", "Schedule", "Step", "actions", "clock_cycles", "global_order", "gradient_waits",
+    "gradient_waits_in_backward", "in_flight", "weight_versions",
 ]
 
 
@@ -141,6 +141,25 @@ def gradient_waits(schedule: Schedule, num_microbatches: int, num_stages: int) -
         if step.stage is not None:  # a backward: forwards run through all stages
             done[step.stage] += 1
             grown = step.stage
+    return tuple(map(tuple, waits))
+
+
+@lru_cache(maxsize=64)
+def gradient_waits_in_backward(
+    schedule: Schedule, num_microbatches: int, num_stages: int
+) -> tuple[tuple[int, ...], ...]:
+    """``[p][s]``: as :func:`gradient_waits`, the most micro-batches whose gradient for stage
+    ``p``'s outputs wait at stage ``s``, but while ``s`` runs a backward itself (not counting
+    the one it makes)."""
+    waits = [[0] * num_stages for _ in range(num_stages)]
+    if schedule == "gpipe":
+        return tuple(map(tuple, waits))
+    done = [0] * num_stages
+    for step in global_order(actions(schedule, num_microbatches, num_stages)):
+        if step.stage is not None:
+            for p in range(step.stage):
+                waits[p][step.stage] = max(waits[p][step.stage], done[step.stage] - done[p])
+            done[step.stage] += 1
     return tuple(map(tuple, waits))
 
 

@@ -16,7 +16,8 @@ values as objects, micro-batch by micro-batch.
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
+from datetime import timedelta
 from typing import Any, Literal, cast
 
 import torch
@@ -33,7 +34,10 @@ from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.runtime.build import Program, Stage
 
-__all__ = ["Cut", "DistributedPipeline", "DistributedSchedule", "PipelineRank", "StageModule", "TensorMeta", "cuts"]
+__all__ = [
+    "Cut", "DistributedPipeline", "DistributedSchedule", "PipelineRank", "StageModule", "StageRunner", "TensorMeta",
+    "cuts", "pipeline_mesh",
+]
 
 DistributedSchedule = Literal["gpipe", "1f1b"]
 
@@ -94,32 +98,23 @@ def carried(program: Program, stage: int) -> list[str]:
     return [n for n, m in made.items() if m < stage <= program.last_use.get(n, -1)]
 
 
-class StageModule(nn.Module):
-    """This rank's stage as a module on flat tensors, for ``PipelineStage``.
+class StageRunner(nn.Module):
+    """This rank's stage of a program, run on values by name: forward-only runs take any
+    program of the model (its evaluation graph's too).
 
     The stage's graph modules are its children, so ``parameters()`` are the ones it uses,
     each the model's own ``Parameter``; the model itself is not a child.
     """
 
-    def __init__(self, program: Program, index: int, root: nn.Module, boundaries: Sequence[Cut]) -> None:
+    def __init__(self, program: Program, index: int, root: nn.Module) -> None:
         super().__init__()
         self.stage: Stage = program.stages[index]
         self.segments = nn.ModuleList(seg.module for seg in self.stage.segments)
         self.program = program
         self._root = [root]  # in a list: not a child
-        self.inputs, self.outputs = boundaries[index], boundaries[index + 1]
         self.receives = carried(program, index)
         self.sends = carried(program, index + 1) if index + 1 < len(program.stages) else None
         self.is_last = self.sends is None
-        self.clock: StageClock | None = None  # this rank's stage as stage 0
-        self.meter: MemoryMeter | None = None
-
-    def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
-        with self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
-            outputs = self.outputs.flatten(self.run(self.inputs.unflatten(tensors)))
-        if self.meter is not None:
-            self.meter.tag_backward(outputs, 0)  # the backward's allocations are this stage's
-        return outputs
 
     def run(self, received: dict[str, Any]) -> Any:
         """What this stage sends on (by name), or on the last stage the forward's output."""
@@ -140,41 +135,52 @@ class StageModule(nn.Module):
         return list(found.values())
 
 
+class StageModule(StageRunner):
+    """This rank's stage of the training program as a module on flat tensors, for
+    ``PipelineStage``: ``boundaries`` say what crosses each cut."""
+
+    def __init__(self, program: Program, index: int, root: nn.Module, boundaries: Sequence[Cut]) -> None:
+        super().__init__(program, index, root)
+        self.inputs, self.outputs = boundaries[index], boundaries[index + 1]
+        self.clock: StageClock | None = None  # this rank's stage as stage 0
+        self.meter: MemoryMeter | None = None
+
+    def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        with self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
+            outputs = self.outputs.flatten(self.run(self.inputs.unflatten(tensors)))
+        if self.meter is not None:
+            self.meter.tag_backward(outputs, 0)  # the backward's allocations are this stage's
+        return outputs
+
+
+@dataclass(eq=False)
 class PipelineRank:
     """One rank's stage in one pipeline replica: training steps on a ``pipelining`` schedule,
     forward-only runs over object point-to-point, and the gradient reductions across ranks."""
 
-    def __init__(
-        self,
-        module: StageModule,
-        index: int,
-        num_stages: int,
-        pp_group: dist.ProcessGroup,
-        device: torch.device,
-        schedule: DistributedSchedule,
-        chunks: int,
-        loss_fn: Callable[[Any, Tensor], Tensor],
-    ) -> None:
-        self.module = module
-        self.index = index
-        self.num_stages = num_stages
-        self.group = pp_group
-        self.device = device
-        self.chunks = chunks
-        self._loss_fn = loss_fn
-        first, last = index == 0, index == num_stages - 1
+    module: StageModule
+    index: int
+    num_stages: int
+    group: dist.ProcessGroup  # the pipeline's ranks
+    device: torch.device
+    schedule: InitVar[DistributedSchedule]
+    chunks: int
+    loss_fn: Callable[[Any, Tensor], Tensor]
+
+    def __post_init__(self, schedule: DistributedSchedule) -> None:
+        first, last = self.index == 0, self.index == self.num_stages - 1
         stage = _TimedStage(
-            module, index, num_stages, device,
-            input_args=module.inputs.examples(requires_grad=not first),
-            output_args=module.outputs.examples(requires_grad=not last),
-            group=pp_group,
+            self.module, self.index, self.num_stages, self.device,
+            input_args=self.module.inputs.examples(requires_grad=not first),
+            output_args=self.module.outputs.examples(requires_grad=not last),
+            group=self.group,
         )
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self._schedule = kind(stage, chunks, loss_fn=self._loss, scale_grads=False)
+        self._schedule = kind(stage, self.chunks, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
         outputs = output if isinstance(output, tuple) else (output,)
-        return self._loss_fn(self.module.outputs.unflatten(outputs), target)
+        return self.loss_fn(self.module.outputs.unflatten(outputs), target)
 
     def train_step(self, received: dict[str, Any] | None) -> None:
         """Forward and backward of one batch, gradients accumulated in ``.grad``. Stage 0
@@ -183,14 +189,15 @@ class PipelineRank:
         if self.index == 0:
             assert received is not None, "stage 0 needs the forward's arguments"
             self._schedule.step(*self.module.inputs.flatten(received), target=_indices(self.chunks))
-        elif self.index == self.num_stages - 1:
-            self._schedule.step(target=_indices(self.chunks))
+        elif self.index == self.num_stages - 1:  # losses come from loss_fn: no merged outputs to keep
+            self._schedule.step(target=_indices(self.chunks), return_outputs=False)
         else:
             self._schedule.step()
 
-    def forward_only(self, microbatches: list[dict[str, Any]] | None, count: int) -> Any:
-        """The forward of ``count`` micro-batches, any shapes: stage 0 passes them (by name);
-        the last stage returns the merged output, the others ``None``."""
+    def forward_only(self, runner: StageRunner, microbatches: list[dict[str, Any]] | None, count: int) -> Any:
+        """The forward of ``count`` micro-batches through ``runner`` (this rank's stage of any
+        program of the model), any shapes: stage 0 passes them (by name); the last stage
+        returns the merged output, the others ``None``."""
         outputs = []
         for i in range(count):
             if self.index == 0:
@@ -199,8 +206,8 @@ class PipelineRank:
             else:
                 received = self._recv(self.index - 1)
             with torch.no_grad():
-                result = self.module.run(received)
-            if self.module.is_last:
+                result = runner.run(received)
+            if runner.is_last:
                 outputs.append(result)
             else:
                 self._send(result, self.index + 1)
@@ -239,7 +246,8 @@ class DistributedPipeline:
     each rank its stage's tensors. A parameter read by several stages (a tied embedding) is
     held by each of them, one logical parameter: its gradient is summed over those ranks
     before the data-parallel average. ``release=False`` keeps every tensor (a provisional
-    pipeline, for evaluation before the planned one is built).
+    pipeline, for evaluation before the planned one is built). ``timeout``: how long the
+    gradient reductions of tied parameters wait (default: ``torch.distributed``'s).
     """
 
     def __init__(
@@ -253,6 +261,7 @@ class DistributedPipeline:
         loss_fn: Callable[[Any, Tensor], Tensor],
         device: torch.device,
         release: bool = True,
+        timeout: timedelta | None = None,
     ) -> None:
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
@@ -268,13 +277,38 @@ class DistributedPipeline:
                 for m in modules]
         self.held = [t for t in _unique(root) if id(t) in held[self.stage_index]]
         self._share_from_rank0(root, held)
+        self.released = release
         for tensor in _unique(root) if release else []:
             if id(tensor) not in held[self.stage_index]:
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # not this rank's
-        self._tied = self._tied_groups(root, held)
+        self._tied = self._tied_groups(root, held, timeout)
         self.rank = PipelineRank(
             self.module, self.stage_index, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn
         )
+
+    def stage_of(self) -> dict[int, int]:
+        """``id`` of each tensor to the stage owning it, for another graph's balance."""
+        return dict(self.owner)
+
+    def runner(self, program: Program, root: nn.Module) -> StageRunner:
+        """This rank's stage of another program of the model (its evaluation graph's).
+
+        Raises:
+            RuntimeError: that stage reads a tensor this rank released.
+        """
+        runner = StageRunner(program, self.stage_index, root)
+        if self.released:
+            held = {id(t) for t in self.held}
+            reads = {id(t) for t in runner.tensors()}
+            missing = [name for name, t in self.names.items() if id(t) in reads - held]
+            if missing:
+                raise RuntimeError(
+                    f"Stage {self.stage_index} of the graph captured for the modules' current modes (evaluation) "
+                    f"reads {missing}, which another rank holds: that graph uses parameters in another order than "
+                    f"the training graph. Give forward the same parameter order in both modes, or use "
+                    f"runtime='local'."
+                )
+        return runner
 
     def _global_rank(self, stage: int, replica: int) -> int:
         return stage * self.replicas + replica
@@ -297,7 +331,9 @@ class DistributedPipeline:
                                 dist.recv(buffer, 0)
                                 tensor.copy_(buffer)
 
-    def _tied_groups(self, root: nn.Module, held: list[set[int]]) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
+    def _tied_groups(
+        self, root: nn.Module, held: list[set[int]], timeout: timedelta | None
+    ) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
         """A process group per replica and set of stages sharing parameters; every rank
         creates every group, in the same order, as ``new_group`` requires."""
         shared: dict[tuple[int, ...], list[nn.Parameter]] = {}
@@ -309,7 +345,7 @@ class DistributedPipeline:
         groups = []
         for stages, params in sorted(shared.items(), key=lambda item: item[0]):
             for replica in range(self.replicas):
-                group = dist.new_group([self._global_rank(s, replica) for s in stages])
+                group = dist.new_group([self._global_rank(s, replica) for s in stages], timeout=timeout)
                 if replica == self.replica and self.stage_index in stages:
                     groups.append((group, params))
         return groups
@@ -347,10 +383,7 @@ class DistributedPipeline:
     def state_dict(self) -> dict[str, Tensor] | None:
         """The plain module's ``state_dict``, gathered on global rank 0 (``None`` elsewhere)
         from replica 0's ranks, each sending what its stage owns."""
-        mine = {}
-        if self.replica == 0:
-            mine = {name: t.detach().clone() for name, t in self.names.items()
-                    if self.owner.get(id(t), 0) == self.stage_index}
+        mine = {name: t.clone() for name, t in self.owned_state().items()}
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
         dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:
@@ -360,13 +393,43 @@ class DistributedPipeline:
             merged.update(part)
         return {name: merged[name] for name in self.names}
 
+    def owned_state(self) -> dict[str, Tensor]:
+        """This rank's part of the plain module's ``state_dict``: what its stage owns, on
+        replica 0 (the other replicas hold copies)."""
+        if self.replica:
+            return {}
+        return {name: t.detach() for name, t in self.names.items() if self.owner.get(id(t), 0) == self.stage_index}
+
+    def held_state(self) -> dict[str, Tensor]:
+        """The tensors this rank holds, by every name of the plain module's ``state_dict``."""
+        held = {id(t) for t in self.held}
+        return {name: t for name, t in self.names.items() if id(t) in held}
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Copy the values of the tensors this rank holds from a full ``state_dict``."""
-        held = {id(t) for t in self.held}
         with torch.no_grad():
-            for name, tensor in self.names.items():
-                if id(tensor) in held and name in state:
+            for name, tensor in self.held_state().items():
+                if name in state:
                     tensor.copy_(state[name])
+
+
+def pipeline_mesh(stages: int, replicas: int, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
+    """The ``("pp", "dp")`` device mesh of ``stages`` pipeline ranks times ``replicas``
+    data-parallel copies (global rank = ``stage * replicas + replica``) over every rank of the
+    default process group, its groups new ones that wait ``timeout`` for a peer
+    (``init_device_mesh`` would reuse the default group, or give ``torch.distributed``'s default
+    of 30 minutes)."""
+    grid = torch.arange(stages * replicas).view(stages, replicas)
+    world, me = dist.get_world_size(), dist.get_rank()
+    if grid.numel() != world:
+        raise ValueError(f"{stages} stages x {replicas} replicas need {grid.numel()} processes, not {world}.")
+    mine: list[dist.ProcessGroup] = []
+    for lines in (grid.t(), grid):  # a pipeline's ranks are a column, a stage's replicas a row
+        for ranks in lines.tolist():  # every rank creates every group, in the same order
+            group = dist.new_group(ranks, timeout=timeout)
+            if me in ranks:
+                mine.append(group)
+    return DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=("pp", "dp"))
 
 
 def _unique(root: nn.Module) -> list[Tensor]:

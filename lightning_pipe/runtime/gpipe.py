@@ -63,7 +63,12 @@ class Pipeline:
         if self.batch_norm is not None:
             self.batch_norm.commit()
         outputs = [map_aggregate(self.program.output, env.__getitem__) for env in envs]
-        return gather(outputs, self.output_device)
+        if self.meter is None:
+            return gather(outputs, self.output_device)
+        with self.meter.running(len(stages) - 1):  # the output device is the last stage's
+            output = gather(outputs, self.output_device)
+        self.meter.mark([output], "boundary")
+        return output
 
     def _run(self, stage: Stage, envs: list[dict[str, Any]], i: int, forked: str | None) -> str | None:
         env = envs[i]

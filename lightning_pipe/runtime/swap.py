@@ -11,7 +11,7 @@ that backward, as the planner's cost model assumes. Host buffers (pinned on CUDA
 
 import threading
 from collections import Counter
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, NamedTuple
 
 import torch
@@ -144,6 +144,13 @@ class _View(NamedTuple):
     offset: int
 
 
+class _Kept(NamedTuple):
+    """A saved tensor left on the device, packed by the hooks the segment runs inside."""
+
+    packed: Any
+    unpack: Callable[[Any], Tensor]
+
+
 class _Hooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, inputs: Any) -> None:
         self.swapped: list[Swapped] = []
@@ -151,12 +158,14 @@ class _Hooks(torch.autograd.graph.saved_tensors_hooks):
         self._by_storage: MutableMapping[torch.UntypedStorage, Swapped] = WeakIdKeyDictionary()
         # Inputs live on outside the segment; a host copy of them would free nothing.
         self.inputs = {id(t.untyped_storage()) for t in tree_flatten(inputs)[0] if isinstance(t, Tensor)}
+        # What stays on the device goes through the enclosing hooks (the memory meter's).
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, t: Tensor) -> Any:
         parameter = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)  # W.t() in linear
         if parameter or t.device.type == "meta" or id(t.untyped_storage()) in self.inputs:
-            return t
+            return t if self._outer is None else _Kept(self._outer[0](t), self._outer[1])
         storage = t.untyped_storage()
         stored = self._by_storage.get(storage)
         if stored is None:
@@ -168,6 +177,8 @@ class _Hooks(torch.autograd.graph.saved_tensors_hooks):
 
     @staticmethod
     def _unpack(packed: Any) -> Tensor:
+        if isinstance(packed, _Kept):
+            return packed.unpack(packed.packed)
         return packed.storage.load(packed) if isinstance(packed, _View) else packed
 
 

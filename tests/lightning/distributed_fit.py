@@ -1,46 +1,73 @@
 """A script the distributed tests run: Lightning's launcher starts one process per device and
-re-runs it in each. Trains each ``family:schedule:stages`` for a few steps with
-``MemoryPipeStrategy(runtime="distributed")`` and saves a checkpoint and what each rank logged.
+re-runs it in each. Runs the scenarios named on the command line in order, in the same
+processes; each saves what the tests compare (checkpoints, what each rank logged or returned).
 
-    python tests/lightning/distributed_fit.py OUT DEVICES STEPS gpt:gpipe:2 unet:1f1b:4:metered ...
-    python tests/lightning/distributed_fit.py OUT DEVICES features
-    python tests/lightning/distributed_fit.py OUT DEVICES raise   # rank 1 raises in its first step
+    python tests/lightning/distributed_fit.py OUT DEVICES SCENARIO...
+
+A scenario is ``family:schedule:stages[:metered][:features]`` (a few steps with
+``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
+configurations after it), ``features``, ``sharded``, ``exported``, ``raise`` or ``hang``
+(:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``raise`` and
+``hang``: each comes last.
 """
 
 import json
+import os
 import sys
+import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
-from lightning.pytorch import Trainer
+import torch
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
 
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
 from tests.models import make
 
 BATCH, CHUNKS = 8, 4
+ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping by norm, a step-wise LR decay
 
 
-def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages: int, metered: bool) -> None:
+def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages: int, metered: bool,
+        features: bool) -> None:
     """``metered``: plan (rank 0 profiles), measure memory and log per-stage metrics to a CSV
-    logger in ``out``; else an even split by parameter bytes."""
+    logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
+    and decay the learning rate every step (:func:`with_scheduler`)."""
     model, data = make(family)
+    if features:
+        with_scheduler(model)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
                                   planner="dawnpiper" if metered else None, measure_memory=metered)
     logger = CSVLogger(out, name=f"{family}-{schedule}-{stages}") if metered else False
+    extra = {"accumulate_grad_batches": ACCUMULATE, "gradient_clip_val": CLIP} if features else {}
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=logger,
                       log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0)
+                      enable_model_summary=False, num_sanity_val_steps=0, **extra)
     replicas = devices // stages
     trainer.fit(model, loader(data, BATCH // replicas))
-    name = f"{family}-{schedule}-{stages}"
+    name = f"{family}-{schedule}-{stages}" + ("-features" if features else "")
     trainer.save_checkpoint(out / f"{name}.ckpt")
     rank = trainer.global_rank
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
     mesh = model.device_mesh
     (out / f"{name}-rank{rank}.json").write_text(json.dumps({"logged": logged, "mesh": list(mesh.shape)}))
+
+
+def with_scheduler(model: LightningModule) -> None:
+    """The model's optimizer with its learning rate times ``GAMMA`` after every step."""
+    configure = model.configure_optimizers
+
+    def configure_optimizers() -> dict:
+        optimizer = configure()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=GAMMA)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    model.configure_optimizers = configure_optimizers
 
 
 def features(out: Path, devices: int) -> None:
@@ -75,30 +102,101 @@ def features_trainer(out: Path, devices: int | None, steps: int) -> dict:
                 enable_model_summary=False, **strategy)
 
 
-def fail(devices: int) -> None:
+def sharded(out: Path, devices: int) -> None:
+    """Two steps saved as a sharded checkpoint; a fresh model resumed from it for two more,
+    saved sharded again."""
+    model, data = make("gpt")
+    trainer = Trainer(**sharded_trainer(devices, steps=2))
+    trainer.fit(model, loader(data, BATCH))
+    trainer.save_checkpoint(out / "sharded")
+    resumed, _ = make("gpt", seed=1)
+    again = Trainer(**sharded_trainer(devices, steps=4))
+    again.fit(resumed, loader(data, BATCH), ckpt_path=out / "sharded")
+    again.save_checkpoint(out / "sharded-resumed")
+
+
+def sharded_trainer(devices: int | None, steps: int) -> dict:
+    """The sharded run's Trainer arguments; ``devices=None``: the single-device reference."""
+    strategy = {} if devices is None else {
+        "devices": devices, "use_distributed_sampler": False,
+        "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner=None,
+                                       state_dict_type="sharded"),
+    }
+    return dict(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, **strategy)
+
+
+def exported(out: Path, devices: int) -> None:
+    """Models torch.export captures: GPT-2 from a small config (1F1B, validated before and after
+    training) and one that doubles in training and triples in evaluation; on every rank, the
+    validation losses. Then GPT-2 predicts without labels, which needs a graph no rank can
+    export any more: global rank 0 saves the error."""
+    from tests.lightning.test_hf_models import Batches, Branchy, HFModule
+
+    result = {}
+    gpt2 = HFModule("gpt2")
+    gpt2_trainer = Trainer(**exported_trainer(devices, steps=3, sanity=1))
+    gpt2_trainer.fit(gpt2, DataLoader(Batches("gpt2"), batch_size=8), DataLoader(Batches("gpt2", size=8), batch_size=8))
+    gpt2_trainer.save_checkpoint(out / "gpt2.ckpt")
+    result["gpt2"] = gpt2_trainer.callback_metrics["val_loss"].item()
+    branchy = Branchy(heads=True)
+    trainer = Trainer(**exported_trainer(devices, steps=2, sanity=0))
+    data = DataLoader(TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0))), batch_size=8)
+    trainer.fit(branchy, data)
+    result["branchy"] = trainer.validate(branchy, data)[0]["val_loss"]
+    (out / f"exported-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    unlabelled = [{"input_ids": ids} for ids in Batches("gpt2", size=8).ids]
+    try:
+        gpt2_trainer.predict(gpt2, DataLoader(unlabelled, batch_size=8))
+    except RuntimeError as error:
+        (out / f"predict-error-rank{trainer.global_rank}.txt").write_text(str(error))
+
+
+def exported_trainer(devices: int | None, steps: int, sanity: int) -> dict:
+    """The exported run's Trainer arguments; ``devices=None``: the single-device reference."""
+    strategy = {} if devices is None else {
+        "devices": devices, "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS,
+                                                           planner=None),
+    }
+    return dict(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, limit_val_batches=1,
+                num_sanity_val_steps=sanity, enable_progress_bar=False, enable_model_summary=False,
+                use_distributed_sampler=False, **strategy)
+
+
+def fail(out: Path, devices: int, hang: bool) -> None:
+    """The last rank raises in its first ``training_step`` call, or (``hang``) sleeps an hour in
+    its first loss; timeout 5 s. The time the scenario starts is saved."""
     model, data = make("gpt")
     step = model.training_step
+    (out / f"{'hang' if hang else 'raise'}-start-{os.getpid()}").write_text(str(time.time()))
 
     def training_step(batch, batch_idx):
-        if model.trainer.global_rank == 1:
-            raise RuntimeError("rank 1 fails on purpose")
+        rank = model.trainer.global_rank
+        if rank == devices - 1:
+            if not hang:
+                raise RuntimeError(f"rank {rank} fails on purpose")
+            if torch.is_grad_enabled():  # not while every rank probes for self(...)'s arguments
+                time.sleep(3600)
         return step(batch, batch_idx)
 
     model.training_step = training_step
-    strategy = MemoryPipeStrategy(runtime="distributed", chunks=CHUNKS, planner=None,
-                                  timeout=timedelta(seconds=20))
+    strategy = MemoryPipeStrategy(runtime="distributed", chunks=CHUNKS, planner=None, timeout=timedelta(seconds=5))
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader(data, BATCH))
 
 
+SCENARIOS = {"features": features, "sharded": sharded, "exported": exported,
+             "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
+
+
 if __name__ == "__main__":
-    out, devices = Path(sys.argv[1]), int(sys.argv[2])
-    if sys.argv[3] == "raise":
-        fail(devices)
-    elif sys.argv[3] == "features":
-        features(out, devices)
-    else:
-        for config in sys.argv[4:]:
-            family, schedule, stages, *metered = config.split(":")
-            fit(out, devices, int(sys.argv[3]), family, schedule, int(stages), metered == ["metered"])
+    out, devices, steps = Path(sys.argv[1]), int(sys.argv[2]), 3
+    for scenario in sys.argv[3:]:
+        if scenario.isdigit():
+            steps = int(scenario)
+        elif scenario in SCENARIOS:
+            SCENARIOS[scenario](out, devices)
+        else:
+            family, schedule, stages, *flags = scenario.split(":")
+            fit(out, devices, steps, family, schedule, int(stages), "metered" in flags, "features" in flags)

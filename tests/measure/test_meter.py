@@ -1,12 +1,16 @@
 import pytest
 import torch
 from torch import nn
+from torch._C._profiler import _EventType
 
+from examples.models import loader
+from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.gpipe import Pipeline
-from tests.models import WIDE, Wide
+from tests.helpers import trainer
+from tests.models import WIDE, Wide, make
 
 CPU = torch.device("cpu")
 
@@ -29,7 +33,10 @@ def test_activations_parameters_gradients_and_optimizer_state_are_charged_to_the
     with meter, meter.saved_tensors_hooks():
         out = pipe(x)
         stage1 = meter.stages[1].current
-        assert stage1["activations"] == 32 * WIDE * 4  # 4 micro-batches of (8, WIDE) floats
+        # 4 micro-batches of (8, WIDE) floats, and of l0's (8, 16) outputs, which l1 keeps for
+        # its backward: they count on the stage keeping them, as on a device of its own
+        assert stage1["activations"] == 32 * WIDE * 4 + 32 * 16 * 4
+        assert meter.stages[0].current["activations"] == 0
         assert [m.current["parameters"] for m in meter.stages] == params
         out.sum().backward()
         assert stage1["activations"] == 0  # backward released every micro-batch
@@ -79,3 +86,38 @@ def test_capacities_must_match_stages():
 def test_cuda_peaks_per_device():
     assert MemoryMeter.cuda_peaks([torch.device("cuda", 0)]) is not None
     assert MemoryMeter.cuda_peaks([torch.device("cuda", 0), CPU]) is None
+
+
+def _allocator_peak(prof: torch.profiler.profile) -> int:
+    """The most bytes the CPU allocator had handed out at once while ``prof`` ran, from its
+    allocation and free events."""
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            events.append((event.start_time_ns, event.extra_fields.alloc_size))
+    now = peak = 0
+    for _, size in sorted(events):
+        now += size
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize(("family", "schedule"), [("gpt", "1f1b"), ("unet", "gpipe")])
+def test_the_process_peak_is_the_allocator_s(family, schedule):
+    """Every byte the CPU allocator hands out while training is charged to a stage (operators'
+    scratch, the batch, the merged output, the loss included): the meter's process-wide peak
+    is the allocator's, counted from torch.profiler's memory events, which the meter does not
+    read while training. The model and its parameters are made while profiling, the data before."""
+    data = make(family)[1]
+
+    def fit():
+        strategy = MemoryPipeStrategy(chunks=2, schedule=schedule, planner=None, measure_memory=True)
+        trainer(strategy, 2, max_steps=2).fit(make(family)[0], loader(data, 8))
+        return strategy
+
+    fit()  # the meter observes each operator's scratch once, in a profiler session of its own
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        strategy = fit()
+    assert strategy.meter.process_peak == pytest.approx(_allocator_peak(prof), rel=0.03)

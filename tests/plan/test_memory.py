@@ -1,13 +1,21 @@
 import random
 
-from lightning_pipe.plan.memory import CostModel, predict_peaks, stage_ranges
+import pytest
+
+from lightning_pipe.plan.memory import CostModel, predict_peaks
 from lightning_pipe.plan.profile import NodeProfile, Profile
 
 
-def node(i, saved, out=None, params=0, transient=0, users=None, f=1.0, backward=0):
-    out = saved if out is None else out
-    return NodeProfile(f"n{i}", f, 2 * f, out, saved, transient, params, params, 2 * params, users=users or [i + 1],
-                       backward_bytes=backward)
+def node(i, saved=0, made=None, held=0, until=-1, users=None, params=0, workspace=0, backward=0, grad=None, out=None):
+    """A node keeping ``saved`` bytes first, making ``made`` (default ``saved + held``) of which
+    ``held`` stay alive until node ``until``; its output's gradient is as large as its output."""
+    made = saved + held if made is None else made
+    out = made if out is None else out
+    return NodeProfile(
+        f"n{i}", 1.0, 2.0, out, saved, workspace, params, params, 2 * params, users=users or [i + 1],
+        backward_bytes=backward, output_grad_bytes=out if grad is None else grad, made_bytes=made, held_bytes=held,
+        held_until=until,
+    )
 
 
 def random_profile(n, seed):
@@ -15,85 +23,127 @@ def random_profile(n, seed):
     nodes = []
     for i in range(n):
         users = sorted({i + 1, min(n - 1, i + rnd.randint(1, 4))}) if i < n - 1 else [-1]
-        if rnd.random() < 0.1:
-            users.append(-1)
-        nodes.append(node(i, rnd.randint(0, 900), rnd.randint(0, 900), rnd.randint(0, 50), rnd.randint(0, 300), users,
-                          backward=rnd.randint(0, 300)))
+        held = rnd.choice([0, rnd.randint(1, 500)])
+        until = max(users) if users != [-1] else n
+        nodes.append(node(i, rnd.randint(0, 900), held=held, until=until, users=users, params=rnd.randint(0, 50),
+                          workspace=rnd.randint(0, 300), backward=rnd.randint(0, 300), grad=rnd.randint(0, 200)))
     return Profile(nodes, "cpu", "float32", 4, input_bytes=100, input_users=[0])
 
 
-def reference(profile, balance, in_flight):
-    """The formula as first written: a direct sum per stage; the workspace is a node's
-    forward or backward one, whichever is larger (the stage's stash is alive in both)."""
-    out = []
-    for s, r in enumerate(stage_ranges(balance)):
-        ns = [profile.nodes[i] for i in r]
-        static = sum(n.param_bytes + n.grad_bytes + n.optimizer_bytes for n in ns)
-        stashed = sum(n.saved_bytes for n in ns)
-        boundary = sum(
-            max(0, n.output_bytes - n.saved_bytes) for n in ns if any(u >= r.stop or u < 0 for u in n.users)
-        )
-        workspace = max(max(n.transient_bytes, n.backward_bytes) for n in ns)
-        out.append(static + in_flight[s] * stashed + workspace + boundary)
-    return out
+def reference(profile, lo, hi, n, schedule, chunks):
+    """A stage's peak as the module docstring states it, node by node (stages before the last)."""
+    nodes = profile.nodes
+    static = sum(p.param_bytes + p.grad_bytes + p.optimizer_bytes for p in nodes[lo:hi])
+    stash = sum(p.saved_bytes for p in nodes[lo:hi])
+
+    def held(i):  # values the range made before node i, not kept, still to be read at i
+        return sum(nodes[k].held_bytes for k in range(lo, i) if nodes[k].held_until >= i)
+
+    def gradients(i):  # made by the range's nodes after i for values made up to i
+        return sum(nodes[p].output_grad_bytes for p in range(i + 1)
+                   if any(i < u < hi and nodes[u].output_grad_bytes for u in nodes[p].users))
+
+    forward = max(sum(p.saved_bytes for p in nodes[lo:i]) + held(i) + nodes[i].made_bytes + nodes[i].transient_bytes
+                  for i in range(lo, hi))
+    leaving = held(hi)
+
+    def backward(i, grads):
+        own = max(nodes[i].backward_bytes - nodes[i].grad_bytes, 0)
+        return sum(p.saved_bytes for p in nodes[lo:i + 1]) + gradients(i) + own + grads
+
+    grads = [p.grad_bytes for p in nodes]
+    first = max(backward(i, sum(grads[i:hi])) for i in range(lo, hi))
+    later = max(backward(i, grads[i]) for i in range(lo, hi))
+    gpipe = schedule == "gpipe"
+    in_flight_later = n if not gpipe and chunks > n else n - 1
+    peaks = [
+        static + (n - 1) * stash + forward + (min(1, n - 1) * leaving if gpipe else 0),
+        static - sum(grads[lo:hi]) + (n - 1) * stash + first,
+    ]
+    if in_flight_later >= 1:
+        peaks.append(static + (in_flight_later - 1) * stash + later)
+    return max(peaks)
 
 
-def test_all_kept_peaks_equal_the_direct_formula():
-    for seed in range(5):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_peaks_equal_the_formula_node_by_node(schedule):
+    for seed in range(4):
         profile = random_profile(23, seed)
-        for balance in ([23], [5, 9, 9], [1, 1, 20, 1], [7, 3, 6, 4, 3]):
-            flight = list(range(len(balance), 0, -1))
-            assert [p.total for p in predict_peaks(profile, balance, flight)] == reference(profile, balance, flight)
-
-
-def test_range_queries_match_brute_force():
-    profile = random_profile(30, 7)
-    model = CostModel(profile)
-    for lo in range(30):
-        for hi in range(lo + 1, 31):
-            ns = profile.nodes[lo:hi]
-            assert model.transient(lo, hi) == max(max(n.transient_bytes, n.backward_bytes) for n in ns)
-            assert model.stashed(lo, hi) == sum(n.saved_bytes for n in ns)
-            leaving = [n for n in ns if any(u >= hi or u < 0 for u in n.users)]
-            assert model.boundary(lo, hi) == sum(max(0, n.output_bytes - n.saved_bytes) for n in leaving)
-            balance = [b for b in (lo, hi - lo, 30 - hi) if b]
-            stage = 1 if lo else 0
-            expected = reference(profile, balance, [3] * len(balance))[stage]
-            assert model.peak(lo, hi, 3).total == expected
+        model = CostModel(profile, schedule=schedule, chunks=4)
+        for lo in range(0, 20, 3):
+            for hi in range(lo + 1, 23):
+                for n in (1, 2, 4):
+                    assert model.peak(lo, hi, n).total == reference(profile, lo, hi, n, schedule, 4), (lo, hi, n)
 
 
 def test_2bw_keeps_a_second_copy_of_the_parameters():
-    profile = Profile([node(0, 10, params=100), node(1, 10, params=50, users=[-1])], "cpu", "f", 1)
-    one = predict_peaks(profile, [2], [1])[0]
-    two = predict_peaks(profile, [2], [1], weight_versions=2)[0]
+    profile = Profile([node(0, 10, params=100), node(1, 10, params=50), node(2, users=[-1])], "cpu", "f", 1)
+    one = predict_peaks(profile, [2, 1], [1, 1])[0]
+    two = predict_peaks(profile, [2, 1], [1, 1], weight_versions=2)[0]
     assert two.static - one.static == 150
     assert (two.activations, two.transient, two.boundary) == (one.activations, one.transient, one.boundary)
 
 
 def chain():
-    # saved bytes 100, 200, 300, 400; node 0's output (50 bytes) is half-stashed by itself.
-    nodes = [node(0, 100, out=150), node(1, 200), node(2, 300), node(3, 400, users=[-1])]
-    return Profile(nodes, "cpu", "f", 1, input_bytes=70, input_users=[0])
+    """Nodes keeping 100, 200, 300, 400 bytes; node 0 also makes 50 bytes node 1 reads and
+    no node keeps, node 3 100 bytes the next stage reads. No gradients, no workspace."""
+    nodes = [node(0, 100, held=50, until=1, grad=0), node(1, 200, grad=0), node(2, 300, grad=0),
+             node(3, 400, held=100, until=4, grad=0), node(4, users=[-1])]
+    return Profile(nodes, "cpu", "f", 1)
 
 
-def test_swap_moves_saved_bytes_off_the_device():
-    profile = chain()
-    keep = predict_peaks(profile, [4], [3])[0]
-    swap = predict_peaks(profile, [4], [3], ["keep", "swap", "swap", "keep"])[0]
-    assert keep.activations - swap.activations == 3 * (200 + 300)
-    assert swap.transient - keep.transient == 500  # a run of swapped nodes is loaded back at once
+def peak(policies=(), in_flight=3):
+    """The stage [0, 4) of :func:`chain`, under GPipe with ``in_flight`` micro-batches."""
+    model = CostModel(chain(), schedule="gpipe", chunks=in_flight)
+    return model.peak(0, 4, in_flight, dict(enumerate(policies)) if policies else {}).total
 
 
-def test_recompute_region_stashes_only_its_inputs():
-    profile = chain()
-    keep = predict_peaks(profile, [4], [3])[0]
-    rec = predict_peaks(profile, [4], [3], ["keep", "recompute", "recompute", "keep"])[0]
-    # region {1, 2} drops 500 bytes and stashes what node 0 did not: 150 - 100 = 50
-    assert keep.activations - rec.activations == 3 * (500 - 50)
-    assert rec.transient - keep.transient == 500  # the whole region is rebuilt at once
-    # a region at the stage start stashes the stage input
-    first = predict_peaks(profile, [1, 3], [1, 1], ["keep", "recompute", "keep", "keep"])[1]
-    assert first.activations == 300 + 400 + 150
-    # two separate regions only ever rebuild one at a time
-    split = predict_peaks(profile, [4], [1], ["keep", "recompute", "keep", "recompute"])[0]
-    assert split.transient - keep.transient == 400
+def test_all_kept():
+    # forward of the last micro-batch at node 3: the stash before it (600) and its own 500
+    # bytes, two micro-batches stashed (2 x 1000), the previous one's output (100)
+    assert peak() == 600 + 500 + 2 * 1000 + 100
+
+
+def test_swap_takes_the_stash_off_the_device_until_the_backward_after_it():
+    # stash 100 + 400 per micro-batch; the first backward brings nodes 1 and 2's 500 back
+    # while node 3's runs, with the micro-batch's stash still there
+    assert peak(["keep", "swap", "swap", "keep"]) == 2 * 500 + 500 + 500
+
+
+def test_a_recomputed_region_keeps_only_its_inputs():
+    model = CostModel(chain(), schedule="gpipe", chunks=3)
+    policies = {1: "recompute", 2: "recompute"}
+    assert model.region_inputs(1, 3, 0, 4, policies) == 50  # node 0's unkept 50 bytes; its kept 100 are stashed
+    # stash 100 + 50 + 400 per micro-batch; forward at node 3: 150 before it, its 500, the
+    # previous micro-batch's output; the rebuilt region stays under that
+    assert peak(["keep", "recompute", "recompute", "keep"]) == 2 * 550 + 150 + 500 + 100
+
+
+def last_stage(schedule):
+    """Two nodes: the first keeps 100 bytes; the second's 80-byte output is the graph's. A
+    micro-batch's share of the batch is 30 bytes; its loss holds 200 (150 in its backward), of
+    which 20 are kept."""
+    nodes = [node(0, 100), node(1, held=80, until=2, users=[-1])]
+    profile = Profile(nodes, "cpu", "f", 1, batch_bytes=30, loss_bytes=200, loss_backward_bytes=150, loss_kept_bytes=20)
+    return CostModel(profile, schedule=schedule, chunks=3)
+
+
+def test_gpipe_last_stage_merges_every_micro_batch_and_takes_the_whole_batch_loss():
+    # 3 micro-batches stashed, the whole batch's loss (3 x 200 over the merge's 3 x (80 + 80)), the batch
+    assert last_stage("gpipe").peak(0, 2, 3).total == 3 * 100 + 3 * 200 + 3 * 30
+
+
+def test_1f1b_last_stage_takes_one_micro_batch_loss_and_keeps_the_earlier_losses():
+    # one micro-batch stashed and its output, its loss, two earlier losses kept, the batch
+    assert last_stage("1f1b").peak(0, 2, 1).total == 100 + 80 + 200 + 2 * 20 + 3 * 30
+
+
+def test_gradients_wait_for_the_node_that_made_the_value():
+    # node 0's value is read by node 1 and by node 3: node 3's backward makes its gradient,
+    # which waits through the backward of nodes 2 and 1 for node 0's
+    nodes = [node(0, users=[1, 3], out=64), node(1, out=8), node(2, out=8), node(3, backward=64, out=8),
+             node(4, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    # node 3's backward makes 64 bytes; at node 2's, that gradient and the one node 3 made
+    # for node 2's output are alive (node 1's is made by node 2's backward, later)
+    assert model.peak(0, 4, 1).total == 64 + 8

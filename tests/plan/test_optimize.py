@@ -7,11 +7,14 @@ from lightning_pipe.plan.profile import NodeProfile, Profile
 
 def stage(specs):
     """specs: (forward ms, saved bytes) per node of a chain; backward is twice the forward.
-    Names a, b, ...: nodes named alike but for numbers would be taken as copies sharing a time."""
+    Names a, b, ...: nodes named alike but for numbers would be taken as copies sharing a time.
+    A last node of no cost follows, so that the chain is not the last stage (which also holds
+    the batch and the loss)."""
     nodes = [
-        NodeProfile(chr(ord("a") + i), f, 2 * f, s, s, 0, 0, 0, 0, users=[i + 1] if i + 1 < len(specs) else [-1])
+        NodeProfile(chr(ord("a") + i), f, 2 * f, s, s, 0, 0, 0, 0, users=[i + 1])
         for i, (f, s) in enumerate(specs)
     ]
+    nodes.append(NodeProfile("z", 0.0, 0.0, 0, 0, 0, 0, 0, 0, users=[-1]))
     return CostModel(Profile(nodes, "cpu", "f", 1))
 
 

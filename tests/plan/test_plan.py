@@ -89,10 +89,16 @@ def test_without_memory_optimisation_nothing_is_recomputed_and_less_fits():
         make_plan(cnn_like().scaled(off + 1), [CAP] * 4, "dawnpiper", "1f1b", 8, optimise_memory=False)
 
 
-def test_2bw_fits_fewer_than_1f1b():
+def test_2bw_keeps_a_second_weight_copy_and_fits_no_more_than_1f1b():
     a = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
     b = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "2bw", 8)
-    assert b < a
+    assert b <= a
+    lowest = []
+    for schedule in ("1f1b", "2bw"):
+        with pytest.raises(InfeasiblePlanError) as err:
+            make_plan(cnn_like().scaled(a + 1), [CAP] * 4, "dawnpiper", schedule, 8)
+        lowest.append(err.value.min_peak)
+    assert lowest[1] > lowest[0]
 
 
 @pytest.mark.parametrize("count", [4, 6])

@@ -85,11 +85,12 @@ def _wide_run(policy, chunks=4):
 
 def test_recompute_and_swap_give_identical_results_with_less_stashed():
     out, grads, stashed, calls = _wide_run("keep")
-    assert stashed == 32 * 4096 * 4 and calls == 4
+    received = 32 * 16 * 4  # l1 saves its input, made on stage 0: stage 1 keeps it, as on its own device
+    assert stashed == 32 * 4096 * 4 + received and calls == 4
     for policy in ("recompute", "swap"):
         o, g, s, c = _wide_run(policy)
         assert torch.equal(o, out) and all(torch.equal(a, b) for a, b in zip(g, grads)), policy
-        assert s == 0, policy  # nothing of stage 1 stays on its device for backward
+        assert s == received, policy  # only the segment's input stays on stage 1's device for backward
         assert c == (8 if policy == "recompute" else 4), policy  # recompute runs forward again
 
 

@@ -1,5 +1,6 @@
 """Stages as processes on torch.distributed.pipelining (gloo): trains like one process."""
 
+import math
 import os
 import socket
 from pathlib import Path
@@ -8,17 +9,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.balance import balance_by_weight
+from lightning_pipe.plan.memory import CostModel, stage_ranges
+from lightning_pipe.plan.plan import make_plan
 from lightning_pipe.runtime.build import build
-from lightning_pipe.runtime.distributed import DistributedPipeline, carried, cuts
+from lightning_pipe.runtime.distributed import DistributedPipeline, carried, cuts, pipeline_mesh
 from tests.models import make
 
 STEPS, BATCH, CHUNKS = 3, 8, 4
-CONFIGS = [(family, schedule) for family in ("gpt", "unet", "encdec") for schedule in ("gpipe", "1f1b")]
+# each family once, the schedules alternating (tests/lightning/test_distributed.py runs the others)
+CONFIGS = [("gpt", "1f1b"), ("unet", "gpipe"), ("encdec", "1f1b")]
 
 
 def _batch(family: str) -> dict:
@@ -42,7 +47,7 @@ def _train(rank: int, world: int, port: int, stages: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (stages, world // stages), mesh_dim_names=("pp", "dp"))
+        mesh = pipeline_mesh(stages, world // stages, "cpu")
         for family, schedule in CONFIGS:
             model, _ = make(family, seed=rank)  # rank 0's weights must win
             batch = _batch(family)
@@ -77,11 +82,12 @@ def _spawn(world: int, stages: int, out: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_train, args=(world, port, stages, str(out)), nprocs=world, join=True)
+    # forked: the ranks start with this process's imports (torch, Lightning), a few seconds each
+    mp.start_processes(_train, args=(world, port, stages, str(out)), nprocs=world, join=True, start_method="fork")
 
 
 @pytest.mark.slow
-def test_pp2_trains_like_one_device_for_every_family_and_schedule(tmp_path):
+def test_pp2_trains_like_one_device_for_every_family(tmp_path):
     _spawn(world=2, stages=2, out=tmp_path)
     for family, schedule in CONFIGS:
         expected = _reference(family)
@@ -101,3 +107,43 @@ def test_carried_values_reach_every_later_reader():
     readers = [s.index for s in program.stages if stem in s.inputs]
     assert all(stem in carried(program, c) for c in range(1, max(readers) + 1))
     assert carried(program, 0) == list(program.placeholders)
+
+
+def _carried_bytes(program, boundaries, stage: int) -> int:
+    """Bytes per micro-batch of what ``stage`` receives and sends on (read after it), from the
+    runtime's cut metadata: a receive buffer each, and one for the gradient of a float value."""
+    received = tree_unflatten(boundaries[stage].leaves, boundaries[stage].spec)
+    passed = set(carried(program, stage + 1))
+    total = 0
+    for name, value in received.items():
+        for meta in tree_flatten(value)[0] if name in passed else []:
+            size = math.prod(meta.shape) * meta.dtype.itemsize
+            total += 2 * size if meta.dtype.is_floating_point else size
+    return total
+
+
+@pytest.fixture(scope="module")
+def unet_profile():
+    model, _ = make("unet")
+    captured = capture(model)
+    microbatch = scatter(_batch("unet"), CHUNKS)[0]
+    return model, captured, microbatch, profile_graph(captured, model.inputs(microbatch), repeats=1, warmup=0)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_the_plan_counts_what_each_stage_carries_for_every_microbatch(stages, unet_profile):
+    """Under the distributed runtime every stage holds a receive buffer per micro-batch of the
+    step for each value it passes on (U-Net skips): the predicted peak of each stage grows by
+    exactly those bytes times the micro-batches, as the runtime's cuts describe them."""
+    model, captured, microbatch, profile = unet_profile
+    balance = balance_by_weight(captured.param_bytes(), stages)
+    program = build(captured, model, balance, [torch.device("cpu")] * stages, place=False)
+    boundaries = cuts(program, model, model.inputs(microbatch), {})
+    local = CostModel(profile, schedule="gpipe", chunks=CHUNKS)
+    distributed = CostModel(profile, schedule="gpipe", chunks=CHUNKS, carry=CHUNKS)
+    grown = [distributed.peak(r.start, r.stop, CHUNKS).total - local.peak(r.start, r.stop, CHUNKS).total
+             for r in stage_ranges(balance)]
+    assert grown == [CHUNKS * _carried_bytes(program, boundaries, s) for s in range(stages)]
+    assert grown[0] == grown[-1] == 0 and all(g > 0 for g in grown[1:-1])  # middle stages carry skips
+    plan = make_plan(profile, [1 << 40] * stages, "params", "gpipe", CHUNKS, carry=True)
+    assert plan.stages[1].peak.total == distributed.peak(plan.stages[1].start, plan.stages[1].stop, CHUNKS).total

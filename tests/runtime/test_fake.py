@@ -1,0 +1,103 @@
+import dataclasses
+import gc
+from functools import partial
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.data import default_collate
+
+import lightning_pipe.lightning.strategy as strategy_module
+from examples.models import GPT, loader
+from lightning_pipe import MemoryPipeStrategy
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.measure.meter import StageOutOfMemoryError
+from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.plan.plan import make_plan
+from lightning_pipe.runtime import swap
+from lightning_pipe.runtime.fake import fake_training
+from tests.helpers import trainer
+from tests.models import make
+
+STAGES, CHUNKS, BATCH = 3, 4, 8
+# memopt on: keep, recompute and swap in turn along the graph, two nodes each
+POLICIES = ["keep", "keep", "recompute", "recompute", "swap", "swap"]
+
+
+def _real_run(monkeypatch, family, schedule, memopt):
+    """Two Lightning training steps on a uniform split with the given policies (the plan is
+    chosen here, not by the planner, so that it neither depends on predictions nor can be
+    all keep); the metered peaks and the plan."""
+
+    def chosen(profile, targets, partitioner, schedule, chunks, *args, **kwargs):
+        plan = make_plan(profile, [1 << 40] * len(targets), "uniform", schedule, chunks)
+        if memopt:
+            plan = dataclasses.replace(plan, policies=[POLICIES[i % 6] for i in range(len(plan.policies))])
+        return plan
+
+    monkeypatch.setattr(strategy_module, "make_plan", chosen)
+    monkeypatch.setattr(strategy_module, "profile_graph", partial(profile_graph, fake=True))  # fast, unused
+    model, data = _model(family)
+    # A logged loss is a tensor on the last stage that Lightning keeps until the next step: the fake step logs none.
+    model.training_step = lambda batch, batch_idx: model.loss(batch)
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, measure_memory=True)
+    trainer(strategy, STAGES, max_steps=2).fit(model, loader(data, BATCH))
+    return strategy.meter.peaks(), strategy.plan
+
+
+def _model(family):
+    model, data = make(family, optimizer="adam")
+    if family == "unet":
+        # The CPU's mse_loss returns its mean inside the storage of the elementwise losses, a
+        # fake one in a storage of its own size: the same loss, computed without that quirk.
+        model.criterion = lambda output, batch: (output - batch["target"]).square().mean()
+    return model, data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memopt", [False, True], ids=["memopt_off", "memopt_on"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize("family", ["gpt", "unet", "encdec"])
+def test_fake_run_meters_the_same_peaks_as_a_real_run(monkeypatch, family, schedule, memopt):
+    real, plan = _real_run(monkeypatch, family, schedule, memopt)
+    model, data = _model(family)
+    captured = capture(model)
+    policies = {n.name: p for n, p in zip(captured.nodes, plan.policies) if p != "keep"}
+    assert bool(policies) == memopt
+    batch = default_collate([data[i] for i in range(BATCH)])
+    meter = fake_training(model, captured, batch, lambda forward, mb: model.criterion(forward(*model.inputs(mb)), mb),
+                          model.configure_optimizers(), plan.balance, policies, schedule=schedule, chunks=CHUNKS)
+    assert meter.peaks() == real
+    assert all(isinstance(p, FakeTensor) for p in model.parameters())
+
+
+def test_fake_run_enforces_capacities_and_leaves_the_host_pool_alone(monkeypatch):
+    gc.collect()  # swapped tensors of earlier tests give their buffers back to the pool of the day
+    pool = swap.HostPool()
+    monkeypatch.setattr(swap, "pool", pool)
+    model, data = make("gpt")
+    captured = capture(model)
+    batch = default_collate([data[i] for i in range(BATCH)])
+    step = lambda forward, mb: model.criterion(forward(*model.inputs(mb)), mb)  # noqa: E731
+    optimizer = model.configure_optimizers()
+    balance = [len(captured.nodes) // 2, len(captured.nodes) - len(captured.nodes) // 2]
+    policies = {n.name: "swap" for n in captured.nodes[:10]}
+    peaks = fake_training(model, captured, batch, step, optimizer, balance, policies, chunks=2).peaks()
+    with pytest.raises(StageOutOfMemoryError) as error:
+        fake_training(model, captured, batch, step, optimizer, balance, policies, chunks=2,
+                      capacities=[peaks[0] - 1, None])
+    assert error.value.stage == 0
+    fake_training(model, captured, batch, step, optimizer, balance, policies, chunks=2, capacities=peaks)
+    assert swap.pool is pool and pool.nbytes() == 0  # fake host buffers never enter the real pool
+
+
+def test_a_meta_model_runs_fake_at_sizes_that_would_not_fit_the_host():
+    with torch.device("meta"):
+        model = GPT(vocab=50_000, dim=4096, heads=32, layers=2, context=1024)  # 1.2 GB of fp32 weights
+    captured = capture(model)
+    ids = torch.zeros(64, 1024, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids}
+    meter = fake_training(model, captured, batch, lambda forward, mb: model.criterion(forward(mb), mb),
+                          torch.optim.SGD(model.parameters(), lr=0.1), [len(captured.nodes)], chunks=4)
+    logits = 16 * 1024 * 50_000 * 4  # one micro-batch's logits, kept for backward
+    assert meter.peaks()[0] > 4 * logits
