@@ -98,7 +98,8 @@ class Swapped:
         flat = tensor.as_strided((tensor.untyped_storage().nbytes() // tensor.element_size(),), (1,), 0)
         self.key: Key = (flat.numel(), flat.dtype, self.device.type == "cuda")
         side = side_stream(self.device)
-        self.host = pool.take(self.key, side)
+        self.pool = pool  # the buffer goes back where it came from, whichever pool is current then
+        self.host = self.pool.take(self.key, side)
         wait_stream(side, current_stream(self.device))  # the tensor is written on the compute stream
         with use_stream(side):
             self.host.copy_(flat, non_blocking=True)
@@ -134,7 +135,7 @@ class Swapped:
         return view
 
     def __del__(self) -> None:
-        pool.give(self.key, self.host, self.event)
+        self.pool.give(self.key, self.host, self.event)
 
 
 class _View(NamedTuple):
