@@ -84,12 +84,14 @@ def profile_graph(
         if output is not None:
             result = fx.node.map_arg(gm.graph.output_node().args[0], runner.env.__getitem__)
             output.append(tree_map(_leaf, result))
-        estimated = _roofline_times(runner, captured.nodes, device) if fake else None
+        estimated = _roofline_times(runner, captured.nodes, *((device, 0.0) if fake else _machine(runner)))
         times = []
         for k, n in enumerate(captured.nodes):
-            times.append(estimated[k] if estimated else _time_node(runner, n, repeats, warmup))
+            times.append(estimated[k] if fake else _time_node(runner, n, repeats, warmup))
             if progress is not None:
                 progress(len(times), len(captured.nodes))
+        if not fake:
+            times = _shared_out(times, estimated)
     with torch.no_grad():
         for name, b in gm.named_buffers():
             b.copy_(buffers[name])  # profiling must not advance e.g. BatchNorm statistics
@@ -238,11 +240,13 @@ def _last_reader(node: fx.Node, index: dict[fx.Node, int]) -> int:
     return max((index.get(u, len(index)) for u in node.users), default=index[node])
 
 
-def _roofline_times(runner: "_NodeRunner", nodes: list[fx.Node], device: DeviceSpec) -> list[tuple[float, float]]:
-    """Per node, its forward's and its backward's milliseconds on ``device`` by roofline,
-    from a forward and backward of the whole graph on fake tensors."""
+def _roofline_times(
+    runner: "_NodeRunner", nodes: list[fx.Node], device: DeviceSpec, overhead_ms: float
+) -> list[tuple[float, float]]:
+    """Per node, its forward's and its backward's milliseconds on ``device`` by roofline (each
+    operator call ``overhead_ms`` more), from a forward and backward of the whole graph."""
     index = {node: k for k, node in enumerate(nodes)}
-    counter = WorkCounter(len(nodes), device)
+    counter = WorkCounter(len(nodes), device, overhead_ms)
     with counter:
         for node in runner.gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
@@ -257,6 +261,37 @@ def _roofline_times(runner: "_NodeRunner", nodes: list[fx.Node], device: DeviceS
         if outputs and leaves:
             torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
     return list(zip(counter.forward_ms, counter.backward_ms))
+
+
+# What the work of a node on the machine profiling it is estimated from (see _shared_out): only
+# the ratios between rates and the launch overhead matter. A CPU core or two: ~100 GFLOP/s,
+# ~20 GB/s, ~10 us to dispatch an operator; a GPU: its datasheet (an A100 where the name
+# matches none), ~5 us to launch a kernel.
+_HOST = DeviceSpec("host CPU", 0, {"fp32": 100e9}, 20e9, 20e9, 20e9)
+_HOST_OVERHEAD_MS, _GPU_OVERHEAD_MS = 0.010, 0.005
+
+
+def _machine(runner: "_NodeRunner") -> tuple[DeviceSpec, float]:
+    """The device spec and per-operator overhead the profiled nodes' work is estimated for."""
+    device = next((p.device for p in runner.module.parameters()), torch.device("cpu"))
+    if device.type != "cuda":
+        return _HOST, _HOST_OVERHEAD_MS
+    name = torch.cuda.get_device_name(device).replace(" ", "-").upper()
+    spec = next((s for n, s in DEVICES.items() if n.split("-")[0] in name), FAKE_DEVICE)
+    return spec, _GPU_OVERHEAD_MS
+
+
+def _shared_out(measured: list[tuple[float, float]], estimated: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Measured time shared out by estimated work: every node gets the measured total
+    (forward, backward) in proportion to its roofline estimate. Timing noise moves only the
+    totals, which scale every node alike, so the split (which compares times of nodes and
+    stages with each other) does not move from one profile to the next."""
+    shares = []
+    for column in (0, 1):
+        total, work = sum(m[column] for m in measured), sum(e[column] for e in estimated)
+        scale = total / work if work > 0 else 0.0
+        shares.append([e[column] * scale if work > 0 else m[column] for m, e in zip(measured, estimated)])
+    return list(zip(shares[0], shares[1]))
 
 
 class _NodeRunner(fx.Interpreter):

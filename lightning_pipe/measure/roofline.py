@@ -29,11 +29,13 @@ __all__ = ["WorkCounter", "operator_ms"]
 
 
 class WorkCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Per node, the milliseconds its forward and its backward take on ``device``."""
+    """Per node, the milliseconds its forward and its backward take on ``device``, each
+    operator call costing ``overhead_ms`` more (its launch: what bounds small operators)."""
 
-    def __init__(self, nodes: int, device: DeviceSpec) -> None:
+    def __init__(self, nodes: int, device: DeviceSpec, overhead_ms: float = 0.0) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.device = device
+        self.overhead_ms = overhead_ms
         self.forward_ms = [0.0] * nodes
         self.backward_ms = [0.0] * nodes
         self._node: int | None = None
@@ -69,7 +71,7 @@ class WorkCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             node, times = grad_fn.metadata.get(self._tag), self.backward_ms  # type: ignore[attr-defined]
         if node is not None:
-            times[node] += operator_ms(self.device, func, args, kwargs, out)
+            times[node] += operator_ms(self.device, func, args, kwargs, out) + self.overhead_ms
         return out
 
 

@@ -137,6 +137,28 @@ def test_fake_times_are_each_node_s_roofline_on_the_device():
     assert matmul.forward_ms == pytest.approx(1e3 * 2 * n**3 / 156e12)
 
 
+def test_measured_times_are_shared_out_by_work_so_only_their_total_varies(monkeypatch):
+    """Two profiles time every node anew; the planner's node times differ between them by one
+    factor per direction (forward, backward), which no comparison of splits can see."""
+    from lightning_pipe.measure import profiler
+
+    torch.manual_seed(0)
+    captured = capture(GPT(layers=2))
+    batch = {"input_ids": torch.randint(96, (4, 16))}
+    jitter = iter(range(1, 10**6))  # every node measured differently, as noise does
+    time_node = profiler._time_node
+    noisy = lambda *a: tuple(t * (1 + next(jitter) % 7 / 10) for t in time_node(*a))  # noqa: E731
+    monkeypatch.setattr(profiler, "_time_node", noisy)
+    a, b = (profile_graph(captured, (batch,), repeats=1, warmup=0).nodes for _ in range(2))
+    for field in ("forward_ms", "backward_ms"):
+        ratios = [getattr(y, field) / getattr(x, field) for x, y in zip(a, b) if getattr(x, field) > 0]
+        assert len(ratios) > len(a) // 2
+        assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
+    # a node doing more work gets more of the total: the head's product against the embedding's lookup
+    head, lookup = next(n for n in a if n.name == "head"), next(n for n in a if n.name == "tok_emb")
+    assert head.forward_ms > 3 * lookup.forward_ms
+
+
 def test_optimizer_bytes_of_an_optimizer_whose_defaults_its_init_does_not_take():
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters())  # defaults hold decoupled_weight_decay
