@@ -51,10 +51,10 @@ def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(t
     transformers = pytest.importorskip("transformers")
     from benchmarks import paper
 
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=32, vocab_size=128, use_cache=False)
-    tiny = paper.Workload("gpt2", "tiny GPT-2", paper._hf(transformers.GPT2LMHeadModel, config), paper._tokens(32),
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, use_cache=False)
+    tiny = paper.Workload("gpt2", "tiny GPT-2", paper._hf(transformers.GPT2LMHeadModel, config), paper._tokens(16),
                           paper._keywords, paper._hf_loss)
-    small = replace(DEVICES["A100-40GB"], name="A100-64MiB", memory=64 * 2**20)
+    small = replace(DEVICES["A100-40GB"], name="A100-16MiB", memory=16 * 2**20)
     results = paper.main(["--stages", "2", "--out", str(tmp_path)], workloads=[tiny], device=small)
 
     rows = results["rows"]

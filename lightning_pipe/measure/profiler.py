@@ -282,16 +282,15 @@ def _machine(runner: "_NodeRunner") -> tuple[DeviceSpec, float]:
 
 
 def _shared_out(measured: list[tuple[float, float]], estimated: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Measured time shared out by estimated work: every node gets the measured total
-    (forward, backward) in proportion to its roofline estimate. Timing noise moves only the
-    totals, which scale every node alike, so the split (which compares times of nodes and
-    stages with each other) does not move from one profile to the next."""
-    shares = []
-    for column in (0, 1):
-        total, work = sum(m[column] for m in measured), sum(e[column] for e in estimated)
-        scale = total / work if work > 0 else 0.0
-        shares.append([e[column] * scale if work > 0 else m[column] for m, e in zip(measured, estimated)])
-    return list(zip(shares[0], shares[1]))
+    """Measured time shared out by estimated work: every node's forward and backward get the
+    measured total (both directions together) in proportion to their roofline estimates.
+    Timing noise moves only the total, which scales every time alike, so the split (which
+    compares times of nodes, directions and stages with each other) does not move from one
+    profile to the next."""
+    total, work = sum(map(sum, measured)), sum(map(sum, estimated))
+    if work <= 0:
+        return measured
+    return [(f * total / work, b * total / work) for f, b in estimated]
 
 
 class _NodeRunner(fx.Interpreter):

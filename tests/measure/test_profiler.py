@@ -139,7 +139,7 @@ def test_fake_times_are_each_node_s_roofline_on_the_device():
 
 def test_measured_times_are_shared_out_by_work_so_only_their_total_varies(monkeypatch):
     """Two profiles time every node anew; the planner's node times differ between them by one
-    factor per direction (forward, backward), which no comparison of splits can see."""
+    factor, which no comparison of splits, or of recompute against keeping, can see."""
     from lightning_pipe.measure import profiler
 
     torch.manual_seed(0)
@@ -150,10 +150,10 @@ def test_measured_times_are_shared_out_by_work_so_only_their_total_varies(monkey
     noisy = lambda *a: tuple(t * (1 + next(jitter) % 7 / 10) for t in time_node(*a))  # noqa: E731
     monkeypatch.setattr(profiler, "_time_node", noisy)
     a, b = (profile_graph(captured, (batch,), repeats=1, warmup=0).nodes for _ in range(2))
-    for field in ("forward_ms", "backward_ms"):
-        ratios = [getattr(y, field) / getattr(x, field) for x, y in zip(a, b) if getattr(x, field) > 0]
-        assert len(ratios) > len(a) // 2
-        assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
+    ratios = [getattr(y, f) / getattr(x, f) for x, y in zip(a, b) for f in ("forward_ms", "backward_ms")
+              if getattr(x, f) > 0]
+    assert len(ratios) > len(a)  # forwards and backwards: one factor for all of them
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
     # a node doing more work gets more of the total: the head's product against the embedding's lookup
     head, lookup = next(n for n in a if n.name == "head"), next(n for n in a if n.name == "tok_emb")
     assert head.forward_ms > 3 * lookup.forward_ms
