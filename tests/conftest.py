@@ -6,6 +6,9 @@ import torch
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one intra-op thread each
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _quiet():

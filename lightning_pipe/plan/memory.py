@@ -575,11 +575,21 @@ def _pooled_times(profile: Profile) -> tuple[list[float], list[float]]:
     forward = [0.0] * len(profile.nodes)
     backward = [0.0] * len(profile.nodes)
     for members in groups.values():
-        f = statistics.median(profile.nodes[i].forward_ms for i in members)
-        b = statistics.median(profile.nodes[i].backward_ms for i in members)
+        f = _on_grid(statistics.median(profile.nodes[i].forward_ms for i in members))
+        b = _on_grid(statistics.median(profile.nodes[i].backward_ms for i in members))
         for i in members:
             forward[i], backward[i] = f, b
     return forward, backward
+
+
+# Times are multiples of 2**-20 ms (about 1 ns), so that sums of them (stage times, simulated
+# steps) are exact in floating point: equal work adds up to exactly equal times, whatever the
+# profile's scale, and a tie between splits stays a tie instead of going by rounding.
+_TICK = 2.0**-20
+
+
+def _on_grid(ms: float) -> float:
+    return round(ms / _TICK) * _TICK
 
 
 def regions(policies: Mapping[int, Policy], policy: Policy = "recompute") -> list[tuple[int, int]]:

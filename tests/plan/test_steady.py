@@ -1,6 +1,8 @@
 """The same model, shapes and machine give the same plan from one profiling run to the next,
 although every profile measures different node times."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -29,6 +31,8 @@ def test_profiling_again_gives_the_same_plan(one_thread):
     profiles = [profile_graph(captured, (batch,), repeats=5) for _ in range(4)]
     times = [[n.forward_ms for n in p.nodes] for p in profiles]
     assert all(t != times[0] for t in times[1:])  # measured anew each time
+    untimed = [[replace(n, forward_ms=0.0, backward_ms=0.0) for n in p.nodes] for p in profiles]
+    assert all(u == untimed[0] for u in untimed[1:])  # bytes do not vary
     model = CostModel(profiles[0])
     for count in (2, 3, 4):
         flight = in_flight("1f1b", 4, count)
@@ -37,4 +41,5 @@ def test_profiling_again_gives_the_same_plan(one_thread):
         for share in (None, 0.9, 0.75):  # no memory pressure; some; recompute needed
             targets = [1 << 40 if share is None else int(share * fullest)] * count
             plans = [make_plan(p, targets, "dawnpiper", "1f1b", 4) for p in profiles]
-            assert all((p.balance, p.policies) == (plans[0].balance, plans[0].policies) for p in plans), (count, share)
+            assert all((p.balance, p.policies) == (plans[0].balance, plans[0].policies) for p in plans), (
+                count, share, [p.balance for p in plans])
