@@ -25,12 +25,19 @@ from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.units import format_bytes
 
 __all__ = [
-    "PLANNING_HEADROOM", "InfeasiblePlanError", "Plan", "StageReport", "make_plan", "max_microbatch", "planning_stages",
+    "PLANNING_HEADROOM", "PREDICTION_ERROR", "InfeasiblePlanError", "Plan", "StageReport", "make_plan",
+    "max_microbatch", "planning_stages",
 ]
 
-# A stage's planning target is its device's memory limit times this: the memory model's workspace
-# and boundary terms are estimates, so plans leave room for what they miss.
-PLANNING_HEADROOM = 0.9
+#: The most a stage's metered peak exceeded the memory model's prediction, as a share of the
+#: prediction: +6.3% (2 stages of a U-Net-like CNN under 2BW, recomputing) over the 36 planned
+#: runs of ``tests/lightning/test_prediction.py`` (four model families, three schedules, every
+#: activation kept, recompute, swap), rounded up. That test fails if a run exceeds it.
+PREDICTION_ERROR = 0.07
+
+#: A stage's planning target is its device's memory limit times this: room for the memory
+#: model's worst measured under-prediction, so that a plan it accepts fits.
+PLANNING_HEADROOM = 1 / (1 + PREDICTION_ERROR)
 
 # max_microbatch stops doubling here: a profile whose bytes do not grow with the micro-batch.
 _MAX_MICROBATCH = 1 << 20
