@@ -10,7 +10,7 @@ BERT-large (seq 512), GPT-2 large (seq 1024) and T5-large (seq 512) are built fr
 from ``examples.models``, all on the meta device: nothing is allocated. Each is captured and
 profiled on fake tensors, its times the A100-40GB's roofline. For every configuration
 (stages, schedule, memory optimisation on or off, partitioner) the planner predicts the
-largest micro-batch its plan fits in (93% of 40 GiB per stage, Adam in fp32, one micro-batch
+largest micro-batch its plan fits in (91% of 40 GiB per stage, Adam in fp32, one micro-batch
 per stage as the paper's synchronous runs); a fake execution of that plan under the meter's
 40 GiB cap per stage (:mod:`lightning_pipe.runtime.fake`) confirms it, and where the meter
 refuses, smaller sizes are tried until one trains. The size above is refused by the planner.

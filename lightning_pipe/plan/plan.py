@@ -29,11 +29,13 @@ __all__ = [
     "max_microbatch", "planning_stages",
 ]
 
-#: The most a stage's metered peak exceeded the memory model's prediction, as a share of the
-#: prediction: +6.3% (2 stages of a U-Net-like CNN under 2BW, recomputing) over the 36 planned
-#: runs of ``tests/lightning/test_prediction.py`` (four model families, three schedules, every
-#: activation kept, recompute, swap), rounded up. That test fails if a run exceeds it.
-PREDICTION_ERROR = 0.07
+#: How far the memory model may under-predict the stage that binds: the worst measured, rounded
+#: up. Over the 36 planned runs of ``tests/lightning/test_prediction.py`` (four model families,
+#: three schedules, every activation kept, recompute, swap) +6.3% (a U-Net-like CNN under 2BW,
+#: recomputing), and that test fails past this; over ``tests/lightning/test_planned_fits.py``'s
+#: 50 random cases, with one thread per core, +8.3% on the fullest stage (a U-Net over 3 stages
+#: under GPipe, whose convolutions' scratch grows unevenly with the micro-batch).
+PREDICTION_ERROR = 0.10
 
 #: A stage's planning target is its device's memory limit times this: room for the memory
 #: model's worst measured under-prediction, so that a plan it accepts fits.

@@ -72,5 +72,7 @@ def test_the_planned_microbatch_trains_within_its_caps(seed):
     batch = microbatch * CHUNKS
     trainer(strategy, stages, max_steps=STEPS).fit(bench.model(), loader(bench.data(batch * STEPS), batch))
     fill = max(strategy.meter.peaks()) / capacity
-    print(f"{family} x{stages} {schedule} cap {capacity}: micro-batch {microbatch}, fullest stage {fill:.0%}")
+    under = max(m / s.peak.total - 1 for s, m in zip(strategy.plan.stages, strategy.meter.peaks()))
+    print(f"{family} x{stages} {schedule} cap {capacity}: micro-batch {microbatch}, fullest stage {fill:.0%}, "
+          f"worst under-prediction {under:+.1%}")
     assert fill <= 1.0
