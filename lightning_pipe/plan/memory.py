@@ -466,7 +466,7 @@ class _NodeArrays:
 def _live(model: CostModel, lo: int, hi: int, policies: Mapping[int, Policy]) -> _Live:
     """See :meth:`CostModel._live`. Positions are nodes ``lo..hi-1``; a swapped or recomputed
     run drops the stash it alone keeps, a recomputed region keeps its inputs instead, and both
-    bring their stash back for their backward (:func:`_brought_back`)."""
+    bring their stash back for their backward (:func:`_bring_back`)."""
     a = model._arrays
     size = hi - lo
     own = {i: p for i, p in policies.items() if lo <= i < hi}
@@ -480,7 +480,7 @@ def _live(model: CostModel, lo: int, hi: int, policies: Mapping[int, Policy]) ->
                 outside = (a.saved_inputs_from[start:stop] >= 0) & (a.saved_inputs_from[start:stop] < start)
                 freed = np.maximum(0, freed - np.where(outside, a.saved_inputs[start:stop], 0))
             stash[start - lo : stop - lo] -= freed
-            back += _brought_back(model, lo, hi, start, stop, freed, own)
+            _bring_back(back, lo, hi, start, stop, freed, own)
             if policy == "recompute":
                 stash[start - lo] += model._region_inputs(start, stop, lo, hi, policies, seen)
     kept = np.concatenate(([0], np.cumsum(stash)))
@@ -540,23 +540,22 @@ def _gradients(a: _NodeArrays, lo: int, hi: int) -> _Array:
     return np.cumsum(live)[:-1]
 
 
-def _brought_back(
-    model: CostModel, lo: int, hi: int, start: int, stop: int, freed: _Array,
-    policies: Mapping[int, Policy],
-) -> _Array:
-    """Bytes of a swapped or recomputed run ``[start, stop)`` back on the device during the
-    backward of each node of ``[lo, hi)``: its whole stash from when it is brought back (a
-    swapped run's, once the backward of the segment after it begins; a recomputed one's, at
-    its own last node) until each node's backward has taken its part."""
-    back = np.zeros(hi - lo, dtype=np.int64)
-    back[start - lo : stop - lo] = np.cumsum(freed)
+def _bring_back(
+    back: _Array, lo: int, hi: int, start: int, stop: int, freed: _Array, policies: Mapping[int, Policy]
+) -> None:
+    """Add to ``back`` (per node of ``[lo, hi)``) the bytes of a swapped or recomputed run
+    ``[start, stop)`` back on the device during each node's backward: its whole stash from when
+    it is brought back (a swapped run's, once the backward of the segment after it begins; a
+    recomputed one's, at its own last node) until each node's backward has taken its part.
+    Only the run's own positions and those of the segment after it are touched, so pricing a
+    stage with many runs stays linear in its size."""
+    back[start - lo : stop - lo] += np.cumsum(freed)
     if policies.get(start) == "swap":
         after = policies.get(stop, "keep")
         end = stop
         while end < hi and policies.get(end, "keep") == after:
             end += 1
-        back[stop - lo : end - lo] = int(freed.sum())
-    return back
+        back[stop - lo : end - lo] += int(freed.sum())
 
 
 def _pooled_times(profile: Profile) -> tuple[list[float], list[float]]:
