@@ -18,6 +18,18 @@ def _tiny_gpt() -> GPT:
     return GPT(dim=32, layers=2, context=16)
 
 
+def _tiny_gpt2_on_a_small_gpu():
+    """The paper benchmark's module, a 1-layer GPT-2 workload built from its config, and an
+    A100 with 16 MiB, so that the paper's pipeline runs in seconds."""
+    transformers = pytest.importorskip("transformers")
+    from benchmarks import paper
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, use_cache=False)
+    tiny = paper.Workload("gpt2", "tiny GPT-2", paper._hf(transformers.GPT2LMHeadModel, config), paper._tokens(16),
+                          paper._keywords, paper._hf_loss)
+    return paper, tiny, replace(DEVICES["A100-40GB"], name="A100-16MiB", memory=16 * 2**20)
+
+
 def test_max_microbatch_search_trains_at_the_size_it_finds():
     assert search(lambda n: n <= 5, guess=1, limit=8) == (5, True)
     assert search(lambda n: n <= 5, guess=12, limit=8) == (5, True)
@@ -48,13 +60,7 @@ def test_hugging_face_capture_benchmark_runs_on_a_tiny_gpt2():
 
 @pytest.mark.slow
 def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    from benchmarks import paper
-
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, use_cache=False)
-    tiny = paper.Workload("gpt2", "tiny GPT-2", paper._hf(transformers.GPT2LMHeadModel, config), paper._tokens(16),
-                          paper._keywords, paper._hf_loss)
-    small = replace(DEVICES["A100-40GB"], name="A100-16MiB", memory=16 * 2**20)
+    paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
     results = paper.main(["--stages", "2", "--out", str(tmp_path)], workloads=[tiny], device=small)
 
     rows = results["rows"]
@@ -86,14 +92,8 @@ def test_paper_benchmark_guesses_the_next_size_from_the_measured_peaks():
 
 @pytest.mark.slow
 def test_paper_benchmark_rows_are_the_same_from_worker_processes(monkeypatch):
-    transformers = pytest.importorskip("transformers")
-    from benchmarks import paper
-
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, use_cache=False)
-    tiny = paper.Workload("gpt2", "tiny GPT-2", paper._hf(transformers.GPT2LMHeadModel, config), paper._tokens(16),
-                          paper._keywords, paper._hf_loss)
+    paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
     monkeypatch.setattr(paper, "paper_models", lambda: {"gpt2": tiny})  # the forked workers see it too
-    small = replace(DEVICES["A100-40GB"], memory=16 * 2**20)
     settings = paper.Settings(["gpt2"], [2, 3], ["1f1b"], ["params"], [False])
     pooled, inline = (paper.run([tiny], settings, small, jobs) for jobs in (2, 1))
     assert [(r.stages, r.max_microbatch) for r in pooled] == [(r.stages, r.max_microbatch) for r in inline]

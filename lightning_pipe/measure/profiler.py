@@ -84,7 +84,8 @@ def profile_graph(
         if output is not None:
             result = fx.node.map_arg(gm.graph.output_node().args[0], runner.env.__getitem__)
             output.append(tree_map(_leaf, result))
-        estimated = _roofline_times(runner, captured.nodes, *((device, 0.0) if fake else _machine(runner)))
+        machine = (device, 0.0) if fake else _machine(_device_of(captured.nodes[0], runner))
+        estimated = _roofline_times(runner, captured.nodes, *machine)
         times = []
         for k, n in enumerate(captured.nodes):
             times.append(estimated[k] if fake else _time_node(runner, n, repeats, warmup))
@@ -271,9 +272,9 @@ _HOST = DeviceSpec("host CPU", 0, {"fp32": 100e9}, 20e9, 20e9, 20e9)
 _HOST_OVERHEAD_MS, _GPU_OVERHEAD_MS = 0.010, 0.005
 
 
-def _machine(runner: "_NodeRunner") -> tuple[DeviceSpec, float]:
-    """The device spec and per-operator overhead the profiled nodes' work is estimated for."""
-    device = next((p.device for p in runner.module.parameters()), torch.device("cpu"))
+def _machine(device: torch.device) -> tuple[DeviceSpec, float]:
+    """The device spec and per-operator overhead the work of nodes profiled on ``device`` is
+    estimated for."""
     if device.type != "cuda":
         return _HOST, _HOST_OVERHEAD_MS
     name = torch.cuda.get_device_name(device).replace(" ", "-").upper()
