@@ -48,6 +48,8 @@ from lightning_pipe.plan.schedule import Schedule
 __all__ = ["CostModel", "Policy", "StagePeak", "predict_peaks", "stage_ranges"]
 
 Policy = Literal["keep", "recompute", "swap"]
+_Array: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int64]]"
+_Codes: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int8]]"  # per node, 0 keep, 1 recompute, 2 swap
 
 
 @dataclass
@@ -146,17 +148,7 @@ class CostModel:
         self._forward = _prefix(self.forward_ms)
         self._compute = _prefix([f + b for f, b in zip(self.forward_ms, self.backward_ms)])
         self._transient = _sparse_max([max(n.transient_bytes, n.backward_bytes - n.grad_bytes) for n in nodes])
-        self.producers: list[list[int]] = [[] for _ in nodes]
-        for j, n in enumerate(nodes):
-            for u in n.users:
-                if u >= 0:
-                    self.producers[u].append(j)
         self.reads_input = set(profile.input_users)
-        # the node whose storage a node's value lives on: itself, or for a view its largest input's
-        self._base = list(range(self.n))
-        for j, n in enumerate(nodes):
-            if n.made_bytes == 0 and n.output_bytes and self.producers[j]:
-                self._base[j] = self._base[max(self.producers[j], key=self.output.__getitem__)]
         # Values leaving a range [lo, hi): node i < hi whose last reader is at or after hi
         # (or the graph output). _leaving[hi] lists those (i, bytes), i descending.
         last = [max(n.users) if n.users and min(n.users) >= 0 else (self.n if n.users else -1) for n in nodes]
@@ -276,7 +268,7 @@ class CostModel:
         for s, r in enumerate(stage_ranges(balance)):
             if r.stop == self.n:
                 continue
-            end = _held_end(a, r.start, r.stop, {i: p for i, p in policies.items() if i in r})
+            end = _held_end(a, r.start, r.stop, _policy_codes({i: p for i, p in policies.items() if i in r}, self.n))
             for k in np.flatnonzero((end >= r.stop) & (a.held[r.start : r.stop] > 0)):
                 reader = bisect.bisect_right(cuts, min(int(end[k]), self.n - 1))
                 extra = min(self.chunks - 1, reader - s) - min(1, self.chunks - 1)
@@ -294,43 +286,10 @@ class CostModel:
         """Bytes a recomputed region ``[a, b)`` of a stage on ``[lo, hi)`` keeps, if it saves
         anything: the storages of the values it reads from outside itself (a view's, its
         base's) that nothing else keeps as long."""
-        return self._region_inputs(a, b, lo, hi, policies, set())
-
-    def _region_inputs(
-        self, a: int, b: int, lo: int, hi: int, policies: Mapping[int, Policy], seen: set[int]
-    ) -> int:
-        """:meth:`region_inputs`, leaving out the storages in ``seen`` (another region of the
-        stage keeps them) and adding the region's to it."""
         if not self.stashed(a, b):
             return 0
-        total = self.profile.input_bytes if any(i in self.reads_input for i in range(a, b)) and -1 not in seen else 0
-        seen.add(-1)  # the graph input
-        bases = {self._base[j] for i in range(a, b) for j in self.producers[i] if j < a} - seen
-        seen |= bases
-        arrays = self._arrays
-        for q in bases:
-            if not self._kept_anyway(q, a, b, lo, hi, policies):
-                total += int(arrays.held[q])
-            if policies.get(q, "keep") != "keep" and arrays.last_saver[q] < b:  # its own output, dropped with its stash
-                total += min(int(arrays.made[q] - arrays.held[q]), self.output[q])
-        return total
-
-    def _kept_anyway(self, q: int, a: int, b: int, lo: int, hi: int, policies: Mapping[int, Policy]) -> bool:
-        """Whether a node other than region ``[a, b)``'s keeps what node ``q`` made at least as
-        long: an earlier stage, a kept node of the stage, or a node of the region whose stash
-        the region cannot drop (a later node keeps it too)."""
-        keeper = int(self._arrays.held_by[q])
-        if keeper < 0 or keeper >= hi:
-            return False  # the region keeps it first
-        if keeper < lo:  # an earlier stage keeps it, unless it drops it (when known)
-            return policies.get(keeper, "keep") == "keep" or not self._freed_by(keeper, keeper, lo)
-        if a <= keeper < b:
-            return not self._freed_by(keeper, a, b)
-        return policies.get(keeper, "keep") == "keep"
-
-    def _freed_by(self, keeper: int, a: int, b: int) -> bool:
-        """Whether dropping the stash of ``[a, b)`` drops what ``keeper`` keeps first."""
-        return bool(a <= keeper < b and self._arrays.last_saver[keeper] < b)
+        codes = _policy_codes(policies, self.n)
+        return int(_regions_inputs(self, lo, hi, np.array([a]), np.array([b]), codes)[0])
 
     def peak(
         self,
@@ -417,9 +376,9 @@ class CostModel:
         """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
         (cached when every node is kept)."""
         if any(lo <= i < hi for i in policies):
-            return _live(self, lo, hi, policies)
+            return _live(self, lo, hi, _policy_codes(policies, self.n))
         if (lo, hi) not in self._kept:
-            self._kept[lo, hi] = _live(self, lo, hi, policies)
+            self._kept[lo, hi] = _live(self, lo, hi, None)
         return self._kept[lo, hi]
 
 
@@ -456,6 +415,21 @@ class _NodeArrays:
         self.backward = array([max(n.backward_bytes - n.grad_bytes, 0) for n in nodes])
         self.grads = array([n.grad_bytes for n in nodes])
         self.last_saver = array([max(k, n.last_saver) for k, n in enumerate(nodes)])
+        self.output = array([n.output_bytes for n in nodes])
+        self.reads_input = np.concatenate(([0], np.cumsum(np.isin(np.arange(len(nodes)), profile.input_users))))
+        # the node whose storage a node's value lives on: itself, or for a view its largest input's
+        base = list(range(len(nodes)))
+        reads = sorted((u, j) for j, n in enumerate(nodes) for u in set(n.users) if u >= 0)
+        producers: list[list[int]] = [[] for _ in nodes]
+        for u, j in reads:
+            producers[u].append(j)
+        for j, n in enumerate(nodes):
+            if n.made_bytes == 0 and n.output_bytes and producers[j]:
+                base[j] = base[max(producers[j], key=lambda i: nodes[i].output_bytes)]
+        # every read (reader, node read, that node's storage), by reader
+        self.reader = array([u for u, _ in reads])
+        self.read = array([j for _, j in reads])
+        self.read_base = array([base[j] for _, j in reads])
         # a reader whose value takes no gradient (a shape) gives its inputs none
         edges = sorted((u, j) for j, n in enumerate(nodes) for u in n.users if u >= 0 and nodes[u].output_grad_bytes)
         self.consumer = array([u for u, _ in edges])
@@ -463,29 +437,31 @@ class _NodeArrays:
         self.gradient = array([nodes[j].output_grad_bytes for _, j in edges])
 
 
-def _live(model: CostModel, lo: int, hi: int, policies: Mapping[int, Policy]) -> _Live:
-    """See :meth:`CostModel._live`. Positions are nodes ``lo..hi-1``; a swapped or recomputed
-    run drops the stash it alone keeps, a recomputed region keeps its inputs instead, and both
-    bring their stash back for their backward (:func:`_bring_back`)."""
+_CODES = {"keep": 0, "recompute": 1, "swap": 2}
+
+
+def _policy_codes(policies: Mapping[int, Policy], n: int) -> _Codes:
+    """Per node, its policy as a code (0 keep, 1 recompute, 2 swap)."""
+    codes = np.zeros(n, dtype=np.int8)
+    if policies:
+        codes[np.fromiter(policies, dtype=np.int64, count=len(policies))] = [_CODES[p] for p in policies.values()]
+    return codes
+
+
+def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
+    """See :meth:`CostModel._live`; ``codes`` are every node's policy (:func:`_policy_codes`;
+    ``None``: all kept). Positions are nodes ``lo..hi-1``; a swapped or recomputed run drops
+    the stash it alone keeps, a recomputed region keeps its inputs instead, and both bring
+    their stash back for their backward (:func:`_drop_stashes`)."""
     a = model._arrays
     size = hi - lo
-    own = {i: p for i, p in policies.items() if lo <= i < hi}
     stash = a.saved[lo:hi].copy()
     back = np.zeros(size, dtype=np.int64)
-    seen: set[int] = set()  # storages kept for a recomputed region
-    for policy in ("swap", "recompute"):
-        for start, stop in regions(own, policy):
-            freed = np.where(a.last_saver[start:stop] < stop, a.saved[start:stop], 0)
-            if policy == "swap":  # what its nodes save of the segment's inputs stays on the device
-                outside = (a.saved_inputs_from[start:stop] >= 0) & (a.saved_inputs_from[start:stop] < start)
-                freed = np.maximum(0, freed - np.where(outside, a.saved_inputs[start:stop], 0))
-            stash[start - lo : stop - lo] -= freed
-            _bring_back(back, lo, hi, start, stop, freed, own)
-            if policy == "recompute":
-                stash[start - lo] += model._region_inputs(start, stop, lo, hi, policies, seen)
+    if codes is not None and codes[lo:hi].any():
+        _drop_stashes(model, lo, hi, codes, stash, back)
     kept = np.concatenate(([0], np.cumsum(stash)))
     # values a node makes and does not keep itself stay alive after it until kept, or read
-    end = _held_end(a, lo, hi, policies)
+    end = _held_end(a, lo, hi, codes)
     held = np.zeros(size + 1, dtype=np.int64)
     first = np.arange(1, size + 1)
     last = np.minimum(end, hi - 1) - lo + 1
@@ -508,17 +484,86 @@ def _live(model: CostModel, lo: int, hi: int, policies: Mapping[int, Policy]) ->
     )
 
 
-_Array: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int64]]"
+def _drop_stashes(model: CostModel, lo: int, hi: int, codes: _Codes, stash: _Array, back: _Array) -> None:
+    """Take off ``stash`` (per node of ``[lo, hi)``) what each swapped or recomputed run
+    drops, give a recomputed region its inputs, and add to ``back`` the bytes brought back
+    during each node's backward. A run drops the stash its nodes alone keep (a swapped run
+    keeps on the device what it saves of values made before it); the stash comes back whole
+    (a swapped run's once the backward of the segment after it begins, a recomputed one's at
+    its own last node) and leaves again as each node's backward takes its part. All runs are
+    priced at once: a stage may have hundreds."""
+    a = model._arrays
+    code = codes[lo:hi]
+    new = np.ones(hi - lo, dtype=bool)
+    new[1:] = code[1:] != code[:-1]
+    starts = np.flatnonzero(new)  # segments: maximal runs of one policy, kept ones too
+    stops = np.append(starts[1:], hi - lo)
+    segment = np.cumsum(new) - 1
+    start, stop = starts[segment] + lo, stops[segment] + lo
+    freed = np.where((code != 0) & (a.last_saver[lo:hi] < stop), a.saved[lo:hi], 0)
+    inputs_from = a.saved_inputs_from[lo:hi]
+    outside = (code == 2) & (inputs_from >= 0) & (inputs_from < start)
+    freed = np.maximum(0, freed - np.where(outside, a.saved_inputs[lo:hi], 0))
+    stash -= freed
+    total = np.cumsum(freed)
+    back += total - np.concatenate(([0], total))[starts][segment]
+    kind = code[starts]
+    runs = np.add.reduceat(freed, starts)
+    after = np.zeros(starts.size, dtype=np.int64)  # a swapped run's stash, back for the segment after it
+    swapped = np.flatnonzero(kind[:-1] == 2)
+    after[swapped + 1] = runs[swapped]
+    back += after[segment]
+    recomputed = np.flatnonzero((kind == 1) & (np.add.reduceat(a.saved[lo:hi], starts) > 0))
+    if recomputed.size:
+        first, last = starts[recomputed] + lo, stops[recomputed] + lo
+        stash[first - lo] += _regions_inputs(model, lo, hi, first, last, codes)
 
 
-def _held_end(a: _NodeArrays, lo: int, hi: int, policies: Mapping[int, Policy]) -> _Array:
+def _regions_inputs(model: CostModel, lo: int, hi: int, starts: _Array, stops: _Array, codes: _Codes) -> _Array:
+    """Per recomputed region ``[starts[k], stops[k])`` of a stage on ``[lo, hi)`` (in node
+    order, each saving something), what it keeps: the storages of the values it reads from
+    outside itself that no other node keeps as long (see :meth:`CostModel.region_inputs`). A
+    storage counts at the first region reading it; the graph input too."""
+    a = model._arrays
+    totals = np.zeros(starts.size, dtype=np.int64)
+    reads_input = np.flatnonzero(a.reads_input[stops] > a.reads_input[starts])
+    if reads_input.size:
+        totals[reads_input[0]] += model.profile.input_bytes
+    begin, end = np.searchsorted(a.reader, [starts[0], stops[-1]])
+    reader, read, storage = a.reader[begin:end], a.read[begin:end], a.read_base[begin:end]
+    region = np.searchsorted(starts, reader, side="right") - 1
+    outside = (region >= 0) & (reader < stops[region]) & (read < starts[region])
+    q, first = np.unique(storage[outside], return_index=True)  # reads are in reader order
+    region = region[outside][first]
+    start, stop = starts[region], stops[region]
+    keeper = a.held_by[q]
+    known = keeper >= 0
+    keeper_code = np.where(known, codes[keeper], 0)
+    keeper_stash = np.where(known, a.last_saver[keeper], -1)
+    kept_anyway = np.where(
+        ~known | (keeper >= hi), False,  # the region keeps it first
+        np.where(
+            keeper < lo, (keeper_code == 0) | (keeper_stash >= lo),  # an earlier stage keeps it, unless it drops it
+            np.where((start <= keeper) & (keeper < stop), keeper_stash >= stop,  # a later node of the region does
+                     keeper_code == 0),  # a kept node of the stage does
+        ),
+    )
+    kept = np.where(kept_anyway, 0, a.held[q])
+    dropped = (codes[q] != 0) & (a.last_saver[q] < stop)  # its own output, dropped with its stash
+    kept += np.where(dropped, np.minimum(a.made[q] - a.held[q], a.output[q]), 0)
+    np.add.at(totals, region, kept)
+    return totals
+
+
+def _held_end(a: _NodeArrays, lo: int, hi: int, codes: "_Codes | None") -> _Array:
     """Per node of ``[lo, hi)``, the last node before which what it holds is kept or freed:
     the node keeping it first, unless that one's stash is recomputed or swapped; then the
     last node reading it."""
     end = a.held_end[lo:hi]
-    if not policies:
+    if codes is None:
         return end
-    dropped = np.isin(a.held_by[lo:hi], [i for i, p in policies.items() if p != "keep"])
+    by = a.held_by[lo:hi]
+    dropped = (by >= 0) & (codes[by] != 0)
     return np.where(dropped, a.held_until[lo:hi], end)
 
 
@@ -538,24 +583,6 @@ def _gradients(a: _NodeArrays, lo: int, hi: int) -> _Array:
         np.add.at(live, begin, gradient)
         np.add.at(live, latest - lo, -gradient)  # ... to before its last reader in the range
     return np.cumsum(live)[:-1]
-
-
-def _bring_back(
-    back: _Array, lo: int, hi: int, start: int, stop: int, freed: _Array, policies: Mapping[int, Policy]
-) -> None:
-    """Add to ``back`` (per node of ``[lo, hi)``) the bytes of a swapped or recomputed run
-    ``[start, stop)`` back on the device during each node's backward: its whole stash from when
-    it is brought back (a swapped run's, once the backward of the segment after it begins; a
-    recomputed one's, at its own last node) until each node's backward has taken its part.
-    Only the run's own positions and those of the segment after it are touched, so pricing a
-    stage with many runs stays linear in its size."""
-    back[start - lo : stop - lo] += np.cumsum(freed)
-    if policies.get(start) == "swap":
-        after = policies.get(stop, "keep")
-        end = stop
-        while end < hi and policies.get(end, "keep") == after:
-            end += 1
-        back[stop - lo : end - lo] += int(freed.sum())
 
 
 def _pooled_times(profile: Profile) -> tuple[list[float], list[float]]:
@@ -589,17 +616,6 @@ _TICK = 2.0**-20
 
 def _on_grid(ms: float) -> float:
     return round(ms / _TICK) * _TICK
-
-
-def regions(policies: Mapping[int, Policy], policy: Policy = "recompute") -> list[tuple[int, int]]:
-    """Maximal runs ``[a, b)`` of consecutive nodes with ``policy``."""
-    runs: list[tuple[int, int]] = []
-    for i in sorted(i for i, p in policies.items() if p == policy):
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
 
 
 def _sparse_max(values: Sequence[int]) -> list[list[int]]:

@@ -147,3 +147,13 @@ def test_gradients_wait_for_the_node_that_made_the_value():
     # node 3's backward makes 64 bytes; at node 2's, that gradient and the one node 3 made
     # for node 2's output are alive (node 1's is made by node 2's backward, later)
     assert model.peak(0, 4, 1).total == 64 + 8
+
+
+def test_the_graph_input_counts_at_the_first_recomputed_region_reading_it():
+    # nodes 0 and 3 read the graph input (64 bytes); each node keeps what it makes
+    nodes = [node(0, 100), node(1, 200), node(2, 50), node(3, 300), node(4, 10, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "float32", 4, input_bytes=64, input_users=[0, 3]))
+    kept = model._live(0, 5, {}).stashed
+    assert model._live(0, 5, {3: "recompute"}).stashed == kept - 300 + 64
+    # the region [1, 2) before it reads no input: [3, 4) still keeps it
+    assert model._live(0, 5, {1: "recompute", 3: "recompute"}).stashed == kept - 200 - 300 + 64
