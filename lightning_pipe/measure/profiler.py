@@ -125,6 +125,7 @@ def profile_graph(
                 held_by=memory[k].held_by,
                 saved_inputs_bytes=memory[k].saved_inputs,
                 saved_inputs_from=memory[k].saved_inputs_from,
+                input_grad_bytes=memory[k].input_grads,
             )
         )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -168,6 +169,7 @@ class _NodeBytes:
     held_by: int = -1
     backward: int = 0
     last_saver: int = -1
+    input_grads: int = 0
 
 
 def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBytes]:
@@ -186,6 +188,7 @@ def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBy
                 with meter.running(k):
                     runner.env[node] = runner.run_on(node, _device_of(node, runner))
                 meter.tag_backward([runner.env[node]], k)
+                _watch_input_grads(runner.env[node], measured[k])
                 stage = meter.stages[k]
                 kept = _kept_from_others(meter, node, k, runner)
                 measured[k].saved_inputs = sum(t.untyped_storage().nbytes() for t in kept)
@@ -221,6 +224,21 @@ def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBy
             measured[k].backward = max(m.peak - s, 0)
             measured[k].last_saver = meter.last_saver.get(k, -1)
     return measured
+
+
+def _watch_input_grads(value: Any, measured: _NodeBytes) -> None:
+    """Note in ``measured`` the largest buffer the gradients a node's backward hands its
+    inputs are slices of (``cat``'s backward slices its output's gradient): a gradient that
+    waits for an earlier stage keeps that whole buffer."""
+
+    def hook(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
+        for g in grad_inputs:
+            if g is not None and g.untyped_storage().nbytes() > _nbytes(g):
+                measured.input_grads = max(measured.input_grads, g.untyped_storage().nbytes())
+
+    functions = {id(t.grad_fn): t.grad_fn for t in tree_flatten(value)[0] if isinstance(t, Tensor) and t.grad_fn}
+    for function in functions.values():
+        function.register_hook(hook)
 
 
 def _kept_from_others(meter: MemoryMeter, node: fx.Node, k: int, runner: "_NodeRunner") -> list[Tensor]:

@@ -43,13 +43,15 @@ from typing import Literal, TypeAlias, TypeVar
 import numpy as np
 
 from lightning_pipe.plan.profile import Profile
-from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.plan.schedule import BackwardState, Schedule
 
 __all__ = ["CostModel", "Policy", "StagePeak", "predict_peaks", "stage_ranges"]
 
 Policy = Literal["keep", "recompute", "swap"]
 _Array: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int64]]"
 _Codes: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int8]]"  # per node, 0 keep, 1 recompute, 2 swap
+# bytes waiting at a stage while it runs forwards; at each of its backwards, (held, waiting)
+Waiting: TypeAlias = tuple[int, Sequence[tuple[float, int]]]
 
 
 @dataclass
@@ -87,7 +89,7 @@ def predict_peaks(
     weight_versions: int = 1,
     waits: Sequence[Sequence[int]] = (),
     *,
-    backward_waits: Sequence[Sequence[int]] = (),
+    backward_states: Sequence[Sequence[BackwardState]] = (),
     schedule: Schedule = "1f1b",
     chunks: int = 1,
 ) -> list[StagePeak]:
@@ -95,13 +97,13 @@ def predict_peaks(
 
     ``policies`` gives one policy per node (all kept when empty); ``weight_versions`` is the
     number of parameter copies the schedule keeps (2 for PipeDream-2BW); ``waits`` and
-    ``backward_waits`` are the schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits`
-    and :func:`~lightning_pipe.plan.schedule.gradient_waits_in_backward` (none wait when
-    empty); ``schedule`` and ``chunks`` say what waits on the stages and how large the batch is.
+    ``backward_states`` are the schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits`
+    and :func:`~lightning_pipe.plan.schedule.backward_states` (none wait when empty);
+    ``schedule`` and ``chunks`` say what waits on the stages and how large the batch is.
     """
     model = CostModel(profile, schedule=schedule, chunks=chunks)
     chosen = {i: p for i, p in enumerate(policies) if p != "keep"}
-    waiting = model.waiting(balance, waits, backward_waits, chosen)
+    waiting = model.waiting(balance, waits, backward_states, chosen)
     return [
         model.peak(r.start, r.stop, in_flight[s], chosen, weight_versions, waiting[s])
         for s, r in enumerate(stage_ranges(balance))
@@ -220,38 +222,58 @@ class CostModel:
 
     def waiting_gradients(self, balance: Sequence[int], waits: Sequence[Sequence[int]]) -> list[int]:
         """Per stage, bytes of gradients computed for earlier stages that wait there for their
-        producer's backward. A schedule that runs backward stage by stage (1F1B, 2BW) completes
-        a value's gradient in the backward of the last stage reading it, ``s``, and keeps it on
-        that stage's device until its producer ``p`` runs that micro-batch's backward: up to
+        producer's backward. A schedule that runs backward stage by stage completes a value's
+        gradient in the backward of the last stage reading it, ``s``, and keeps it on that
+        stage's device until its producer ``p`` runs that micro-batch's backward: up to
         ``waits[p][s]`` micro-batches at once. Only a whole split determines this, so the
-        partitioners' search leaves it out and checks it once a split is chosen. A value read
-        only on its own stage waits for nothing, so only the values crossing a cut are visited."""
-        waiting = [0] * len(balance)
+        partitioners' search leaves it out and checks it once a split is chosen."""
         if not waits:
-            return waiting
+            return [0] * len(balance)
+        sent = self._gradient_bytes(balance)
+        return [sum(sent[p][s] * waits[p][s] for p in range(s)) for s in range(len(balance))]
+
+    def _gradient_bytes(self, balance: Sequence[int]) -> list[list[int]]:
+        """``[p][s]``: bytes of one micro-batch's gradients stage ``s`` makes for values of
+        stage ``p`` whose last reader it holds. Under GPipe, where autograd holds them, a
+        reader whose backward hands out slices of one buffer (``cat``) keeps that buffer, once;
+        the other schedules hand a stage's input gradients over as their own tensors. A value
+        read only on its own stage waits for nothing, so only the values crossing a cut are
+        visited."""
+        sent = [[0] * len(balance) for _ in balance]
         cuts = list(itertools.accumulate(balance))[:-1]
         for p, cut in enumerate(cuts):
-            start = cuts[p - 1] if p else 0
+            start, slicers = cuts[p - 1] if p else 0, set()
             for i, _ in self._leaving[cut]:  # i descending: stop at the first made before stage p
                 if i < start:
                     break
-                last = bisect.bisect_right(cuts, self._last_reader[i])
-                waiting[last] += self.output[i] * waits[p][last]
-        return waiting
+                reader = self._last_reader[i]
+                buffer = self.profile.nodes[reader].input_grad_bytes if self.merges and reader < self.n else 0
+                if buffer and reader in slicers:
+                    continue
+                if buffer:
+                    slicers.add(reader)
+                sent[p][bisect.bisect_right(cuts, reader)] += max(buffer, self.output[i])
+        return sent
 
     def waiting(
         self,
         balance: Sequence[int],
         waits: Sequence[Sequence[int]],
-        backward_waits: Sequence[Sequence[int]],
+        states: Sequence[Sequence[BackwardState]],
         policies: Mapping[int, Policy] = {},
-    ) -> list[tuple[int, int]]:
-        """Per stage of ``balance``, the bytes waiting at it while it runs forwards and while it
-        runs its backward: gradients for earlier stages, and under GPipe outputs for later ones."""
+    ) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+        """Per stage of ``balance``, the bytes waiting at it while it runs forwards (gradients
+        for earlier stages, and under GPipe outputs for later ones) and, at each of its
+        backwards (``states``), the micro-batches it holds and the gradients waiting there."""
         forward = self.waiting_gradients(balance, waits)
-        backward = self.waiting_gradients(balance, backward_waits)
         outputs = self.waiting_outputs(balance, policies)
-        return [(f + o, b) for f, b, o in zip(forward, backward, outputs)]
+        sent = self._gradient_bytes(balance) if states else []
+        backward = [
+            tuple((state.held, sum(sent[p][s] * state.waits[p] for p in range(s))) for state in states[s])
+            if states else ()
+            for s in range(len(balance))
+        ]
+        return [(f + o, b) for f, o, b in zip(forward, outputs, backward)]
 
     def waiting_outputs(self, balance: Sequence[int], policies: Mapping[int, Policy] = {}) -> list[int]:
         """Per stage, bytes of the values it made for a stage beyond the next that wait for
@@ -298,18 +320,18 @@ class CostModel:
         in_flight: float,
         policies: Mapping[int, Policy] = {},
         weight_versions: int = 1,
-        waiting: tuple[int, int] = (0, 0),
+        waiting: Waiting = (0, ()),
     ) -> StagePeak:
         """Predicted peak of a stage holding nodes ``[lo, hi)``; ``policies`` maps node index
         to its non-``keep`` policy (other stages' too, when known: a value an earlier stage
         keeps first is not the stage's to keep, unless that stage drops it). ``in_flight``
         may be fractional when a planner prices a group of stages as one. ``waiting``: bytes
-        that wait at the stage for other stages while it runs forwards, and while it runs its
-        own backward (:meth:`waiting_gradients`, :meth:`waiting_outputs`), known once a split
+        that wait at the stage for other stages while it runs forwards, and at each of its
+        backwards what it holds and the bytes waiting (:meth:`waiting`), known once a split
         is."""
         live = self._live(lo, hi, policies)
         static = self.static(lo, hi, weight_versions)
-        backward = [p.waiting(waiting[1]) for p in self._backward_peaks(lo, hi, in_flight, live, static)]
+        backward = self._backward_peaks(lo, hi, in_flight, live, static, waiting[1])
         if hi < self.n:
             outputs = min(1.0, in_flight - 1) if self.merges else 0.0  # GPipe: outputs wait for the next stage
             forward = [self._forward_peak(in_flight, live, static, round(outputs * live.leaving))]
@@ -322,20 +344,28 @@ class CostModel:
         others = round((in_flight - 1) * live.stashed)
         return StagePeak(static, others + live.forward[0], live.forward[1], boundary)
 
-    def _backward_peaks(self, lo: int, hi: int, in_flight: float, live: "_Live", static: int) -> list[StagePeak]:
-        """The peaks of a step's first backward, with every micro-batch in flight stashed and
-        the gradients of the parameters made as it goes (they were freed for it), and of its
-        later backwards, with all of them: one micro-batch fewer in flight, unless the
+    def _backward_peaks(
+        self, lo: int, hi: int, in_flight: float, live: "_Live", static: int, states: Sequence[tuple[float, int]]
+    ) -> list[StagePeak]:
+        """The peaks of a step's backwards: the first with the micro-batches in flight stashed
+        and the gradients of the parameters made as it goes (they were freed for it), the
+        later ones with all of them. ``states``: at each backward, the micro-batches held and
+        the bytes of gradients waiting (:meth:`waiting`); without them (a search pricing a
+        range), the first holds ``in_flight`` and the later ones one fewer, unless the
         schedule runs another forward before each (1F1B and 2BW with more micro-batches)."""
         gradient = self._last_backward(lo, in_flight) if hi == self.n else 0
         grads = self._grads[hi] - self._grads[lo]
-        later = in_flight if not self.merges and self.chunks > in_flight else in_flight - 1
+        if not states:
+            later = in_flight if not self.merges and self.chunks > in_flight else in_flight - 1
+            states = [(in_flight, 0)] + ([(later, 0)] if later >= 1 else [])
         first_stash, first_rest = live.first_backward
-        others = round((in_flight - 1) * live.stashed)
-        peaks = [StagePeak(static - grads, others + first_stash, first_rest, gradient)]
-        if later >= 1:
-            others = round((later - 1) * live.stashed)
-            peaks.append(StagePeak(static, others + live.backward[0], live.backward[1], gradient))
+        peaks = []
+        for j, (held, waiting) in enumerate(states):
+            others = round((held - 1) * live.stashed)
+            if j == 0:
+                peaks.append(StagePeak(static - grads, others + first_stash, first_rest, gradient + waiting))
+            else:
+                peaks.append(StagePeak(static, others + live.backward[0], live.backward[1], gradient + waiting))
         return peaks
 
     def _last_peaks(self, lo: int, in_flight: float, live: "_Live", static: int) -> list[StagePeak]:

@@ -18,7 +18,7 @@ device-host link (``None``: no swapping).
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_pipe.plan.memory import CostModel, Policy, StagePeak
+from lightning_pipe.plan.memory import CostModel, Policy, StagePeak, Waiting
 
 __all__ = ["NOISE", "StageOptimum", "optimize_stage", "policy_time"]
 
@@ -83,12 +83,15 @@ def optimize_stage(
     host_bandwidth: float | None = None,
     optimise: bool = True,
     thorough: bool = False,
+    waiting: Waiting = (0, ()),
 ) -> StageOptimum:
     """Cheapest policies (by the greedy above) bringing stage ``[lo, hi)`` under ``capacity``;
     with ``optimise`` false, every node keeps its activations. A stage left near its capacity
     is searched further (:func:`_descended`); with ``thorough``, so is one asked for its lowest
-    peak (``capacity`` 0), which costs a planner's search too much to do for every range."""
-    base = model.peak(lo, hi, in_flight, {}, weight_versions)
+    peak (``capacity`` 0), which costs a planner's search too much to do for every range.
+    ``waiting``: what waits at the stage for others (:meth:`CostModel.waiting`), once known."""
+    stage = _Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting)
+    base = stage.priced({}).peak
     if base.total <= capacity or not optimise:
         return StageOptimum(peak=base, fits=base.total <= capacity)
     compute = model.compute_ms(lo, hi)
@@ -118,7 +121,7 @@ def optimize_stage(
 
     def check() -> StageOptimum | None:
         nonlocal estimate, best
-        found = _priced(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, dict(policies))
+        found = stage.priced(dict(policies))
         if found.fits:
             return found
         if found.peak.total < best.peak.total:
@@ -163,29 +166,20 @@ def optimize_stage(
             restore = max(restore, region)
         estimate -= gain
         if estimate <= capacity and (found := check()):
-            return _pruned(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, found)
+            return _pruned(stage, found)
     options = [dict(policies)] + _lowest_memory_policies(model, lo, hi, host_bandwidth)
     for policies_ in options:
-        found = _priced(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, policies_)
+        found = stage.priced(policies_)
         if _better(found, best):
             best = found
     if not best.fits and ((capacity <= 0 and thorough) or best.peak.total <= DESCENT * capacity):
-        best = _descended(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, best)
+        best = _descended(stage, best)
     if best.fits:
-        return _pruned(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, best)
+        return _pruned(stage, best)
     return best
 
 
-def _descended(
-    model: CostModel,
-    lo: int,
-    hi: int,
-    in_flight: float,
-    capacity: float,
-    weight_versions: int,
-    host_bandwidth: float | None,
-    found: StageOptimum,
-) -> StageOptimum:
+def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     """``found`` with its choices dropped one at a time, in node order, while each drop lowers
     the peak, until it fits or no drop lowers it: recomputing everything is seldom the lowest
     (a node kept between two regions can keep less than the merged region would)."""
@@ -194,7 +188,7 @@ def _descended(
         lowered = False
         for i in sorted(found.policies):
             policies = {j: p for j, p in found.policies.items() if j != i}
-            fewer = _priced(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, policies)
+            fewer = stage.priced(policies)
             if fewer.peak.total < found.peak.total:
                 found, lowered = fewer, True
                 if found.fits:
@@ -202,24 +196,15 @@ def _descended(
     return found
 
 
-def _pruned(
-    model: CostModel,
-    lo: int,
-    hi: int,
-    in_flight: float,
-    capacity: float,
-    weight_versions: int,
-    host_bandwidth: float | None,
-    found: StageOptimum,
-) -> StageOptimum:
+def _pruned(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     """``found`` without the choices the stage fits without: recomputes before swaps (a swap
     the link hides costs nothing, a recompute always costs its forward), each kind those
     keeping the fewest bytes first (bytes, unlike times, do not vary between profiles): a node
     chosen early can turn out to free nothing once its neighbours are chosen (a recomputed
     region keeps its inputs, so what one node keeps may be the region's input)."""
-    for i in sorted(found.policies, key=lambda i: (found.policies[i] == "swap", model.saved[i], i)):
+    for i in sorted(found.policies, key=lambda i: (found.policies[i] == "swap", stage.model.saved[i], i)):
         policies = {j: p for j, p in found.policies.items() if j != i}
-        fewer = _priced(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, policies)
+        fewer = stage.priced(policies)
         if fewer.fits and fewer.added_ms <= found.added_ms:
             found = fewer
     return found
@@ -259,19 +244,24 @@ def _better(a: StageOptimum, b: StageOptimum) -> bool:
     return a.added_ms < b.added_ms if a.fits else a.peak.total < b.peak.total
 
 
-def _priced(
-    model: CostModel,
-    lo: int,
-    hi: int,
-    in_flight: float,
-    capacity: float,
-    weight_versions: int,
-    host_bandwidth: float | None,
-    policies: dict[int, Policy],
-) -> StageOptimum:
-    peak = model.peak(lo, hi, in_flight, policies, weight_versions)
-    recompute_ms, swap_ms = policy_time(model, lo, hi, policies, host_bandwidth)
-    return StageOptimum(policies, recompute_ms, swap_ms, peak, peak.total <= capacity)
+@dataclass(frozen=True)
+class _Stage:
+    """What :func:`optimize_stage` prices policies for: nodes ``[lo, hi)`` of ``model`` as a
+    stage holding ``in_flight`` micro-batches under ``capacity``, and what waits at it."""
+
+    model: CostModel
+    lo: int
+    hi: int
+    in_flight: float
+    capacity: float
+    weight_versions: int
+    host_bandwidth: float | None
+    waiting: Waiting
+
+    def priced(self, policies: dict[int, Policy]) -> StageOptimum:
+        peak = self.model.peak(self.lo, self.hi, self.in_flight, policies, self.weight_versions, self.waiting)
+        recompute_ms, swap_ms = policy_time(self.model, self.lo, self.hi, policies, self.host_bandwidth)
+        return StageOptimum(policies, recompute_ms, swap_ms, peak, peak.total <= self.capacity)
 
 
 def _lowest_memory_policies(

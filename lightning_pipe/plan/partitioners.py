@@ -30,10 +30,10 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
-from lightning_pipe.plan.memory import CostModel, stage_ranges
+from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
 from lightning_pipe.plan.optimize import NOISE, StageOptimum, optimize_stage
 from lightning_pipe.plan.profile import Profile
-from lightning_pipe.plan.schedule import Action
+from lightning_pipe.plan.schedule import Action, BackwardState
 from lightning_pipe.plan.simulate import Replay, StageTime
 
 __all__ = ["BASELINES", "NOISE", "PARTITIONERS", "Partitioner", "Stages", "lowest_peak_balance", "partition", "split"]
@@ -51,8 +51,8 @@ class Stages:
     schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits` (none wait when empty) and
     its per-stage :func:`~lightning_pipe.plan.schedule.actions`, which price a whole split by
     its simulated step (without them: by its slowest stage). ``optimise_memory`` false: no
-    stage recomputes or swaps. ``backward_waits``: the gradients that wait while a stage runs
-    its own backward (:func:`~lightning_pipe.plan.schedule.gradient_waits_in_backward`)."""
+    stage recomputes or swaps. ``backward_states``: what a stage holds and what waits at it
+    at each of its backwards (:func:`~lightning_pipe.plan.schedule.backward_states`)."""
 
     model: CostModel
     capacities: Sequence[int]
@@ -62,9 +62,9 @@ class Stages:
     waits: Sequence[Sequence[int]] = ()
     order: Sequence[Sequence[Action]] = ()
     optimise_memory: bool = True
-    backward_waits: Sequence[Sequence[int]] = ()
+    backward_states: Sequence[Sequence[BackwardState]] = ()
     thorough: bool = False  # search stages asked for their lowest peak further (optimize_stage)
-    _optima: dict[tuple[int, int, int, int], StageOptimum] = field(default_factory=dict, repr=False)
+    _optima: dict[tuple[object, ...], StageOptimum] = field(default_factory=dict, repr=False)
     _placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict, repr=False)
     _steps: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)
     _replay: Replay | None = field(default=None, repr=False)
@@ -73,14 +73,14 @@ class Stages:
     def count(self) -> int:
         return len(self.capacities)
 
-    def optimum(self, lo: int, hi: int, s: int, reserved: int = 0) -> StageOptimum:
+    def optimum(self, lo: int, hi: int, s: int, reserved: int = 0, waiting: Waiting = (0, ())) -> StageOptimum:
         """Memory optimisation of nodes ``[lo, hi)`` as stage ``s`` with ``reserved`` bytes of
-        its capacity taken by something else (cached)."""
-        key = (lo, hi, s, reserved)
+        its capacity taken by something else and ``waiting`` at it (cached)."""
+        key = (lo, hi, s, reserved, waiting[0], tuple(waiting[1]))
         if key not in self._optima:
             self._optima[key] = optimize_stage(
                 self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
-                self.host_bandwidth, self.optimise_memory, self.thorough,
+                self.host_bandwidth, self.optimise_memory, self.thorough, waiting,
             )
         return self._optima[key]
 
@@ -94,19 +94,19 @@ class Stages:
         return self.optimum(lo, hi, s, self.capacities[s]).peak.total
 
     def placed(self, balance: Sequence[int]) -> list[StageOptimum]:
-        """Every stage of ``balance`` optimised under its capacity less the gradients that
-        wait at it (:meth:`CostModel.waiting_gradients`), with the outputs that wait at it for
-        a stage beyond the next (:meth:`CostModel.waiting_outputs`): both known only for a
-        whole split (cached)."""
+        """Every stage of ``balance`` optimised under its capacity with what waits at it
+        (:meth:`CostModel.waiting`: gradients for earlier stages, and outputs for a stage
+        beyond the next), known only for a whole split; what waits depends on the policies
+        chosen, so the split is priced again with them (cached)."""
         key = tuple(balance)
         if key not in self._placed:
-            waiting = self.model.waiting_gradients(balance, self.waits)
             ranges = stage_ranges(balance)
-            optima = [self.optimum(r.start, r.stop, s, waiting[s]) for s, r in enumerate(ranges)]
+            waits = self.model.waiting(balance, self.waits, self.backward_states)
+            optima = [self.optimum(r.start, r.stop, s, waiting=waits[s]) for s, r in enumerate(ranges)]
             chosen = {i: p for o in optima for i, p in o.policies.items()}
-            waits = self.model.waiting(balance, self.waits, self.backward_waits, chosen)
+            waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
             peaks = [self.model.peak(r.start, r.stop, self.in_flight[s], chosen, self.weight_versions, waits[s])
-                     for s, (r, o) in enumerate(zip(ranges, optima))]
+                     for s, r in enumerate(ranges)]
             self._placed[key] = [
                 replace(o, peak=p, fits=o.fits and p.total <= capacity)
                 for o, p, capacity in zip(optima, peaks, self.capacities)
@@ -375,25 +375,25 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] |
     failed: set[tuple[int, ...]] = set()  # (stage, its start, the previous stage's start)
     budget = [tries * count]
 
-    def waiting(lo: int, hi: int, s: int) -> int:
+    def waiting(lo: int, hi: int, s: int) -> Waiting:
         """Gradients that wait at stage ``s`` on ``[lo, hi)`` for earlier stages' backward."""
-        if not stages.waits:
-            return 0
-        total = 0
+        sent = [0] * count  # per earlier stage, bytes of one micro-batch's gradients for it
         for r in range(lo, n + 1 if hi == n else hi):
             for i in finishing[r]:
                 if i < lo:
-                    total += model.output[i] * stages.waits[bisect.bisect_right(cuts, i)][s]
-        return total
+                    sent[bisect.bisect_right(cuts, i)] += model.output[i]
+        forward = sum(sent[p] * stages.waits[p][s] for p in range(s)) if stages.waits else 0
+        states = stages.backward_states[s] if stages.backward_states else ()
+        return forward, tuple((b.held, sum(sent[p] * b.waits[p] for p in range(s))) for b in states)
 
     def fits(lo: int, hi: int, s: int) -> bool:
         if model.static(lo, hi, stages.weight_versions) + model.transient(lo, hi) > stages.capacities[s]:
             return False  # what no memory optimisation takes off
-        return stages.optimum(lo, hi, s, waiting(lo, hi, s)).fits
+        return stages.optimum(lo, hi, s, waiting=waiting(lo, hi, s)).fits
 
     def fill(lo: int, s: int) -> bool:
-        if s == count - 1:
-            return fits(lo, n, s)
+        if s == count - 1:  # what waits at each stage while it runs its backwards: the whole split's
+            return fits(lo, n, s) and stages.fits(_balance(cuts, n))
         state = (s, *cuts[-2:])
         if state in failed or budget[0] == 0:
             return False

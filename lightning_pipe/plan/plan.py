@@ -16,8 +16,8 @@ from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import (
     Schedule,
     actions,
+    backward_states,
     gradient_waits,
-    gradient_waits_in_backward,
     in_flight,
     weight_versions,
 )
@@ -258,7 +258,8 @@ def planning_stages(
         in_flight(schedule, chunks, count),
         weight_versions(schedule), host_bandwidth, gradient_waits(schedule, chunks, count),
         actions(schedule, chunks, count), optimise_memory=optimise_memory,
-        backward_waits=gradient_waits_in_backward(schedule, chunks, count),
+        # the distributed runtime sends a stage's input gradients back at once: none wait
+        backward_states=() if carry else backward_states(schedule, chunks, count),
     )
 
 

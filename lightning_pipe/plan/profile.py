@@ -47,6 +47,9 @@ class NodeProfile:
         saved_inputs_bytes: of ``saved_bytes``, those of storages earlier nodes made (inputs
             it saves): a swapped segment leaves them on the device when it starts after
             ``saved_inputs_from``, the earliest of those nodes (-1: none).
+        input_grad_bytes: bytes of the buffer the gradients the node's backward hands its
+            inputs are slices of (``cat``: its output's gradient; 0: each is its own). A
+            gradient waiting for an earlier stage keeps the whole buffer.
     """
 
     name: str
@@ -68,6 +71,7 @@ class NodeProfile:
     held_by: int = -1
     saved_inputs_bytes: int = 0
     saved_inputs_from: int = -1
+    input_grad_bytes: int = 0
 
 
 @dataclass
@@ -137,6 +141,7 @@ class Profile:
                 saved_inputs_bytes=scale(n.saved_inputs_bytes),
                 backward_bytes=scale(max(n.backward_bytes - n.grad_bytes, 0)) + min(n.grad_bytes, n.backward_bytes),
                 output_grad_bytes=scale(n.output_grad_bytes),
+                input_grad_bytes=scale(n.input_grad_bytes),
                 forward_ms=n.forward_ms * f,
                 backward_ms=n.backward_ms * f,
             )

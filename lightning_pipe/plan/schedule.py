@@ -5,8 +5,8 @@ from functools import lru_cache
 from typing import Literal, NamedTuple
 
 __all__ = [
-    "Action", "Schedule", "Step", "actions", "clock_cycles", "global_order", "gradient_waits",
-    "gradient_waits_in_backward", "in_flight", "weight_versions",
+    "Action", "BackwardState", "Schedule", "Step", "actions", "backward_states", "clock_cycles", "global_order",
+    "gradient_waits", "in_flight", "weight_versions",
 ]
 
 
@@ -144,23 +144,48 @@ def gradient_waits(schedule: Schedule, num_microbatches: int, num_stages: int) -
     return tuple(map(tuple, waits))
 
 
+class BackwardState(NamedTuple):
+    """A stage at one of its backwards in a step: the micro-batches it holds (their forward
+    ran, their backward has not; this one's included) and, per earlier stage ``p``, how many
+    gradients it made for ``p``'s outputs still wait for ``p``'s backward (not counting the
+    one it makes)."""
+
+    held: int
+    waits: tuple[int, ...]
+
+
 @lru_cache(maxsize=64)
-def gradient_waits_in_backward(
+def backward_states(
     schedule: Schedule, num_microbatches: int, num_stages: int
-) -> tuple[tuple[int, ...], ...]:
-    """``[p][s]``: as :func:`gradient_waits`, the most micro-batches whose gradient for stage
-    ``p``'s outputs wait at stage ``s``, but while ``s`` runs a backward itself (not counting
-    the one it makes)."""
-    waits = [[0] * num_stages for _ in range(num_stages)]
+) -> tuple[tuple[BackwardState, ...], ...]:
+    """Per stage, its state at each of its backwards in a step, in order. GPipe's one
+    backward over the whole batch runs in reverse clock order (:func:`_gpipe_backward_order`),
+    so a gradient for a stage ``d`` stages back waits there for up to ``d`` micro-batches
+    while the stage holds fewer and fewer."""
+    done, forwards = [0] * num_stages, 0
+    states: list[list[BackwardState]] = [[] for _ in range(num_stages)]
     if schedule == "gpipe":
-        return tuple(map(tuple, waits))
-    done = [0] * num_stages
-    for step in global_order(actions(schedule, num_microbatches, num_stages)):
-        if step.stage is not None:
-            for p in range(step.stage):
-                waits[p][step.stage] = max(waits[p][step.stage], done[step.stage] - done[p])
-            done[step.stage] += 1
-    return tuple(map(tuple, waits))
+        order, forwards = _gpipe_backward_order(num_microbatches, num_stages), num_microbatches
+    else:
+        order = global_order(actions(schedule, num_microbatches, num_stages))
+    for step in order:
+        if step.stage is None:
+            forwards += 1
+            continue
+        s = step.stage
+        waits = tuple(done[s] - done[p] if p < s else 0 for p in range(num_stages))
+        states[s].append(BackwardState(forwards - done[s], waits))
+        done[s] += 1
+    return tuple(map(tuple, states))
+
+
+def _gpipe_backward_order(num_microbatches: int, num_stages: int) -> list[Step]:
+    """The order of GPipe's backward steps: autograd runs the most recently made work first,
+    i.e. the forward's clock cycles backwards, each cycle's stages last to first (as the
+    meter sees it: a U-Net's skip gradient made by stage 2 waits there while stage 2 runs
+    two more micro-batches' backward)."""
+    return [Step("backward", tick - s, s) for tick in reversed(range(num_microbatches + num_stages - 1))
+            for s in reversed(range(num_stages)) if 0 <= tick - s < num_microbatches]
 
 
 def weight_versions(schedule: Schedule) -> int:

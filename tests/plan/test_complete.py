@@ -62,7 +62,7 @@ def test_dawnpiper_fits_whenever_any_balance_fits(block):
             any_fits = any(stages.fits(b) for b in balances(n, len(capacities)))
             assert stages.fits(split("dawnpiper", stages)) == any_fits, (seed, optimise)
             outcomes.append(any_fits)
-    assert 0.3 < sum(outcomes) / len(outcomes) < 0.9  # both kinds of case are exercised
+    assert 0.2 < sum(outcomes) / len(outcomes) < 0.9  # both kinds of case are exercised
 
 
 def largest(profile, capacities, partitioner, schedule, chunks, host_bandwidth, optimise):

@@ -5,6 +5,7 @@ from torch import nn
 from examples.models import GPT, EncoderDecoder
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.plan.balance import balance_by_weight
+from lightning_pipe.plan.schedule import _gpipe_backward_order
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.gpipe import Pipeline
 
@@ -86,3 +87,13 @@ def test_no_grad_forward_keeps_no_graph():
         out = _pipeline(model, 2, 2)(batch)
     assert not out.requires_grad
     assert torch.allclose(out, model(batch), atol=1e-6)
+
+
+def test_backward_runs_in_reverse_clock_order_as_the_planner_assumes():
+    """The planner's GPipe backward order (what waits where, plan/schedule.py) is the order
+    autograd runs the stages' backwards in."""
+    log = []
+    pipe = _pipeline(Probed(log), 2, 3, leaf_modules=["Probe"])
+    pipe(torch.randn(6, 4)).sum().backward()
+    ran = [(s, m) for kind, s, m in log if kind == "bwd"]
+    assert ran == [(f"s{step.stage}", step.microbatch) for step in _gpipe_backward_order(3, 2)]
