@@ -31,7 +31,7 @@ from typing import Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
-from lightning_pipe.plan.optimize import NOISE, StageOptimum, optimize_stage
+from lightning_pipe.plan.optimize import NOISE, StageOptimum, optimize_stage, prune_stage
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Action, BackwardState
 from lightning_pipe.plan.simulate import Replay, StageTime
@@ -80,7 +80,7 @@ class Stages:
         if key not in self._optima:
             self._optima[key] = optimize_stage(
                 self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
-                self.host_bandwidth, self.optimise_memory, self.thorough, waiting,
+                self.host_bandwidth, self.optimise_memory, self.thorough, waiting, prune=False,
             )
         return self._optima[key]
 
@@ -97,21 +97,44 @@ class Stages:
         """Every stage of ``balance`` optimised under its capacity with what waits at it
         (:meth:`CostModel.waiting`: gradients for earlier stages, and outputs for a stage
         beyond the next), known only for a whole split; what waits depends on the policies
-        chosen, so the split is priced again with them (cached)."""
+        chosen, so the split is priced again with them, and where that goes over, again
+        with every stage :meth:`pruned` (cached)."""
         key = tuple(balance)
         if key not in self._placed:
-            ranges = stage_ranges(balance)
             waits = self.model.waiting(balance, self.waits, self.backward_states)
-            optima = [self.optimum(r.start, r.stop, s, waiting=waits[s]) for s, r in enumerate(ranges)]
-            chosen = {i: p for o in optima for i, p in o.policies.items()}
-            waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
-            peaks = [self.model.peak(r.start, r.stop, self.in_flight[s], chosen, self.weight_versions, waits[s])
-                     for s, r in enumerate(ranges)]
-            self._placed[key] = [
-                replace(o, peak=p, fits=o.fits and p.total <= capacity)
-                for o, p, capacity in zip(optima, peaks, self.capacities)
-            ]
+            optima = [self.optimum(r.start, r.stop, s, waiting=waits[s]) for s, r in enumerate(stage_ranges(balance))]
+            placed = self._priced(balance, optima)
+            if all(o.fits for o in optima) and not all(o.fits for o in placed):
+                placed = self._pruned(balance, optima)
+            self._placed[key] = placed
         return self._placed[key]
+
+    def pruned(self, balance: Sequence[int]) -> list[StageOptimum]:
+        """:meth:`placed`, each stage without the choices it fits without. The search leaves
+        them (a choice seldom turns out to free nothing once its neighbours are chosen, and
+        finding one costs a pricing per choice), so only a chosen split is pruned."""
+        placed = self.placed(balance)
+        if not all(o.fits for o in placed):
+            return placed
+        pruned = self._pruned(balance, placed)
+        return pruned if all(o.fits for o in pruned) else placed
+
+    def _pruned(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
+        chosen = {i: p for o in optima for i, p in o.policies.items()}
+        waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
+        return self._priced(balance, [
+            prune_stage(self.model, r.start, r.stop, self.in_flight[s], self.capacities[s], o, self.weight_versions,
+                        self.host_bandwidth, waits[s])
+            for s, (r, o) in enumerate(zip(stage_ranges(balance), optima))
+        ])
+
+    def _priced(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
+        """``optima`` with their peaks priced with every stage's policies and what waits."""
+        chosen = {i: p for o in optima for i, p in o.policies.items()}
+        waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
+        peaks = [self.model.peak(r.start, r.stop, self.in_flight[s], chosen, self.weight_versions, waits[s])
+                 for s, r in enumerate(stage_ranges(balance))]
+        return [replace(o, peak=p, fits=o.fits and p.total <= c) for o, p, c in zip(optima, peaks, self.capacities)]
 
     def fits(self, balance: Sequence[int]) -> bool:
         return all(o.fits for o in self.placed(balance))

@@ -279,7 +279,7 @@ def _attempt(
         profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory, carry
     )
     balance = split(partitioner, stages)
-    return stages, balance, stages.placed(balance)
+    return stages, balance, stages.pruned(balance)
 
 
 def _infeasible(
