@@ -58,3 +58,27 @@ class Wide(nn.Module):
 
     def forward(self, x):
         return self.l2(self.act(self.l1(self.l0(x))))
+
+
+class Skipped(LightningModule):
+    """Linear layers each followed by ``+ 1``, and the first one's output joined again at the
+    end (added, or concatenated: then its gradient is a slice of the output's): a long skip
+    whose gradient the last stage computes long before the first stage's backward takes it."""
+
+    def __init__(self, width: int = 256, join: str = "add") -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+        self.join = join
+
+    def forward(self, x):
+        skip = self.layers[0](x)
+        x = skip + 1.0
+        for layer in self.layers[1:]:
+            x = layer(x) + 1.0
+        return x + skip if self.join == "add" else torch.cat([x, skip], dim=1)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -14,7 +14,7 @@ from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.schedule import Step, actions, global_order, gradient_waits
 from tests.helpers import max_rel_diff, trainer
-from tests.models import make
+from tests.models import Skipped, make
 
 
 def test_global_order_keeps_each_stage_order_and_whole_forwards():
@@ -118,35 +118,11 @@ def test_1f1b_frees_a_boundary_value_once_the_next_stage_read_it():
     assert strategy.meter.stages[0].kind_peaks["boundary"] == one_microbatch
 
 
-class _Skipped(LightningModule):
-    """Linear layers each followed by ``+ 1``, and the first one's output joined again at the
-    end (added, or concatenated: then its gradient is a slice of the output's): a long skip
-    whose gradient the last stage computes long before the first stage's backward takes it."""
-
-    def __init__(self, width: int = 256, join: str = "add") -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
-        self.join = join
-
-    def forward(self, x):
-        skip = self.layers[0](x)
-        x = skip + 1.0
-        for layer in self.layers[1:]:
-            x = layer(x) + 1.0
-        return x + skip if self.join == "add" else torch.cat([x, skip], dim=1)
-
-    def training_step(self, batch, batch_idx):
-        return self(batch[0]).square().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
 @pytest.mark.parametrize(("chunks", "join"), [(4, "add"), (8, "add"), (4, "cat")])
 def test_1f1b_boundary_bytes_are_outputs_plus_waiting_gradients_as_predicted(chunks, join):
     batch, width, balance = 32, 256, [1, 2, 2, 4]
     data = torch.utils.data.TensorDataset(torch.randn(batch, width))
-    model = _Skipped(width, join)
+    model = Skipped(width, join)
     strategy = MemoryPipeStrategy(chunks=chunks, schedule="1f1b", balance=balance, planner=None, measure_memory=True)
     trainer(strategy, 4, max_steps=1).fit(model, torch.utils.data.DataLoader(data, batch_size=batch))
     metered = [m.kind_peaks["boundary"] for m in strategy.meter.stages]
