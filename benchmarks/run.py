@@ -1,6 +1,6 @@
 """Side-by-side benchmark of the planners, by real execution, in one run.
 
-    python -m benchmarks.run --quick     # under 8 minutes on a 2-core CPU
+    python -m benchmarks.run --quick     # 4 stages; about half an hour on a 2-core CPU
     python -m benchmarks.run --full
 
 Writes ``benchmarks/results.json`` and ``docs/benchmarks.md``; every number in the markdown
@@ -58,7 +58,7 @@ CAPACITY_SHARE = 0.6  # per-stage capacity: this share of the unplanned even spl
 
 @dataclass
 class Settings:
-    """What one run measures: quick keeps the whole run under 8 minutes on 2 CPU cores."""
+    """What one run measures: quick runs every model over 4 stages, full over 4 and 8."""
 
     memory_runs: list[tuple[str, int]]  # (model, stage count)
     schedules_on: list[str]
@@ -68,9 +68,9 @@ class Settings:
     warmup_steps: int = 3
 
 
-EVERY_MODEL = [(m, s) for m in ("bert", "gpt", "t5", "unet") for s in (4, 8)]
-QUICK = Settings(EVERY_MODEL, ["gpipe", "1f1b"], ["gpipe", "1f1b"], 6, 8)
-FULL = Settings(EVERY_MODEL, ["gpipe", "1f1b"], ["gpipe", "1f1b"], 8, 20)
+MODELS = ("bert", "gpt", "t5", "unet")
+QUICK = Settings([(m, 4) for m in MODELS], ["gpipe", "1f1b"], ["gpipe", "1f1b"], 6, 8)
+FULL = Settings([(m, s) for m in MODELS for s in (4, 8)], ["gpipe", "1f1b"], ["gpipe", "1f1b"], 8, 20)
 # Both modes. The cost model follows a stage node by node, so planning grows faster than
 # linearly with the nodes per stage: 20,000 nodes over 4 stages takes minutes.
 GRAPH_SIZES = [(n, s) for n in (1_000, 5_000) for s in (4, 16, 64)]
@@ -605,8 +605,9 @@ def summary(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="small sizes, under 8 minutes on 2 CPU cores (default)")
-    mode.add_argument("--full", action="store_true", help="all models, 4 and 8 stages, all graph sizes")
+    mode.add_argument("--quick", action="store_true",
+                      help="every model over 4 stages, about half an hour on 2 CPU cores (default)")
+    mode.add_argument("--full", action="store_true", help="every model over 4 and 8 stages")
     parser.add_argument("--out", type=Path, default=ROOT, help="root under which benchmarks/ and docs/ are written")
     args = parser.parse_args(argv)
     settings = FULL if args.full else QUICK
