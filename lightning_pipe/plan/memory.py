@@ -501,10 +501,10 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     forward = kept[:-1] + held + a.made[lo:hi] + a.workspace[lo:hi]
     f = int(np.argmax(forward))
     common = kept[1:] + _gradients(a, lo, hi) + a.backward[lo:hi] + back
-    # a fresh gradient of the node's parameters, to add to theirs; under GPipe, where autograd
-    # sums the micro-batches' gradients before the parameter takes them, the sum of the two
-    # besides (a linear layer's gradient is a transposed view, which is not summed in place)
-    fresh = 2 if model.merges and model.chunks > 1 else 1
+    # a fresh gradient of the node's parameters, to add to theirs; under the local GPipe, whose
+    # one backward sums the micro-batches' gradients before the parameter takes them, the sum
+    # of the two besides (a linear layer's gradient is a transposed view, not summed in place)
+    fresh = 2 if model.merges and model.chunks > 1 and not model.carry else 1
     backward = common + fresh * a.grads[lo:hi]
     b = int(np.argmax(backward))
     first = common + np.cumsum(a.grads[lo:hi][::-1])[::-1]  # the parameter gradients made so far

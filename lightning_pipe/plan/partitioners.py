@@ -98,7 +98,7 @@ class Stages:
         (:meth:`CostModel.waiting`: gradients for earlier stages, and outputs for a stage
         beyond the next), known only for a whole split; what waits depends on the policies
         chosen, so the split is priced again with them, and where that goes over, again
-        with every stage :meth:`pruned` (cached)."""
+        with every stage pruned (:meth:`pruned`; cached)."""
         key = tuple(balance)
         if key not in self._placed:
             waits = self.model.waiting(balance, self.waits, self.backward_states)
@@ -120,6 +120,7 @@ class Stages:
         return pruned if all(o.fits for o in pruned) else placed
 
     def _pruned(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
+        """``optima`` without the choices each stage fits without, with what waits at it."""
         chosen = {i: p for o in optima for i, p in o.policies.items()}
         waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
         return self._priced(balance, [
