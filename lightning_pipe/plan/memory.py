@@ -268,11 +268,8 @@ class CostModel:
         forward = self.waiting_gradients(balance, waits)
         outputs = self.waiting_outputs(balance, policies)
         sent = self._gradient_bytes(balance) if states else []
-        backward = [
-            tuple((state.held, sum(sent[p][s] * state.waits[p] for p in range(s))) for state in states[s])
-            if states else ()
-            for s in range(len(balance))
-        ]
+        backward = [backward_waiting(states[s], [(p, sent[p][s]) for p in range(s) if sent[p][s]]) if states else ()
+                    for s in range(len(balance))]
         return [(f + o, b) for f, o, b in zip(forward, outputs, backward)]
 
     def waiting_outputs(self, balance: Sequence[int], policies: Mapping[int, Policy] = {}) -> list[int]:
@@ -410,6 +407,14 @@ class CostModel:
         if (lo, hi) not in self._kept:
             self._kept[lo, hi] = _live(self, lo, hi, None)
         return self._kept[lo, hi]
+
+
+def backward_waiting(states: Sequence[BackwardState], sent: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Per backward of a stage, the micro-batches it holds and the bytes waiting at it, given
+    ``(p, bytes)`` of one micro-batch's gradients it makes for each earlier stage ``p``: the
+    first backward, then the later ones without repeats (only their largest peak counts)."""
+    priced = [(state.held, sum(b * state.waits[p] for p, b in sent)) for state in states]
+    return tuple(priced[:1]) + tuple(sorted(set(priced[1:])))
 
 
 @dataclass

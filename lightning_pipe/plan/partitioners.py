@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
-from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
+from lightning_pipe.plan.memory import CostModel, Waiting, backward_waiting, stage_ranges
 from lightning_pipe.plan.optimize import NOISE, StageOptimum, optimize_stage, prune_stage
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Action, BackwardState
@@ -408,7 +408,7 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] |
                     sent[bisect.bisect_right(cuts, i)] += model.output[i]
         forward = sum(sent[p] * stages.waits[p][s] for p in range(s)) if stages.waits else 0
         states = stages.backward_states[s] if stages.backward_states else ()
-        return forward, tuple((b.held, sum(sent[p] * b.waits[p] for p in range(s))) for b in states)
+        return forward, backward_waiting(states, [(p, b) for p, b in enumerate(sent) if b])
 
     def fits(lo: int, hi: int, s: int) -> bool:
         if model.static(lo, hi, stages.weight_versions) + model.transient(lo, hi) > stages.capacities[s]:
