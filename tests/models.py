@@ -4,6 +4,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+import torch.nn.functional as F
 from torch import nn
 
 from examples.models import GPT, EncoderDecoder, ImageDataset, Seq2SeqDataset, TokenDataset, UNet
@@ -79,6 +80,28 @@ class Skipped(LightningModule):
 
     def training_step(self, batch, batch_idx):
         return self(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class LossInside(LightningModule):
+    """A language model that computes its loss in ``forward`` and returns it with the logits,
+    as Hugging Face models given labels do: the logits are part of the graph's output, so
+    GPipe's stage making them keeps every micro-batch's until the merge."""
+
+    def __init__(self, vocab: int = 512, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim), nn.ReLU())
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.body(self.embed(ids)))
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+    def training_step(self, batch, batch_idx):
+        return self(*batch)["loss"]
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)

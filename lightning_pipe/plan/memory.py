@@ -147,6 +147,9 @@ class CostModel:
         self._state = _prefix([n.grad_bytes + n.optimizer_bytes for n in nodes])
         self._grads = _prefix([n.grad_bytes for n in nodes])
         self._saved = _prefix(self.saved)
+        # storages a node makes that end up in the graph's output and no later node keeps:
+        # under GPipe they wait on its stage for the merge, every micro-batch's
+        self._to_output = _prefix([n.held_bytes if n.held_until >= self.n and n.held_by < 0 else 0 for n in nodes])
         self._forward = _prefix(self.forward_ms)
         self._compute = _prefix([f + b for f, b in zip(self.forward_ms, self.backward_ms)])
         self._transient = _sparse_max([max(n.transient_bytes, n.backward_bytes - n.grad_bytes) for n in nodes])
@@ -288,7 +291,8 @@ class CostModel:
             if r.stop == self.n:
                 continue
             end = _held_end(a, r.start, r.stop, _policy_codes({i: p for i, p in policies.items() if i in r}, self.n))
-            for k in np.flatnonzero((end >= r.stop) & (a.held[r.start : r.stop] > 0)):
+            # (a value in the graph's output waits for the merge: see merged)
+            for k in np.flatnonzero((end >= r.stop) & (end < self.n) & (a.held[r.start : r.stop] > 0)):
                 reader = bisect.bisect_right(cuts, min(int(end[k]), self.n - 1))
                 extra = min(self.chunks - 1, reader - s) - min(1, self.chunks - 1)
                 waiting[s] += max(0, extra) * int(a.held[r.start + k])
@@ -330,11 +334,18 @@ class CostModel:
         static = self.static(lo, hi, weight_versions)
         backward = self._backward_peaks(lo, hi, in_flight, live, static, waiting[1])
         if hi < self.n:
-            outputs = min(1.0, in_flight - 1) if self.merges else 0.0  # GPipe: outputs wait for the next stage
-            forward = [self._forward_peak(in_flight, live, static, round(outputs * live.leaving))]
+            # GPipe: outputs wait for the next stage; those in the graph's output for the merge
+            outputs = min(1.0, in_flight - 1) if self.merges else 0.0
+            merged = round(max(0.0, in_flight - 1 - outputs) * self.merged(lo, hi)) if self.merges else 0
+            forward = [self._forward_peak(in_flight, live, static, round(outputs * live.leaving) + merged)]
         else:
             forward = self._last_peaks(lo, in_flight, live, static)
         return max([p.waiting(waiting[0]) for p in forward] + backward, key=lambda p: p.total)
+
+    def merged(self, lo: int, hi: int) -> int:
+        """Bytes of one micro-batch's values nodes ``[lo, hi)`` make that are part of the
+        graph's output: GPipe's merge reads them once every micro-batch's forward is done."""
+        return self._to_output[hi] - self._to_output[lo]
 
     def _forward_peak(self, in_flight: float, live: "_Live", static: int, boundary: int) -> StagePeak:
         """The peak of the forward of the last micro-batch in flight."""
