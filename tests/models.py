@@ -3,8 +3,8 @@
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 import torch.nn.functional as F
+from lightning.pytorch import LightningModule
 from torch import nn
 
 from examples.models import GPT, EncoderDecoder, ImageDataset, Seq2SeqDataset, TokenDataset, UNet
@@ -21,7 +21,6 @@ def make(family: str, seed: int = 0, **kwargs: Any) -> tuple[LightningModule, An
     model_cls, data_cls = FAMILIES[family]
     torch.manual_seed(seed)
     return model_cls(**kwargs), data_cls()
-
 
 
 class Gate(nn.Module):
