@@ -33,15 +33,8 @@ from lightning_pipe.units import format_bytes, parse_bytes
 
 __all__ = ["main"]
 
-_DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "bool": torch.bool,
-}
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 _SCHEDULES = ("gpipe", "1f1b", "2bw")
 # MemoryPipeStrategy's defaults, so that a plan made without a setting is the one training makes.
 _CHUNKS, _SCHEDULE = 4, "gpipe"
@@ -67,51 +60,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-pipe", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser(
-        "plan",
-        help="plan a model over a device spec",
-        description=__doc__,
+        "plan", help="plan a model over a device spec", description=__doc__,
         epilog="With --config, a setting not given here comes from the config's trainer.strategy.init_args, "
-        "else from MemoryPipeStrategy's default.",
+               "else from MemoryPipeStrategy's default.",
     )
     plan.add_argument("--model", help="class path of the LightningModule, e.g. examples.models.GPT")
-    plan.add_argument(
-        "--init-args",
-        help="JSON object of the model's init arguments (with --config: overrides "
-        "those of the config's model.init_args)",
-    )
-    plan.add_argument(
-        "--config",
-        help="a LightningCLI YAML: model.class_path and model.init_args name the model; "
-        "trainer.devices and trainer.strategy.init_args give the settings below",
-    )
-    plan.add_argument(
-        "--input",
-        action="append",
-        default=[],
-        metavar="NAME=DTYPE[SHAPE]",
-        help="a forward argument of the whole batch, e.g. image=float32[16,3,32,32] or "
-        "batch.input_ids=int64[16,64] (a dict argument); repeat for more. "
-        "Default: the model's example_input_array",
-    )
-    plan.add_argument(
-        "--devices",
-        help="each stage device's memory limit, with a unit: 4x16GiB or 16GiB,16GiB,8GiB; "
-        f"or COUNTxGPU, one of {', '.join(DEVICES)}: 8xA100-40GB. "
-        "Default with --config: trainer.devices x the strategy's memory_limit",
-    )
+    plan.add_argument("--init-args", help="JSON object of the model's init arguments (with --config: overrides "
+                                          "those of the config's model.init_args)")
+    plan.add_argument("--config", help="a LightningCLI YAML: model.class_path and model.init_args name the model; "
+                                       "trainer.devices and trainer.strategy.init_args give the settings below")
+    plan.add_argument("--input", action="append", default=[], metavar="NAME=DTYPE[SHAPE]",
+                      help="a forward argument of the whole batch, e.g. image=float32[16,3,32,32] or "
+                           "batch.input_ids=int64[16,64] (a dict argument); repeat for more. "
+                           "Default: the model's example_input_array")
+    plan.add_argument("--devices", help="each stage device's memory limit, with a unit: 4x16GiB or 16GiB,16GiB,8GiB; "
+                                        f"or COUNTxGPU, one of {', '.join(DEVICES)}: 8xA100-40GB. "
+                                        "Default with --config: trainer.devices x the strategy's memory_limit")
     plan.add_argument("--memory-limit", help="with a named GPU, each stage's memory limit instead of the GPU's memory")
     plan.add_argument("--chunks", type=int, help=f"micro-batches per batch (default {_CHUNKS})")
     plan.add_argument("--schedule", choices=_SCHEDULES, help=f"pipeline schedule (default {_SCHEDULE})")
-    plan.add_argument(
-        "--host-bandwidth",
-        type=float,
-        help="bytes/s to host memory; allows swap (default: a named GPU's host link, else none)",
-    )
-    plan.add_argument(
-        "--link-bandwidth",
-        type=float,
-        help="bytes/s between stage devices (default: a named GPU's link, else transfers are free)",
-    )
+    plan.add_argument("--host-bandwidth", type=float, help="bytes/s to host memory; allows swap (default: a named "
+                                                           "GPU's host link, else none)")
+    plan.add_argument("--link-bandwidth", type=float, help="bytes/s between stage devices (default: a named GPU's "
+                                                           "link, else transfers are free)")
     args = parser.parse_args(argv)
     try:
         setup = _setup(args)
@@ -122,29 +93,21 @@ def main(argv: list[str] | None = None) -> int:
         plan.error(str(err))
     targets = [int(limit * PLANNING_HEADROOM) for limit in setup.limits]
     with _progress_bar() as bar:
-        profile = profile_graph(
-            captured,
-            sample_args,
-            sample_kwargs,
-            optimizer=_optimizer(setup.model),
-            fake=setup.device is not None,
-            device=setup.device or FAKE_DEVICE,
-            progress=_tracker(bar, "profiling nodes", len(captured.nodes)),
-        )
+        profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
+                                fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
+                                progress=_tracker(bar, "profiling nodes", len(captured.nodes)))
         advance = _tracker(bar, "planning", len(PARTITIONERS))
         results = []
         for done, name in enumerate(PARTITIONERS, 1):
             results.append((name, _plan(profile, targets, name, setup)))
             advance(done, len(PARTITIONERS))
     where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
-    print(
-        f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
-        f"{profile.microbatch_size}; "
-        f"{len(targets)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
-        f"memory limit {_sizes(setup.limits)}, planning target {_sizes(targets)} "
-        f"({PLANNING_HEADROOM:.0%} of the limit); host link {_rate(setup.host_bandwidth)}, link between stages "
-        f"{_rate(setup.link_bandwidth)}\n"
-    )
+    print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
+          f"{profile.microbatch_size}; "
+          f"{len(targets)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
+          f"memory limit {_sizes(setup.limits)}, planning target {_sizes(targets)} "
+          f"({PLANNING_HEADROOM:.0%} of the limit); host link {_rate(setup.host_bandwidth)}, link between stages "
+          f"{_rate(setup.link_bandwidth)}\n")
     for name, result in results:
         if isinstance(result, InfeasiblePlanError):
             print(f"== {name}: does not fit: {result}\n")
@@ -174,18 +137,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
     for name, rate in (("host_bandwidth", host_bandwidth), ("link_bandwidth", link_bandwidth)):
         if rate is not None and (not isinstance(rate, (int, float)) or rate <= 0):
             raise ValueError(f"{name} must be a positive number of bytes per second, got {rate!r}.")
-    return _Setup(
-        path,
-        model,
-        _inputs(args.input, model, path),
-        limits,
-        chunks,
-        schedule,
-        host_bandwidth,
-        list(settings.get("leaf_modules") or []),
-        device,
-        link_bandwidth,
-    )
+    return _Setup(path, model, _inputs(args.input, model, path), limits, chunks, schedule, host_bandwidth,
+                  list(settings.get("leaf_modules") or []), device, link_bandwidth)
 
 
 def _limits(
@@ -199,10 +152,8 @@ def _limits(
             raise ValueError(f"--devices {args.devices!r} has no stages.")
         return device, [parse_bytes(args.memory_limit) if args.memory_limit else device.memory] * count
     if args.memory_limit:
-        raise ValueError(
-            "--memory-limit goes with a named GPU such as 8xA100-40GB; with memory sizes, "
-            "--devices gives each stage's limit."
-        )
+        raise ValueError("--memory-limit goes with a named GPU such as 8xA100-40GB; with memory sizes, "
+                         "--devices gives each stage's limit.")
     if args.devices:
         return None, _devices(args.devices)
     if args.config:
@@ -234,11 +185,8 @@ def _model(args: argparse.Namespace, config: dict[str, Any]) -> tuple[str, torch
     section = config.get("model") or {}
     path = args.model or section.get("class_path")
     if path is None:
-        raise ValueError(
-            f"{args.config} has no model.class_path; give it or --model."
-            if args.config
-            else "give --model CLASS_PATH or --config FILE."
-        )
+        raise ValueError(f"{args.config} has no model.class_path; give it or --model." if args.config
+                         else "give --model CLASS_PATH or --config FILE.")
     init = {} if args.model else dict(section.get("init_args") or {})
     if args.init_args is not None:
         try:
@@ -290,10 +238,8 @@ def _inputs(specs: list[str], model: torch.nn.Module, path: str) -> tuple[tuple[
         name, dtype, shape = match.group(1), _DTYPES[match.group(2)], [int(d) for d in match.group(3).split(",")]
         *parents, leaf = name.split(".")
         if not any_name and name.split(".")[0] not in parameters:
-            raise ValueError(
-                f"--input {spec!r}: {path}.forward has no argument {name.split('.')[0]!r}; "
-                f"its arguments are {', '.join(parameters)}."
-            )
+            raise ValueError(f"--input {spec!r}: {path}.forward has no argument {name.split('.')[0]!r}; "
+                             f"its arguments are {', '.join(parameters)}.")
         value = torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
         target = kwargs
         for parent in parents:
@@ -341,9 +287,8 @@ def _config_limits(path: str, devices: Any, limit: Any) -> list[int]:
         if isinstance(limit, list):
             return [parse_bytes(v) for v in limit]
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-            raise ValueError(
-                f"give --devices, e.g. 4x16GiB: trainer.devices in {path} is {devices!r}, not a number of stages."
-            )
+            raise ValueError(f"give --devices, e.g. 4x16GiB: trainer.devices in {path} is {devices!r}, not a "
+                             f"number of stages.")
         return [parse_bytes(limit)] * devices
     except ValueError as err:
         raise ValueError(f"trainer.strategy.init_args.memory_limit in {path}: {err}") from None
@@ -364,17 +309,9 @@ def _progress_bar() -> Progress:
     """A progress bar on stderr, shown only on a terminal; results are printed after it ends,
     so stdout holds nothing but them."""
     console = Console(stderr=True)
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        redirect_stdout=False,
-        redirect_stderr=False,
-        disable=not console.is_terminal,
-    )
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, redirect_stdout=False, redirect_stderr=False,
+                    disable=not console.is_terminal)
 
 
 def _tracker(bar: Progress, description: str, total: int) -> Callable[[int, int], None]:

@@ -23,6 +23,7 @@ def make(family: str, seed: int = 0, **kwargs: Any) -> tuple[LightningModule, An
     return model_cls(**kwargs), data_cls()
 
 
+
 class Gate(nn.Module):
     def forward(self, x):
         if x.sum() > 0:  # data-dependent control flow: fx cannot trace this

@@ -25,14 +25,8 @@ def _tiny_gpt2_on_a_small_gpu():
     from benchmarks import paper
 
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, use_cache=False)
-    tiny = paper.Workload(
-        "gpt2",
-        "tiny GPT-2",
-        paper._hf(transformers.GPT2LMHeadModel, config),
-        paper._tokens(16),
-        paper._keywords,
-        paper._hf_loss,
-    )
+    tiny = paper.Workload("gpt2", "tiny GPT-2", paper._hf(transformers.GPT2LMHeadModel, config), paper._tokens(16),
+                          paper._keywords, paper._hf_loss)
     return paper, tiny, replace(DEVICES["A100-40GB"], name="A100-16MiB", memory=16 * 2**20)
 
 
@@ -58,26 +52,8 @@ def test_hugging_face_capture_benchmark_runs_on_a_tiny_gpt2():
     pytest.importorskip("transformers")
     from benchmarks.hf_capture import main
 
-    result = main(
-        [
-            "--layers",
-            "1",
-            "--dim",
-            "32",
-            "--heads",
-            "2",
-            "--vocab",
-            "64",
-            "--seq",
-            "16",
-            "--stages",
-            "2",
-            "--chunks",
-            "2",
-            "--memory",
-            "64MiB",
-        ]
-    )
+    result = main(["--layers", "1", "--dim", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--stages", "2",
+                   "--chunks", "2", "--memory", "64MiB"])
     assert result["nodes"] > 20 and result["parameters"] > 0
     assert all(result[k] >= 0 for k in ("capture_s", "profile_s", "plan_s"))
 
@@ -89,20 +65,17 @@ def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(t
 
     rows = results["rows"]
     assert [(r["schedule"], r["memopt"], r["partitioner"]) for r in rows] == [
-        (s, m, p) for s in ("gpipe", "2bw") for m in (False, True) for p in ("time", "dawnpiper")
-    ]
+        (s, m, p) for s in ("gpipe", "2bw") for m in (False, True) for p in ("time", "dawnpiper")]
     for r in rows:  # trained by fake execution, at most what the planner predicted, under the cap
         assert 1 <= r["max_microbatch"] <= r["predicted"] and r["fake_runs"] >= 1
         assert 0 < r["fake_peak_gib"] * 2**30 <= small.memory and r["batch"] == 2 * r["max_microbatch"]
     assert [r["vs_time"] for r in results["ratios"]] == [
-        d["max_microbatch"] / t["max_microbatch"] for t, d in zip(rows[::2], rows[1::2])
-    ]
+        d["max_microbatch"] / t["max_microbatch"] for t, d in zip(rows[::2], rows[1::2])]
     # dawnpiper's search from the size another partitioner fits finds what max_microbatch finds
     bench = paper.Bench(tiny, small)
     time_fits = bench.predicted(2, "2bw", True, "time")
-    assert bench.predicted(2, "2bw", True, "dawnpiper", at_least=time_fits) == bench.predicted(
-        2, "2bw", True, "dawnpiper"
-    )
+    assert bench.predicted(2, "2bw", True, "dawnpiper", at_least=time_fits) == bench.predicted(2, "2bw", True,
+                                                                                                "dawnpiper")
     page = (tmp_path / "docs" / "paper-scale.md").read_text()
     assert "## Table 1: synchronous" in page and "## Table 2: asynchronous" in page and "| tiny GPT-2 |" in page
     assert json.loads((tmp_path / "benchmarks" / "paper_results.json").read_text())["rows"] == rows

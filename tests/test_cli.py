@@ -19,15 +19,8 @@ def cli_main():
 
 
 def test_fit_from_yaml_builds_the_strategy_from_its_typed_arguments(cli_main, tmp_path):
-    cli = cli_main(
-        [
-            "fit",
-            "--config",
-            "examples/configs/gpt.yaml",
-            "--trainer.strategy.chunks=2",
-            f"--trainer.default_root_dir={tmp_path}",
-        ]
-    )
+    cli = cli_main(["fit", "--config", "examples/configs/gpt.yaml", "--trainer.strategy.chunks=2",
+                    f"--trainer.default_root_dir={tmp_path}"])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, MemoryPipeStrategy)
     assert (strategy.chunks, strategy.schedule, strategy.measure_memory) == (2, "1f1b", True)
@@ -49,28 +42,22 @@ def test_example_cli_keeps_its_config_out_of_the_working_directory_and_runs_twic
     assert (tmp_path / "lightning_logs" / "cli" / "config.yaml").read_text().count("examples.models.UNet") == 1
 
 
-@pytest.mark.parametrize(
-    "flag, message",
-    [
-        ("--trainer.strategy.schedule=bogus", "Expected a typing.Literal"),
-        ("--trainer.strategy.chunks=many", "chunks"),
-    ],
-)
+@pytest.mark.parametrize("flag, message", [
+    ("--trainer.strategy.schedule=bogus", "Expected a typing.Literal"),
+    ("--trainer.strategy.chunks=many", "chunks"),
+])
 def test_bad_strategy_arguments_are_rejected_by_type(cli_main, capsys, tmp_path, flag, message):
     with pytest.raises(SystemExit):
         cli_main(["fit", "--config", "examples/configs/unet.yaml", flag, f"--trainer.default_root_dir={tmp_path}"])
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"chunks": "4"}, "chunks must be int, got '4' of type str."),
-        ({"chunks": True}, "chunks must be int, got True of type bool."),
-        ({"host_bandwidth": "1e9"}, "host_bandwidth must be float or None, got '1e9' of type str."),
-        ({"measure_memory": "yes"}, "measure_memory must be bool, got 'yes' of type str."),
-    ],
-)
+@pytest.mark.parametrize("kwargs, message", [
+    ({"chunks": "4"}, "chunks must be int, got '4' of type str."),
+    ({"chunks": True}, "chunks must be int, got True of type bool."),
+    ({"host_bandwidth": "1e9"}, "host_bandwidth must be float or None, got '1e9' of type str."),
+    ({"measure_memory": "yes"}, "measure_memory must be bool, got 'yes' of type str."),
+])
 def test_strategy_arguments_of_the_wrong_type_are_named(kwargs, message):
     with pytest.raises(TypeError) as err:
         MemoryPipeStrategy(**kwargs)
@@ -82,30 +69,15 @@ def test_strategy_takes_an_int_host_bandwidth():
 
 
 def _largest(out):
-    return {line.split()[1].rstrip(":"): int(line.split()[-1]) for line in out.splitlines() if line.startswith("== ")}
+    return {line.split()[1].rstrip(":"): int(line.split()[-1]) for line in out.splitlines()
+            if line.startswith("== ")}
 
 
 def test_lightning_pipe_plan_prints_every_partitioner_with_its_max_microbatch(capsys):
     from lightning_pipe.cli import main
 
-    assert (
-        main(
-            [
-                "plan",
-                "--model",
-                "examples.models.UNet",
-                "--init-args",
-                '{"channels": 8}',
-                "--input",
-                "image=float32[8,3,32,32]",
-                "--devices",
-                "2x64MiB",
-                "--chunks",
-                "2",
-            ]
-        )
-        == 0
-    )
+    assert main(["plan", "--model", "examples.models.UNet", "--init-args", '{"channels": 8}',
+                 "--input", "image=float32[8,3,32,32]", "--devices", "2x64MiB", "--chunks", "2"]) == 0
     out = capsys.readouterr().out
     for name in ("dawnpiper", "capslog", "time", "params", "uniform"):
         assert f"== {name}: largest micro-batch that fits: " in out
@@ -124,22 +96,8 @@ def test_lightning_pipe_plan_shows_progress_on_stderr_only(capsys, monkeypatch):
     from lightning_pipe.cli import main
 
     monkeypatch.setenv("FORCE_COLOR", "1")  # rich draws the bar as on a terminal
-    assert (
-        main(
-            [
-                "plan",
-                "--model",
-                "examples.models.UNet",
-                "--input",
-                "image=float32[4,3,16,16]",
-                "--devices",
-                "2x64MiB",
-                "--chunks",
-                "2",
-            ]
-        )
-        == 0
-    )
+    assert main(["plan", "--model", "examples.models.UNet", "--input", "image=float32[4,3,16,16]",
+                 "--devices", "2x64MiB", "--chunks", "2"]) == 0
     captured = capsys.readouterr()
     assert "profiling nodes" in captured.err and "planning" in captured.err
     assert "profiling" not in captured.out and "\x1b" not in captured.out
@@ -151,19 +109,9 @@ def test_lightning_pipe_plan_reads_a_lightningcli_config_from_the_repository_roo
     helps it; no --devices, --chunks or --schedule: they come from the config's trainer and
     strategy sections."""
     out = subprocess.run(
-        [
-            Path(sys.executable).parent / "lightning-pipe",
-            "plan",
-            "--config",
-            "examples/configs/gpt.yaml",
-            "--input",
-            "batch.input_ids=int64[8,16]",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": ""},
-        timeout=600,
+        [Path(sys.executable).parent / "lightning-pipe", "plan", "--config", "examples/configs/gpt.yaml",
+         "--input", "batch.input_ids=int64[8,16]"],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}, timeout=600,
     )
     assert out.returncode == 0, out.stderr
     assert "4 stages, 1f1b, 4 micro-batches; memory limit 4 x 64.0MiB, planning target 4 x 58.2MiB" in out.stdout
@@ -172,24 +120,8 @@ def test_lightning_pipe_plan_reads_a_lightningcli_config_from_the_repository_roo
 def test_lightning_pipe_plan_command_line_overrides_the_config(capsys):
     from lightning_pipe.cli import main
 
-    assert (
-        main(
-            [
-                "plan",
-                "--config",
-                "examples/configs/gpt.yaml",
-                "--input",
-                "batch.input_ids=int64[8,16]",
-                "--devices",
-                "16MiB,16MiB,8MiB,8MiB",
-                "--schedule",
-                "gpipe",
-                "--chunks",
-                "2",
-            ]
-        )
-        == 0
-    )
+    assert main(["plan", "--config", "examples/configs/gpt.yaml", "--input", "batch.input_ids=int64[8,16]",
+                 "--devices", "16MiB,16MiB,8MiB,8MiB", "--schedule", "gpipe", "--chunks", "2"]) == 0
     assert "4 stages, gpipe, 2 micro-batches; memory limit 16.0MiB, 16.0MiB, 8.0MiB, 8.0MiB" in capsys.readouterr().out
 
 
@@ -199,26 +131,9 @@ def test_lightning_pipe_plan_captures_with_torch_export_what_fx_cannot_trace(cap
     pytest.importorskip("transformers")
     from lightning_pipe.cli import main
 
-    assert (
-        main(
-            [
-                "plan",
-                "--model",
-                "examples.hf_gpt2.GPT2LM",
-                "--init-args",
-                '{"layers": 1, "dim": 32, "context": 16}',
-                "--input",
-                "input_ids=int64[4,16]",
-                "--input",
-                "labels=int64[4,16]",
-                "--devices",
-                "2x64MiB",
-                "--chunks",
-                "2",
-            ]
-        )
-        == 0
-    )
+    assert main(["plan", "--model", "examples.hf_gpt2.GPT2LM", "--init-args", '{"layers": 1, "dim": 32, "context": 16}',
+                 "--input", "input_ids=int64[4,16]", "--input", "labels=int64[4,16]", "--devices", "2x64MiB",
+                 "--chunks", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("profiled ") and "nodes (torch.export) on cpu at micro-batch 2" in out.splitlines()[0]
     assert len(_largest(out)) == 5
@@ -233,23 +148,8 @@ def test_lightning_pipe_plan_for_named_gpus_takes_their_memory_links_and_times(c
     assert "on fake tensors, times for A100-40GB, at micro-batch 4" in first
     assert "memory limit 2 x 40.0GiB, planning target 2 x 36.4GiB" in first
     assert first.endswith("host link 32 GB/s, link between stages 300 GB/s")
-    assert (
-        main(
-            [
-                "plan",
-                *unet,
-                "--devices",
-                "2xh100-80gb",
-                "--memory-limit",
-                "20GiB",
-                "--host-bandwidth",
-                "1e9",
-                "--link-bandwidth",
-                "2e9",
-            ]
-        )
-        == 0
-    )
+    assert main(["plan", *unet, "--devices", "2xh100-80gb", "--memory-limit", "20GiB", "--host-bandwidth", "1e9",
+                 "--link-bandwidth", "2e9"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert "times for H100-80GB" in first and "memory limit 2 x 20.0GiB" in first
     assert first.endswith("host link 1 GB/s, link between stages 2 GB/s")
@@ -258,90 +158,42 @@ def test_lightning_pipe_plan_for_named_gpus_takes_their_memory_links_and_times(c
 GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--model", "examples.models.Nope", "--devices", "2x1GiB"], "cannot import 'examples.models.Nope'"),
-        (
-            ["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2 x lots"],
-            "unknown device 'lots' in '2 x lots': give one of V100-32GB, A100-40GB, A100-80GB, H100-80GB (e.g. "
-            "8xA100-40GB), or a memory size per device such as 4x16GiB.",
-        ),
-        (
-            [
-                "--model",
-                "examples.models.UNet",
-                "--input",
-                "image=float32[8,3,32,32]",
-                "--devices",
-                "2xA100",
-                "--chunks",
-                "2",
-            ],
-            "unknown device 'A100' in '2xA100'",
-        ),
-        (
-            [
-                "--model",
-                "examples.models.UNet",
-                "--input",
-                "image=float32[8,3,32,32]",
-                "--devices",
-                "2x1GiB",
-                "--memory-limit",
-                "1GiB",
-            ],
-            "--memory-limit goes with a named GPU",
-        ),
-        (
-            ["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "0xA100-40GB"],
-            "--devices '0xA100-40GB' has no stages",
-        ),
-        (
-            ["--model", "examples.models.UNet", "--input", "image=complex[8]", "--devices", "2x1GiB"],
-            "cannot read --input",
-        ),
-        (["--model", "examples.models.UNet", "--devices", "2x1GiB"], "give the batch with --input"),
-        (
-            ["--model", "examples.models.UNet", "--input", "img=float32[8,3,32,32]", "--devices", "2x1GiB"],
-            "examples.models.UNet.forward has no argument 'img'; its arguments are image.",
-        ),
-        (
-            [*GPT, "--input", "batch.ids=int64[8,16]"],
-            "examples.models.GPT fails on a micro-batch of --input batch.ids=int64[8,16]: KeyError: 'input_ids'.",
-        ),
-        (
-            [*GPT, "--input", "batch.input_ids=float32[8,16]"],
-            "fails on a micro-batch of --input batch.input_ids=float32[8,16]: RuntimeError: Expected tensor for "
-            "argument #1 'indices'",
-        ),
-        (
-            [*GPT, "--input", "batch.input_ids=int64[8,512]"],  # longer than the default context of 16
-            "fails on a micro-batch of --input batch.input_ids=int64[8,512]: RuntimeError: The size of tensor a (512)",
-        ),
-        (
-            [*GPT, "--init-args", '{"nope": 1}', "--input", "batch.input_ids=int64[8,16]"],
-            "examples.models.GPT does not take init args {'nope': 1}: got an unexpected keyword argument 'nope'. "
-            "It takes: vocab, dim, heads, layers, context, lr, optimizer.",
-        ),
-        ([*GPT, "--init-args", "[1]", "--input", "batch.input_ids=int64[8,16]"], "--init-args must be a JSON object"),
-        (["--config", "no/such.yaml", "--devices", "2x1GiB"], "cannot read --config 'no/such.yaml': No such file"),
-        (
-            ["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "16"],
-            "--devices '16': '16' has no unit",
-        ),
-        (
-            ["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2x16"],
-            "--devices '2x16': '16' has no unit",
-        ),
-        (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]"], "give --devices"),
-        (
-            ["--model", "tests.models.Untraceable", "--input", "x=float32[8,4]", "--devices", "2x1GiB"],
-            "Neither torch.fx nor torch.export could capture Untraceable.forward; either fix works.\n"
-            "torch.fx could not trace Untraceable.forward in submodule 'gate' (Gate)",
-        ),
-    ],
-)
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "examples.models.Nope", "--devices", "2x1GiB"], "cannot import 'examples.models.Nope'"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2 x lots"],
+     "unknown device 'lots' in '2 x lots': give one of V100-32GB, A100-40GB, A100-80GB, H100-80GB (e.g. "
+     "8xA100-40GB), or a memory size per device such as 4x16GiB."),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2xA100",
+      "--chunks", "2"], "unknown device 'A100' in '2xA100'"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2x1GiB",
+      "--memory-limit", "1GiB"], "--memory-limit goes with a named GPU"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "0xA100-40GB"],
+     "--devices '0xA100-40GB' has no stages"),
+    (["--model", "examples.models.UNet", "--input", "image=complex[8]", "--devices", "2x1GiB"], "cannot read --input"),
+    (["--model", "examples.models.UNet", "--devices", "2x1GiB"], "give the batch with --input"),
+    (["--model", "examples.models.UNet", "--input", "img=float32[8,3,32,32]", "--devices", "2x1GiB"],
+     "examples.models.UNet.forward has no argument 'img'; its arguments are image."),
+    ([*GPT, "--input", "batch.ids=int64[8,16]"],
+     "examples.models.GPT fails on a micro-batch of --input batch.ids=int64[8,16]: KeyError: 'input_ids'."),
+    ([*GPT, "--input", "batch.input_ids=float32[8,16]"],
+     "fails on a micro-batch of --input batch.input_ids=float32[8,16]: RuntimeError: Expected tensor for "
+     "argument #1 'indices'"),
+    ([*GPT, "--input", "batch.input_ids=int64[8,512]"],  # longer than the default context of 16
+     "fails on a micro-batch of --input batch.input_ids=int64[8,512]: RuntimeError: The size of tensor a (512)"),
+    ([*GPT, "--init-args", '{"nope": 1}', "--input", "batch.input_ids=int64[8,16]"],
+     "examples.models.GPT does not take init args {'nope': 1}: got an unexpected keyword argument 'nope'. "
+     "It takes: vocab, dim, heads, layers, context, lr, optimizer."),
+    ([*GPT, "--init-args", "[1]", "--input", "batch.input_ids=int64[8,16]"], "--init-args must be a JSON object"),
+    (["--config", "no/such.yaml", "--devices", "2x1GiB"], "cannot read --config 'no/such.yaml': No such file"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "16"],
+     "--devices '16': '16' has no unit"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2x16"],
+     "--devices '2x16': '16' has no unit"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]"], "give --devices"),
+    (["--model", "tests.models.Untraceable", "--input", "x=float32[8,4]", "--devices", "2x1GiB"],
+     "Neither torch.fx nor torch.export could capture Untraceable.forward; either fix works.\n"
+     "torch.fx could not trace Untraceable.forward in submodule 'gate' (Gate)"),
+])
 def test_lightning_pipe_plan_bad_input_exits_2_with_a_message(capsys, argv, message):
     from lightning_pipe.cli import main
 

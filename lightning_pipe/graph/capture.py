@@ -201,7 +201,11 @@ def _example_names(module: nn.Module) -> list[str]:
 
 
 def _explain(module: nn.Module, tracer: _Tracer, err: Exception) -> str:
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith((_TORCH_DIR, _OWN_DIR))]
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if not f.filename.startswith((_TORCH_DIR, _OWN_DIR))
+    ]
     where = f" at {frames[-1].filename}:{frames[-1].lineno}: `{frames[-1].line}`" if frames else ""
     cls = type(module).__name__
     if tracer.failed_in is not None:
@@ -219,4 +223,8 @@ def _explain(module: nn.Module, tracer: _Tracer, err: Exception) -> str:
             "MemoryPipeStrategy(leaf_modules=[...]), or make it traceable "
             "(no Python control flow on tensor values)."
         )
-    return f"torch.fx could not trace {cls}.forward {head}.\n  {type(err).__name__}: {err}\n{fix}"
+    return (
+        f"torch.fx could not trace {cls}.forward {head}.\n"
+        f"  {type(err).__name__}: {err}\n"
+        f"{fix}"
+    )

@@ -264,11 +264,8 @@ class _Rewrite:
                 env[node] = self._attr(str(node.target))
             elif node.op == "call_function" and node.target not in _DROPPED:
                 env[node] = self.graph.create_node(
-                    node.op,
-                    node.target,
-                    fx.node.map_arg(node.args, env.__getitem__),
-                    fx.node.map_arg(node.kwargs, env.__getitem__),
-                    name=_name(node),
+                    node.op, node.target, fx.node.map_arg(node.args, env.__getitem__),
+                    fx.node.map_arg(node.kwargs, env.__getitem__), name=_name(node),
                 )
                 env[node].meta = dict(node.meta)
         self._outputs(env)
@@ -341,6 +338,7 @@ class _Rewrite:
         return self._attr(target)
 
 
+
 def _specialization(arguments: dict[str, Any], exported: list[fx.Node]) -> Specialization:
     values, spec = tree_flatten(arguments)
     leaves = []
@@ -351,7 +349,6 @@ def _specialization(arguments: dict[str, Any], exported: list[fx.Node]) -> Speci
         else:
             leaves.append(value)
     return Specialization(spec, tuple(leaves))
-
 
 _DROPPED = {torch.ops.aten._assert_tensor_metadata.default}  # checks of the meta stand-ins' devices
 _MUTATIONS = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION, OutputKind.USER_INPUT_MUTATION)

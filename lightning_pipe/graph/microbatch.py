@@ -38,7 +38,10 @@ def scatter(inputs: Any, chunks: int) -> list[Any]:
     (one for an empty batch)."""
     chunks = max(1, min(chunks, batch_size(inputs)))
     leaves, spec = tree_flatten(inputs)
-    pieces = [torch.tensor_split(leaf, chunks) if _is_batched(leaf) else [leaf] * chunks for leaf in leaves]
+    pieces = [
+        torch.tensor_split(leaf, chunks) if _is_batched(leaf) else [leaf] * chunks
+        for leaf in leaves
+    ]
     return [tree_unflatten([p[i] for p in pieces], spec) for i in range(chunks)]
 
 

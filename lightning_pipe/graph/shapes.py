@@ -32,8 +32,7 @@ def grown(planned: Shapes, now: Shapes) -> Shapes:
     """The tensors of ``now`` larger than ``planned`` in some dimension (or new, or of another
     rank), with their new shapes."""
     return {
-        path: shape
-        for path, shape in now.items()
+        path: shape for path, shape in now.items()
         if path not in planned or len(planned[path]) != len(shape) or any(map(int.__gt__, shape, planned[path]))
     }
 

@@ -168,10 +168,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         options: dict[str, Any] = {}
         if isinstance(env, LightningEnvironment):  # not torchrun's or a scheduler's, which start every rank at once
             options["store"] = dist.TCPStore(  # type: ignore[attr-defined]  # public, not re-exported in the stubs
-                env.main_address,
-                env.main_port,
-                self.world_size,
-                is_master=self.global_rank == 0,
+                env.main_address, env.main_port, self.world_size, is_master=self.global_rank == 0,
                 timeout=max(self.timeout, _START_UP),
             )
         backend = _get_default_process_group_backend_for_device(self.root_device)
@@ -219,16 +216,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
                 with torch.enable_grad():
                     self.profile = profile_graph(captured, *sample, optimizer=optimizer)
                 capacity = self._stage_capacities(stages)
-                plan = make_plan(
-                    self.profile,
-                    [int(c * PLANNING_HEADROOM) for c in capacity],
-                    self.planner,
-                    self.schedule,
-                    self.chunks,
-                    self.host_bandwidth,
-                    self.link_bandwidth,
-                    carry=True,
-                )
+                plan = make_plan(self.profile, [int(c * PLANNING_HEADROOM) for c in capacity], self.planner,
+                                 self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth, carry=True)
             balance = plan.balance if plan else self.balance or balance_by_weight(captured.param_bytes(), stages)
             policies = _policies(captured, plan) if plan else {}
             program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
@@ -240,16 +229,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             with in_mode(module, training=False):
                 self._graphs.get((args, kwargs))
         self._pipe = DistributedPipeline(
-            program,
-            module,
-            boundaries,
-            self.device_mesh,
-            self.schedule,  # type: ignore[arg-type]
-            self.chunks,
-            self._loss,
-            self.root_device,
-            release=final,
-            timeout=self.timeout,
+            program, module, boundaries, self.device_mesh, self.schedule,  # type: ignore[arg-type]
+            self.chunks, self._loss, self.root_device, release=final, timeout=self.timeout,
         )
         self._planned = final
         self._pipe_graph, self._runners = captured, {}
@@ -268,11 +249,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         limits = self.memory_limit
         if limits is None:
             device = self.root_device
-            total = (
-                torch.cuda.get_device_properties(device).total_memory
-                if device.type == "cuda"
-                else _host_memory() // max(1, self.num_processes)
-            )
+            total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                     else _host_memory() // max(1, self.num_processes))
             return [total] * stages
         if len(limits) not in (1, stages):
             raise ValueError(f"memory_limit has {len(limits)} entries for {stages} stages; give one or one per stage.")
@@ -469,9 +447,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             return  # the same on every rank: it depends on the step only
         mine = {"step_ms": step_ms, "forward_ms": self.clock.forward_ms[0], "backward_ms": self.clock.backward_ms[0]}
         if self.meter is not None:
-            mine.update(
-                peak_bytes=self.meter.stages[0].peak, activation_bytes=self.meter.stages[0].kind_peaks["activations"]
-            )
+            mine.update(peak_bytes=self.meter.stages[0].peak,
+                        activation_bytes=self.meter.stages[0].kind_peaks["activations"])
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, mine)
         if self.global_rank != 0:

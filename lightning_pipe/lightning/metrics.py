@@ -1,5 +1,6 @@
 """Per-stage memory and time of one training step, as metrics for Lightning's loggers."""
 
+
 from lightning.pytorch import Trainer
 
 from lightning_pipe.measure.clock import StageClock

@@ -148,12 +148,8 @@ class LogCollector:
 def silenced(module: LightningModule) -> Iterator[None]:
     """Inside, ``self.log`` does nothing and every ``Metric`` of the module is a copy of
     itself: a probing run of ``training_step`` leaves nothing logged or accumulated."""
-    metrics = [
-        (parent, name, child)
-        for parent in module.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, Metric)
-    ]
+    metrics = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
+               if isinstance(child, Metric)]
     for parent, name, child in metrics:
         parent._modules[name] = child.clone()
     module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]

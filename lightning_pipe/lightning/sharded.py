@@ -73,13 +73,13 @@ def load_optimizer(path: Path, index: int, optimizer: Optimizer, held: Iterable[
     prefix = f"optimizer_{index}."
     target: dict[str, Any] = {prefix + "param_groups": None}
     for key, meta in FileSystemReader(path).read_metadata().state_dict_metadata.items():
-        parts = key[len(prefix) :].split(".", 2) if key.startswith(prefix) else []
+        parts = key[len(prefix):].split(".", 2) if key.startswith(prefix) else []
         if parts[:1] == ["state"] and parts[1] in mine:
             target[key] = _empty(meta) if isinstance(meta, TensorStorageMetadata) else None  # an object: replaced
     _load(target, path)
     state: dict[int, dict[str, Any]] = {}
     for key, value in target.items():
-        parts = key[len(prefix) :].split(".", 2)
+        parts = key[len(prefix):].split(".", 2)
         if parts[0] == "state":
             state.setdefault(int(parts[1]), {})[parts[2]] = value
     optimizer.load_state_dict({"state": state, "param_groups": target[prefix + "param_groups"]})

@@ -41,14 +41,8 @@ class ScheduledStep:
     loss_reduction: LossReduction = "mean"
 
     def __call__(
-        self,
-        module: LightningModule,
-        optimizer: Optimizer,
-        stepping: bool,
-        batch: Any,
-        batch_idx: int,
-        *args: Any,
-        **kwargs: Any,
+        self, module: LightningModule, optimizer: Optimizer, stepping: bool, batch: Any, batch_idx: int,
+        *args: Any, **kwargs: Any,
     ) -> Tensor:
         """``training_step`` per micro-batch, each backward at its place in the schedule,
         gradients scaled and zeroed as Lightning would. ``stepping``: the optimizer steps

@@ -140,13 +140,9 @@ class MemoryPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        _check_types(
-            chunks=(chunks, int),
-            host_bandwidth=(host_bandwidth, float | None),
-            link_bandwidth=(link_bandwidth, float | None),
-            measure_memory=(measure_memory, bool),
-            deferred_batch_norm=(deferred_batch_norm, bool),
-        )
+        _check_types(chunks=(chunks, int), host_bandwidth=(host_bandwidth, float | None),
+                     link_bandwidth=(link_bandwidth, float | None),
+                     measure_memory=(measure_memory, bool), deferred_batch_norm=(deferred_batch_norm, bool))
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
         if schedule not in ("gpipe", "1f1b", "2bw"):
@@ -164,13 +160,8 @@ class MemoryPipeStrategy(ParallelStrategy):
             raise ValueError(f"link_bandwidth must be positive (bytes per second), got {link_bandwidth}.")
         if plan_shapes is not None and not (
             isinstance(plan_shapes, Mapping)
-            and all(
-                isinstance(k, str)
-                and isinstance(v, list | tuple)
-                and v
-                and all(isinstance(n, int) and n > 0 for n in v)
-                for k, v in plan_shapes.items()
-            )
+            and all(isinstance(k, str) and isinstance(v, list | tuple) and v and all(
+                isinstance(n, int) and n > 0 for n in v) for k, v in plan_shapes.items())
         ):
             raise ValueError(
                 f"plan_shapes must map batch tensor paths to shapes of positive sizes, such as "
@@ -583,10 +574,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         forward_peak = 0
         try:
             with (
-                torch.random.fork_rng(cuda),
-                torch.set_grad_enabled(planning),
-                silenced(module),
-                meter,
+                torch.random.fork_rng(cuda), torch.set_grad_enabled(planning), silenced(module), meter,
                 meter.saved_tensors_hooks(),
             ):
                 returned = meter.run_as(0, partial(module.training_step, sample, batch_idx))

@@ -353,11 +353,8 @@ def _observed(run: Callable[[], Any], cuda: bool) -> tuple[Any, int]:
     finally:
         threads = torch._C._autograd._disable_profiler_legacy()
     start = next(e for thread in threads for e in thread)
-    sizes = [
-        (start.cpu_elapsed_us(e), e.cuda_memory_usage() if cuda else e.cpu_memory_usage())
-        for thread in threads
-        for e in thread
-    ]  # only allocations and frees have a size
+    sizes = [(start.cpu_elapsed_us(e), e.cuda_memory_usage() if cuda else e.cpu_memory_usage())
+             for thread in threads for e in thread]  # only allocations and frees have a size
     now = peak = 0
     for _, size in sorted(sizes, key=lambda s: s[0]):
         now += size

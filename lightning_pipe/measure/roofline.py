@@ -83,7 +83,9 @@ def operator_ms(device: DeviceSpec, func: Any, args: tuple[Any, ...], kwargs: di
     inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
     outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
     storages = {id(t.untyped_storage()) for t in inputs}
-    if not func._schema.is_mutable and (func.is_view or all(id(t.untyped_storage()) in storages for t in outputs)):
+    if not func._schema.is_mutable and (
+        func.is_view or all(id(t.untyped_storage()) in storages for t in outputs)
+    ):
         return 0.0
     nbytes = sum(t.numel() * t.element_size() for t in inputs + outputs)
     formula = _FLOPS.get(func.overloadpacket)
@@ -113,13 +115,8 @@ def _attention_flops(
 
 
 def _attention_backward_flops(
-    grad: Sequence[int],
-    query: Sequence[int],
-    key: Sequence[int],
-    value: Sequence[int],
-    *args: Any,
-    out_shape: Any = None,
-    **kwargs: Any,
+    grad: Sequence[int], query: Sequence[int], key: Sequence[int], value: Sequence[int], *args: Any,
+    out_shape: Any = None, **kwargs: Any,
 ) -> int:
     """Its backward: four products, the gradients of the scores, of q, of k and of v."""
     return 2 * _attention_flops(query, key, value)

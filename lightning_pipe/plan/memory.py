@@ -124,12 +124,7 @@ class CostModel:
     """A profile's per-node costs, indexed for pricing node ranges ``[lo, hi)`` fast."""
 
     def __init__(
-        self,
-        profile: Profile,
-        link_bandwidth: float | None = None,
-        *,
-        schedule: Schedule = "1f1b",
-        chunks: int = 1,
+        self, profile: Profile, link_bandwidth: float | None = None, *, schedule: Schedule = "1f1b", chunks: int = 1,
         carry: int = 0,
     ) -> None:
         nodes = profile.nodes
@@ -276,10 +271,8 @@ class CostModel:
         forward = self.waiting_gradients(balance, waits)
         outputs = self.waiting_outputs(balance, policies)
         sent = self._gradient_bytes(balance) if states else []
-        backward = [
-            backward_waiting(states[s], [(p, sent[p][s]) for p in range(s) if sent[p][s]]) if states else ()
-            for s in range(len(balance))
-        ]
+        backward = [backward_waiting(states[s], [(p, sent[p][s]) for p in range(s) if sent[p][s]]) if states else ()
+                    for s in range(len(balance))]
         return [(f + o, b) for f, o, b in zip(forward, outputs, backward)]
 
     def waiting_outputs(self, balance: Sequence[int], policies: Mapping[int, Policy] = {}) -> list[int]:
@@ -309,9 +302,8 @@ class CostModel:
         """Bytes held all along: parameters, their state, borrowed copies and, with ``carry``,
         the buffers of carried values (allocated once, kept across steps)."""
         carried = self.carry * self.carried(lo, hi) if self.carry else 0
-        return (
-            weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo] + self.borrowed(lo, hi) + carried
-        )
+        return (weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo] + self.borrowed(lo, hi)
+                + carried)
 
     def region_inputs(self, a: int, b: int, lo: int, hi: int, policies: Mapping[int, Policy]) -> int:
         """Bytes a recomputed region ``[a, b)`` of a stage on ``[lo, hi)`` keeps, if it saves
@@ -599,16 +591,11 @@ def _regions_inputs(model: CostModel, lo: int, hi: int, starts: _Array, stops: _
     keeper_code = np.where(known, codes[keeper], 0)
     keeper_stash = np.where(known, a.last_saver[keeper], -1)
     kept_anyway = np.where(
-        ~known | (keeper >= hi),
-        False,  # the region keeps it first
+        ~known | (keeper >= hi), False,  # the region keeps it first
         np.where(
-            keeper < lo,
-            (keeper_code == 0) | (keeper_stash >= lo),  # an earlier stage keeps it, unless it drops it
-            np.where(
-                (start <= keeper) & (keeper < stop),
-                keeper_stash >= stop,  # a later node of the region does
-                keeper_code == 0,
-            ),  # a kept node of the stage does
+            keeper < lo, (keeper_code == 0) | (keeper_stash >= lo),  # an earlier stage keeps it, unless it drops it
+            np.where((start <= keeper) & (keeper < stop), keeper_stash >= stop,  # a later node of the region does
+                     keeper_code == 0),  # a kept node of the stage does
         ),
     )
     kept = np.where(kept_anyway, 0, a.held[q])
@@ -657,13 +644,8 @@ def _pooled_times(profile: Profile) -> tuple[list[float], list[float]]:
     groups: dict[tuple[object, ...], list[int]] = {}
     for i, n in enumerate(profile.nodes):
         work = (
-            re.sub(r"\d+", "#", n.name),
-            n.output_bytes,
-            n.saved_bytes,
-            n.transient_bytes,
-            n.param_bytes,
-            n.backward_bytes,
-            n.output_grad_bytes,
+            re.sub(r"\d+", "#", n.name), n.output_bytes, n.saved_bytes, n.transient_bytes, n.param_bytes,
+            n.backward_bytes, n.output_grad_bytes,
         )
         groups.setdefault(work, []).append(i)
     forward = [0.0] * len(profile.nodes)

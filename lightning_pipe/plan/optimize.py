@@ -107,9 +107,8 @@ def optimize_stage(
         )
     # (ms per byte freed, node), highest MSPS first. A node keeps its inputs (it saves them
     # first) or what it made: inside a recomputed region with their producers, both go.
-    recomputes = _steady_order(
-        [(model.forward_ms[i] / model.saved[i], i) for i in range(lo, hi) if model.saved[i] > 0], model.saved
-    )
+    recomputes = _steady_order([(model.forward_ms[i] / model.saved[i], i) for i in range(lo, hi) if model.saved[i] > 0],
+                               model.saved)
 
     policies: dict[int, Policy] = {}
     late = link = 0.0
@@ -301,3 +300,4 @@ def _lowest_memory_policies(
     if host_bandwidth:
         options.append({i: "swap" for i in range(lo, hi) if model.saved[i] > 0})
     return options
+

@@ -43,6 +43,7 @@ PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params
 BASELINES: tuple[Partitioner, ...] = ("time", "params", "uniform", "capslog")
 
 
+
 @dataclass
 class Stages:
     """What a partitioner plans for: a cost model, and per stage its device's capacity (bytes)
@@ -78,17 +79,8 @@ class Stages:
         key = (lo, hi, s, reserved, waiting[0], tuple(waiting[1]))
         if key not in self._optima:
             self._optima[key] = optimize_stage(
-                self.model,
-                lo,
-                hi,
-                self.in_flight[s],
-                self.capacities[s] - reserved,
-                self.weight_versions,
-                self.host_bandwidth,
-                self.optimise_memory,
-                self.thorough,
-                waiting,
-                prune=False,
+                self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
+                self.host_bandwidth, self.optimise_memory, self.thorough, waiting, prune=False,
             )
         return self._optima[key]
 
@@ -131,32 +123,18 @@ class Stages:
         """``optima`` without the choices each stage fits without, with what waits at it."""
         chosen = {i: p for o in optima for i, p in o.policies.items()}
         waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
-        return self._priced(
-            balance,
-            [
-                prune_stage(
-                    self.model,
-                    r.start,
-                    r.stop,
-                    self.in_flight[s],
-                    self.capacities[s],
-                    o,
-                    self.weight_versions,
-                    self.host_bandwidth,
-                    waits[s],
-                )
-                for s, (r, o) in enumerate(zip(stage_ranges(balance), optima))
-            ],
-        )
+        return self._priced(balance, [
+            prune_stage(self.model, r.start, r.stop, self.in_flight[s], self.capacities[s], o, self.weight_versions,
+                        self.host_bandwidth, waits[s])
+            for s, (r, o) in enumerate(zip(stage_ranges(balance), optima))
+        ])
 
     def _priced(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
         """``optima`` with their peaks priced with every stage's policies and what waits."""
         chosen = {i: p for o in optima for i, p in o.policies.items()}
         waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
-        peaks = [
-            self.model.peak(r.start, r.stop, self.in_flight[s], chosen, self.weight_versions, waits[s])
-            for s, r in enumerate(stage_ranges(balance))
-        ]
+        peaks = [self.model.peak(r.start, r.stop, self.in_flight[s], chosen, self.weight_versions, waits[s])
+                 for s, r in enumerate(stage_ranges(balance))]
         return [replace(o, peak=p, fits=o.fits and p.total <= c) for o, p, c in zip(optima, peaks, self.capacities)]
 
     def fits(self, balance: Sequence[int]) -> bool:
@@ -179,8 +157,7 @@ class Stages:
             if self.order and self._replay is None:
                 self._replay = Replay(self.order)
             self._steps[key] = (
-                self._replay.run(times).step_ms
-                if self._replay
+                self._replay.run(times).step_ms if self._replay
                 else max(t.forward + t.backward + t.recompute + t.swap + t.send for t in times)
             )
         return self._steps[key]
@@ -250,7 +227,6 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
     if name == "dawnpiper":
         return _dawnpiper(stages)
     if name == "capslog":
-
         def peak(lo: int, hi: int, s: int) -> float:
             return model.peak(lo, hi, stages.in_flight[s], {}, stages.weight_versions).total
 
@@ -461,7 +437,6 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] |
         return False
 
     return [b - a for a, b in zip([0] + cuts, cuts + [n])] if fill(0, 0) else None
-
 
 def _bisection(stages: Stages) -> list[int]:
     """DawnPiper's binary partition (module docstring)."""

@@ -25,14 +25,8 @@ from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.units import format_bytes
 
 __all__ = [
-    "PLANNING_HEADROOM",
-    "PREDICTION_ERROR",
-    "InfeasiblePlanError",
-    "Plan",
-    "StageReport",
-    "make_plan",
-    "max_microbatch",
-    "planning_stages",
+    "PLANNING_HEADROOM", "PREDICTION_ERROR", "InfeasiblePlanError", "Plan", "StageReport", "make_plan",
+    "max_microbatch", "planning_stages",
 ]
 
 #: How far the memory model may under-predict the stage that binds: the worst measured, rounded
@@ -123,18 +117,8 @@ class Plan:
         """One line per stage: nodes, parameter bytes, predicted peak by kind against the
         planning target, time per micro-batch, and bytes recomputed and swapped."""
         head = [
-            "stage",
-            "nodes",
-            "params",
-            "static",
-            "activ",
-            "transient",
-            "boundary",
-            "peak",
-            "target",
-            "ms",
-            "recomp",
-            "swap",
+            "stage", "nodes", "params", "static", "activ", "transient", "boundary", "peak", "target",
+            "ms", "recomp", "swap",
         ]
         rows = [head]
         for s, (r, target) in enumerate(zip(self.stages, self.targets)):
@@ -272,11 +256,8 @@ def planning_stages(
         CostModel(profile, link_bandwidth, schedule=schedule, chunks=chunks, carry=chunks if carry else 0),
         list(capacities),
         in_flight(schedule, chunks, count),
-        weight_versions(schedule),
-        host_bandwidth,
-        gradient_waits(schedule, chunks, count),
-        actions(schedule, chunks, count),
-        optimise_memory=optimise_memory,
+        weight_versions(schedule), host_bandwidth, gradient_waits(schedule, chunks, count),
+        actions(schedule, chunks, count), optimise_memory=optimise_memory,
         # the distributed runtime sends a stage's input gradients back at once: none wait
         backward_states=() if carry else backward_states(schedule, chunks, count),
     )

@@ -148,14 +148,9 @@ class Profile:
             for n in self.nodes
         ]
         return replace(
-            self,
-            nodes=nodes,
-            microbatch_size=microbatch_size,
-            input_bytes=scale(self.input_bytes),
-            batch_bytes=scale(self.batch_bytes),
-            loss_bytes=scale(self.loss_bytes),
-            loss_backward_bytes=scale(self.loss_backward_bytes),
-            loss_kept_bytes=scale(self.loss_kept_bytes),
+            self, nodes=nodes, microbatch_size=microbatch_size, input_bytes=scale(self.input_bytes),
+            batch_bytes=scale(self.batch_bytes), loss_bytes=scale(self.loss_bytes),
+            loss_backward_bytes=scale(self.loss_backward_bytes), loss_kept_bytes=scale(self.loss_kept_bytes),
         )
 
     def to_json(self) -> str:

@@ -31,42 +31,21 @@ _OFF_SCALE = 2.0
 def table(plan: Plan, devices: list[torch.device]) -> Table:
     """One row per stage: device, nodes, parameters, predicted peak by kind against the
     planning target, time per micro-batch, bytes recomputed and swapped."""
-    t = Table(
-        title=f"lightning_pipe plan: {plan.partitioner}, {plan.schedule}, "
-        f"{plan.chunks} micro-batches of {plan.microbatch_size}"
-    )
-    columns = (
-        "stage",
-        "device",
-        "nodes",
-        "params",
-        *_KINDS,
-        "peak",
-        "planning target",
-        "ms/micro-batch",
-        "recomputed",
-        "swapped",
-    )
+    t = Table(title=f"lightning_pipe plan: {plan.partitioner}, {plan.schedule}, "
+                    f"{plan.chunks} micro-batches of {plan.microbatch_size}")
+    columns = ("stage", "device", "nodes", "params", *_KINDS, "peak", "planning target", "ms/micro-batch",
+               "recomputed", "swapped")
     for name in columns:
         t.add_column(name, justify="right")
     for s, (r, target) in enumerate(zip(plan.stages, plan.targets)):
         peak = r.peak
         t.add_row(
-            str(s),
-            str(devices[s]),
-            f"{r.start}-{r.stop - 1}",
-            mib(r.param_bytes),
-            *(mib(getattr(peak, k)) for k in _KINDS),
-            mib(peak.total),
-            mib(target),
-            f"{r.time_ms:.2f}",
-            mib(r.recomputed_bytes),
-            mib(r.swapped_bytes),
+            str(s), str(devices[s]), f"{r.start}-{r.stop - 1}", mib(r.param_bytes),
+            *(mib(getattr(peak, k)) for k in _KINDS), mib(peak.total), mib(target),
+            f"{r.time_ms:.2f}", mib(r.recomputed_bytes), mib(r.swapped_bytes),
         )
-    t.caption = (
-        f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}; planning target: "
-        f"{PLANNING_HEADROOM:.0%} of each device's memory limit"
-    )
+    t.caption = (f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}; planning target: "
+                 f"{PLANNING_HEADROOM:.0%} of each device's memory limit")
     return t
 
 
@@ -92,10 +71,8 @@ def figure(plan: Plan) -> "Figure":
 
     fig = Figure(figsize=(11, 5), layout="constrained")
     memory, time = fig.subplots(1, 2)
-    fig.suptitle(
-        f"{plan.partitioner}, {plan.schedule}, {plan.chunks} micro-batches of {plan.microbatch_size}: "
-        f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}"
-    )
+    fig.suptitle(f"{plan.partitioner}, {plan.schedule}, {plan.chunks} micro-batches of {plan.microbatch_size}: "
+                 f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}")
     _memory_axes(memory, plan)
     parts = {"forward": "forward_ms", "backward": "backward_ms", "recompute": "recompute_ms", "exposed swap": "swap_ms"}
     _stacked(time, {label: [getattr(r, attr) for r in plan.stages] for label, attr in parts.items()})
@@ -134,13 +111,7 @@ def _memory_axes(ax: "Axes", plan: Plan) -> None:
         label += f" (\u25b2 off scale: {', '.join(sizes)})"
         ax.plot(off, [top * 1.07 / scale] * len(off), "^", color="black", markersize=9)
     edges = [s - 0.5 for s in range(len(peaks) + 1)]
-    ax.step(
-        edges,
-        [t / scale for t in plan.targets + plan.targets[-1:]],
-        where="post",
-        color="black",
-        linestyle="--",
-        label=label,
-    )
+    ax.step(edges, [t / scale for t in plan.targets + plan.targets[-1:]], where="post", color="black",
+            linestyle="--", label=label)
     ax.set(title="predicted peak memory per stage", xlabel="stage, predicted peak", ylabel=unit)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)

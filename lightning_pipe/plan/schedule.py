@@ -5,17 +5,8 @@ from functools import lru_cache
 from typing import Literal, NamedTuple
 
 __all__ = [
-    "Action",
-    "BackwardState",
-    "Schedule",
-    "Step",
-    "actions",
-    "backward_states",
-    "clock_cycles",
-    "global_order",
-    "gradient_waits",
-    "in_flight",
-    "weight_versions",
+    "Action", "BackwardState", "Schedule", "Step", "actions", "backward_states", "clock_cycles", "global_order",
+    "gradient_waits", "in_flight", "weight_versions",
 ]
 
 
@@ -107,11 +98,8 @@ def global_order(per_stage: Sequence[Sequence[Action]]) -> list[Step]:
     while any(p < len(a) for p, a in zip(position, lists)):
         nxt = [a[p] if p < len(a) else None for p, a in zip(position, lists)]
         ready = [
-            (s, a)
-            for s, a in enumerate(nxt)
-            if a is not None
-            and a.kind == "backward"
-            and a.microbatch in forwarded
+            (s, a) for s, a in enumerate(nxt)
+            if a is not None and a.kind == "backward" and a.microbatch in forwarded
             and (s == last or (a.microbatch, s + 1) in done)
         ]
         first = nxt[0]
@@ -196,12 +184,8 @@ def _gpipe_backward_order(num_microbatches: int, num_stages: int) -> list[Step]:
     i.e. the forward's clock cycles backwards, each cycle's stages last to first (as the
     meter sees it: a U-Net's skip gradient made by stage 2 waits there while stage 2 runs
     two more micro-batches' backward)."""
-    return [
-        Step("backward", tick - s, s)
-        for tick in reversed(range(num_microbatches + num_stages - 1))
-        for s in reversed(range(num_stages))
-        if 0 <= tick - s < num_microbatches
-    ]
+    return [Step("backward", tick - s, s) for tick in reversed(range(num_microbatches + num_stages - 1))
+            for s in reversed(range(num_stages)) if 0 <= tick - s < num_microbatches]
 
 
 def weight_versions(schedule: Schedule) -> int:

@@ -20,7 +20,9 @@ __all__ = ["DeferredBatchNorm", "batch_norm_layers"]
 
 def batch_norm_layers(module: nn.Module) -> dict[str, _BatchNorm]:
     """The BatchNorm layers below ``module`` that keep running statistics, by name."""
-    return {name: m for name, m in module.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats}
+    return {
+        name: m for name, m in module.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats
+    }
 
 
 class DeferredBatchNorm:

@@ -35,15 +35,8 @@ from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.runtime.build import Program, Stage
 
 __all__ = [
-    "Cut",
-    "DistributedPipeline",
-    "DistributedSchedule",
-    "PipelineRank",
-    "StageModule",
-    "StageRunner",
-    "TensorMeta",
-    "cuts",
-    "pipeline_mesh",
+    "Cut", "DistributedPipeline", "DistributedSchedule", "PipelineRank", "StageModule", "StageRunner", "TensorMeta",
+    "cuts", "pipeline_mesh",
 ]
 
 DistributedSchedule = Literal["gpipe", "1f1b"]
@@ -177,10 +170,7 @@ class PipelineRank:
     def __post_init__(self, schedule: DistributedSchedule) -> None:
         first, last = self.index == 0, self.index == self.num_stages - 1
         stage = _TimedStage(
-            self.module,
-            self.index,
-            self.num_stages,
-            self.device,
+            self.module, self.index, self.num_stages, self.device,
             input_args=self.module.inputs.examples(requires_grad=not first),
             output_args=self.module.outputs.examples(requires_grad=not last),
             group=self.group,
@@ -245,6 +235,7 @@ def _indices(chunks: int) -> Tensor:
     return torch.arange(chunks)
 
 
+
 class DistributedPipeline:
     """This process's part of a pipeline of ``stages`` ranks times ``replicas`` data-parallel
     copies, on a ``("pp", "dp")`` device mesh (pipeline outermost: global rank =
@@ -282,9 +273,8 @@ class DistributedPipeline:
         self.module = modules[self.stage_index]
         self.names = dict(root.state_dict(keep_vars=True))  # name -> tensor, tied ones under each name
         self.owner = {id(t): stage.index for stage in reversed(program.stages) for t in stage.owned}
-        held = [
-            {id(t) for t in m.tensors()} | {k for k, s in self.owner.items() if s == m.stage.index} for m in modules
-        ]
+        held = [{id(t) for t in m.tensors()} | {k for k, s in self.owner.items() if s == m.stage.index}
+                for m in modules]
         self.held = [t for t in _unique(root) if id(t) in held[self.stage_index]]
         self._share_from_rank0(root, held)
         self.released = release
@@ -372,11 +362,8 @@ class DistributedPipeline:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole pipeline: each parameter counted
         once (at the stage owning it), the norm reduced over the pipeline's ranks."""
-        owned = [
-            p
-            for p in self.held
-            if isinstance(p, nn.Parameter) and p.grad is not None and self.owner.get(id(p), 0) == self.stage_index
-        ]
+        owned = [p for p in self.held if isinstance(p, nn.Parameter) and p.grad is not None
+                 and self.owner.get(id(p), 0) == self.stage_index]
         grads = [cast(Tensor, p.grad) for p in owned]
         if norm_type == float("inf"):
             local = max((g.abs().max() for g in grads), default=torch.zeros(()))

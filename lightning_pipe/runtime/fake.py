@@ -100,9 +100,8 @@ def fake_training(
                     if schedule == "gpipe":
                         _gpipe_step(program, root, step_chunks, meter, step_batch, training_step, optimizer)
                     else:
-                        _scheduled_step(
-                            program, root, schedule, step_chunks, meter, step_batch, training_step, optimizer, versions
-                        )
+                        _scheduled_step(program, root, schedule, step_chunks, meter, step_batch, training_step,
+                                        optimizer, versions)
                     optimizer.step()
                     meter.own_optimizer_state(optimizer)
         finally:
@@ -111,12 +110,7 @@ def fake_training(
 
 
 def _gpipe_step(
-    program: Program,
-    root: nn.Module,
-    chunks: int,
-    meter: MemoryMeter,
-    batch: Any,
-    training_step: TrainingStep,
+    program: Program, root: nn.Module, chunks: int, meter: MemoryMeter, batch: Any, training_step: TrainingStep,
     optimizer: torch.optim.Optimizer,
 ) -> None:
     """As Lightning runs a step: ``training_step`` on the whole batch (its loss is the last
@@ -129,15 +123,8 @@ def _gpipe_step(
 
 
 def _scheduled_step(
-    program: Program,
-    root: nn.Module,
-    schedule: Schedule,
-    chunks: int,
-    meter: MemoryMeter,
-    batch: Any,
-    training_step: TrainingStep,
-    optimizer: torch.optim.Optimizer,
-    versions: WeightVersions | None,
+    program: Program, root: nn.Module, schedule: Schedule, chunks: int, meter: MemoryMeter, batch: Any,
+    training_step: TrainingStep, optimizer: torch.optim.Optimizer, versions: WeightVersions | None,
 ) -> None:
     """As :class:`~lightning_pipe.lightning.steps.ScheduledStep` runs one: ``training_step``
     per micro-batch, each stage's backward at its place in the schedule, gradients zeroed
@@ -198,3 +185,4 @@ def _own_host_pool() -> Iterator[None]:
         yield
     finally:
         swap.pool = real
+

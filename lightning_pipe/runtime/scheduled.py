@@ -191,7 +191,9 @@ class _Receive(torch.autograd.Function):
         return None, None, None, None
 
 
-def _cut(name: tuple[int, str], value: Any, leaves: dict[Key, Tensor], on_grad: Callable[[Key, Tensor], None]) -> Any:
+def _cut(
+    name: tuple[int, str], value: Any, leaves: dict[Key, Tensor], on_grad: Callable[[Key, Tensor], None]
+) -> Any:
     """``value`` with every tensor that needs grad replaced by a detached leaf (one per tensor
     however often the value is read) that calls ``on_grad`` once its gradient has arrived. Only
     the user's graph holds the leaf: an output the loss does not use is freed at once."""
@@ -204,3 +206,4 @@ def _cut(name: tuple[int, str], value: Any, leaves: dict[Key, Tensor], on_grad: 
                 leaves[key].register_post_accumulate_grad_hook(partial(on_grad, key))  # type: ignore[no-untyped-call]
             flat[k] = leaves[key]
     return tree_unflatten(flat, spec)
+

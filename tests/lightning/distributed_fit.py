@@ -33,38 +33,21 @@ BATCH, CHUNKS = 8, 4
 ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping by norm, a step-wise LR decay
 
 
-def fit(
-    out: Path, devices: int, steps: int, family: str, schedule: str, stages: int, metered: bool, features: bool
-) -> None:
+def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages: int, metered: bool,
+        features: bool) -> None:
     """``metered``: plan (rank 0 profiles), measure memory and log per-stage metrics to a CSV
     logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
     and decay the learning rate every step (:func:`with_scheduler`)."""
     model, data = make(family)
     if features:
         with_scheduler(model)
-    strategy = MemoryPipeStrategy(
-        runtime="distributed",
-        stages=stages,
-        schedule=schedule,
-        chunks=CHUNKS,
-        planner="dawnpiper" if metered else None,
-        measure_memory=metered,
-    )
+    strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
+                                  planner="dawnpiper" if metered else None, measure_memory=metered)
     logger = CSVLogger(out, name=f"{family}-{schedule}-{stages}") if metered else False
     extra = {"accumulate_grad_batches": ACCUMULATE, "gradient_clip_val": CLIP} if features else {}
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=steps,
-        logger=logger,
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **extra,
-    )
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=logger,
+                      log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, **extra)
     replicas = devices // stages
     trainer.fit(model, loader(data, BATCH // replicas))
     name = f"{family}-{schedule}-{stages}" + ("-features" if features else "")
@@ -101,39 +84,22 @@ def features(out: Path, devices: int) -> None:
     again = Trainer(**features_trainer(out, devices, steps=6))
     again.fit(resumed, loader(data, BATCH), loader(data, BATCH), ckpt_path=out / "features.ckpt")
     again.save_checkpoint(out / "features-resumed.ckpt")
-    result = {
-        "val": val[0]["val_loss"],
-        "test": test[0]["test_loss"],
-        "predictions": [p.sum().item() for p in predictions],
-        "best": trainer.checkpoint_callback.best_model_score.item(),
-    }
+    result = {"val": val[0]["val_loss"], "test": test[0]["test_loss"],
+              "predictions": [p.sum().item() for p in predictions],
+              "best": trainer.checkpoint_callback.best_model_score.item()}
     (out / f"features-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 def features_trainer(out: Path, devices: int | None, steps: int) -> dict:
     """The features run's Trainer arguments; ``devices=None``: the single-device reference."""
-    strategy = (
-        {}
-        if devices is None
-        else {
-            "devices": devices,
-            "use_distributed_sampler": False,
-            "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner=None),
-        }
-    )
+    strategy = {} if devices is None else {
+        "devices": devices, "use_distributed_sampler": False,
+        "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner=None),
+    }
     checkpoint = ModelCheckpoint(dirpath=out / f"checkpoints-{devices}", monitor="val_loss")
-    return dict(
-        accelerator="cpu",
-        max_steps=steps,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.05,
-        limit_val_batches=2,
-        logger=False,
-        callbacks=[checkpoint],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **strategy,
-    )
+    return dict(accelerator="cpu", max_steps=steps, accumulate_grad_batches=2, gradient_clip_val=0.05,
+                limit_val_batches=2, logger=False, callbacks=[checkpoint], enable_progress_bar=False,
+                enable_model_summary=False, **strategy)
 
 
 def sharded(out: Path, devices: int) -> None:
@@ -151,26 +117,13 @@ def sharded(out: Path, devices: int) -> None:
 
 def sharded_trainer(devices: int | None, steps: int) -> dict:
     """The sharded run's Trainer arguments; ``devices=None``: the single-device reference."""
-    strategy = (
-        {}
-        if devices is None
-        else {
-            "devices": devices,
-            "use_distributed_sampler": False,
-            "strategy": MemoryPipeStrategy(
-                runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner=None, state_dict_type="sharded"
-            ),
-        }
-    )
-    return dict(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **strategy,
-    )
+    strategy = {} if devices is None else {
+        "devices": devices, "use_distributed_sampler": False,
+        "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner=None,
+                                       state_dict_type="sharded"),
+    }
+    return dict(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, **strategy)
 
 
 def exported(out: Path, devices: int) -> None:
@@ -201,26 +154,13 @@ def exported(out: Path, devices: int) -> None:
 
 def exported_trainer(devices: int | None, steps: int, sanity: int) -> dict:
     """The exported run's Trainer arguments; ``devices=None``: the single-device reference."""
-    strategy = (
-        {}
-        if devices is None
-        else {
-            "devices": devices,
-            "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner=None),
-        }
-    )
-    return dict(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        limit_val_batches=1,
-        num_sanity_val_steps=sanity,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        **strategy,
-    )
+    strategy = {} if devices is None else {
+        "devices": devices, "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS,
+                                                           planner=None),
+    }
+    return dict(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, limit_val_batches=1,
+                num_sanity_val_steps=sanity, enable_progress_bar=False, enable_model_summary=False,
+                use_distributed_sampler=False, **strategy)
 
 
 def fail(out: Path, devices: int, hang: bool) -> None:
@@ -241,26 +181,13 @@ def fail(out: Path, devices: int, hang: bool) -> None:
 
     model.training_step = training_step
     strategy = MemoryPipeStrategy(runtime="distributed", chunks=CHUNKS, planner=None, timeout=timedelta(seconds=5))
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader(data, BATCH))
 
 
-SCENARIOS = {
-    "features": features,
-    "sharded": sharded,
-    "exported": exported,
-    "raise": partial(fail, hang=False),
-    "hang": partial(fail, hang=True),
-}
+SCENARIOS = {"features": features, "sharded": sharded, "exported": exported,
+             "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
 
 if __name__ == "__main__":

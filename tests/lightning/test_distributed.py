@@ -72,15 +72,8 @@ def _launch(out: Path, devices: int, *scenarios: str) -> Launch:
     """Run the scenarios; once global rank 0 has ended (or after 5 minutes), end any rank left."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with (out / "stdout.txt").open("w+") as stdout, (out / "stderr.txt").open("w+") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(out), str(devices), *scenarios],
-            cwd=ROOT,
-            env=env,
-            stdout=stdout,
-            stderr=stderr,
-            text=True,
-            start_new_session=True,
-        )
+        process = subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(devices), *scenarios], cwd=ROOT,
+                                   env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
         try:
             process.wait(timeout=300)
         finally:
@@ -234,12 +227,10 @@ def test_accumulation_clipping_evaluation_and_resume_equal_single_device(two_ran
     model, data = make("gpt")
     trainer = Trainer(**features_trainer(tmp_path, None, steps=4))
     trainer.fit(model, loader(data, BATCH), loader(data, BATCH))
-    expected = {
-        "val": trainer.validate(model, loader(data, BATCH))[0]["val_loss"],
-        "test": trainer.test(model, loader(data, BATCH))[0]["test_loss"],
-        "predictions": [p.sum().item() for p in trainer.predict(model, loader(data, BATCH))],
-        "best": trainer.checkpoint_callback.best_model_score.item(),
-    }
+    expected = {"val": trainer.validate(model, loader(data, BATCH))[0]["val_loss"],
+                "test": trainer.test(model, loader(data, BATCH))[0]["test_loss"],
+                "predictions": [p.sum().item() for p in trainer.predict(model, loader(data, BATCH))],
+                "best": trainer.checkpoint_callback.best_model_score.item()}
     state = torch.load(two_ranks.path("features.ckpt"), weights_only=False)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
@@ -278,9 +269,8 @@ def test_sharded_checkpoint_saves_each_stage_on_its_rank_and_resumes_like_single
     for key, value in expected.items():
         torch.testing.assert_close(saved[f"state_dict.{key}"], value, rtol=1e-5, atol=1e-6, msg=key)
     for i, param in enumerate(params):
-        torch.testing.assert_close(
-            saved[f"optimizer_0.state.{i}.momentum_buffer"], momentum[param]["momentum_buffer"], rtol=1e-5, atol=1e-6
-        )
+        torch.testing.assert_close(saved[f"optimizer_0.state.{i}.momentum_buffer"], momentum[param]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-6)
     # each rank wrote its own stage: the first block on rank 0, the last on rank 1, nothing twice
     assert files["state_dict.blocks.0.attn.qkv.weight"] == "__0_0.distcp"
     assert files[f"state_dict.blocks.{len(model.blocks) - 1}.attn.qkv.weight"] == "__1_0.distcp"
@@ -310,10 +300,8 @@ def test_exported_models_train_like_single_device_and_evaluate_on_their_eval_gra
     trainer = Trainer(**exported_trainer(None, steps=2, sanity=0))
     data = DataLoader(TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0))), batch_size=8)
     trainer.fit(branchy, data)
-    expected = {
-        "gpt2": gpt2.trainer.callback_metrics["val_loss"].item(),
-        "branchy": trainer.validate(branchy, data)[0]["val_loss"],
-    }
+    expected = {"gpt2": gpt2.trainer.callback_metrics["val_loss"].item(),
+                "branchy": trainer.validate(branchy, data)[0]["val_loss"]}
     for rank in range(2):
         got = json.loads(two_ranks.path(f"exported-rank{rank}.json").read_text())
         assert got == pytest.approx(expected, rel=1e-5)

@@ -43,15 +43,8 @@ class DroppyGPT2(LightningModule):
         super().__init__()
         transformers = pytest.importorskip("transformers")
         config = transformers.GPT2Config(
-            vocab_size=96,
-            n_positions=16,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0.1,
-            embd_pdrop=0.1,
-            attn_pdrop=0.1,
-            use_cache=False,
+            vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, use_cache=False,
         )
         self.model = transformers.GPT2LMHeadModel(config)
 
@@ -117,9 +110,6 @@ def test_recomputing_replays_the_dropout_masks(front_end, schedule):
     keeping = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, planner=None, balance=recomputing.plan.balance)
     kept = _fit(front_end, keeping)
     assert max_rel_diff(recomputed, kept) == 0.0
-    other_masks = _fit(
-        front_end,
-        MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, planner=None, balance=recomputing.plan.balance),
-        seed=1,
-    )
+    other_masks = _fit(front_end, MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, planner=None,
+                                                     balance=recomputing.plan.balance), seed=1)
     assert max_rel_diff(other_masks, kept) > 1e-3  # dropout is on: other masks train otherwise

@@ -23,15 +23,8 @@ VOCAB = 64
 def _gpt2() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -39,15 +32,8 @@ def _gpt2() -> nn.Module:
 def _bert() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
     )
     return transformers.BertForSequenceClassification(config)
 
@@ -55,15 +41,8 @@ def _bert() -> nn.Module:
 def _t5() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-        use_cache=False,
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, use_cache=False,
     )
     return transformers.T5ForConditionalGeneration(config)
 
@@ -136,16 +115,8 @@ def _parity(piped, reference):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family, schedule, stages",
-    [
-        ("gpt2", "gpipe", 2),
-        ("gpt2", "1f1b", 2),
-        ("gpt2", "gpipe", 4),
-        ("gpt2", "1f1b", 4),
-        ("bert", "gpipe", 2),
-        ("bert", "1f1b", 4),
-        ("t5", "gpipe", 2),
-        ("t5", "1f1b", 4),
-    ],
+    [("gpt2", "gpipe", 2), ("gpt2", "1f1b", 2), ("gpt2", "gpipe", 4), ("gpt2", "1f1b", 4),
+     ("bert", "gpipe", 2), ("bert", "1f1b", 4), ("t5", "gpipe", 2), ("t5", "1f1b", 4)],
 )
 def test_three_steps_match_single_device_training(family, schedule, stages):
     reference, _ = _fit(family)

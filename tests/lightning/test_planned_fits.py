@@ -51,9 +51,8 @@ def _case(seed: int) -> tuple[str, int, str, int]:
     rnd = random.Random(seed)
     family, stages = rnd.choice(sorted(BENCHES)), rnd.choice([2, 3, 4])
     schedule = rnd.choice(["gpipe", "1f1b", "2bw"])
-    unbound = make_plan(
-        _profile(family).scaled(8), [1 << 40] * stages, "params", schedule, CHUNKS, optimise_memory=False
-    )
+    unbound = make_plan(_profile(family).scaled(8), [1 << 40] * stages, "params", schedule, CHUNKS,
+                        optimise_memory=False)
     return family, stages, schedule, int(rnd.uniform(0.3, 0.9) * max(s.peak.total for s in unbound.stages))
 
 
@@ -74,8 +73,6 @@ def test_the_planned_microbatch_trains_within_its_caps(seed):
     trainer(strategy, stages, max_steps=STEPS).fit(bench.model(), loader(bench.data(batch * STEPS), batch))
     fill = max(strategy.meter.peaks()) / capacity
     under = max(m / s.peak.total - 1 for s, m in zip(strategy.plan.stages, strategy.meter.peaks()))
-    print(
-        f"{family} x{stages} {schedule} cap {capacity}: micro-batch {microbatch}, fullest stage {fill:.0%}, "
-        f"worst under-prediction {under:+.1%}"
-    )
+    print(f"{family} x{stages} {schedule} cap {capacity}: micro-batch {microbatch}, fullest stage {fill:.0%}, "
+          f"worst under-prediction {under:+.1%}")
     assert fill <= 1.0

@@ -59,24 +59,15 @@ def _limited(name, schedule, host_bandwidth):
     least = planning_stages(profile, [1] * STAGES, schedule, CHUNKS)  # optimised as far as it goes
     low = max(o.peak.total for o in least.placed(lowest_peak_balance(least)))
     kept = least.kept()  # below the peak of every stage kept whole, before what waits at it
-    high = min(
-        max(kept.lowest(r.start, r.stop, k) for k, r in enumerate(stage_ranges(lowest_peak_balance(kept)))),
-        max(o.peak.total for o in kept.placed(lowest_peak_balance(kept))),
-    )
+    high = min(max(kept.lowest(r.start, r.stop, k) for k, r in enumerate(stage_ranges(lowest_peak_balance(kept)))),
+               max(o.peak.total for o in kept.placed(lowest_peak_balance(kept))))
     assert low < high
     limit = int((low + (0.8 if host_bandwidth else 0.4) * (high - low)) / PLANNING_HEADROOM)
     if host_bandwidth:  # swaps free less than recompute: where they cannot suffice, go higher
-        limit = next(
-            (
-                int((low + share * (high - low)) / PLANNING_HEADROOM)
-                for share in (0.8, 0.9, 0.95, 0.6)
-                if _swaps(profile, schedule, int((low + share * (high - low)) / PLANNING_HEADROOM))
-            ),
-            limit,
-        )
-    strategy = MemoryPipeStrategy(
-        chunks=CHUNKS, schedule=schedule, memory_limit=limit, host_bandwidth=host_bandwidth, measure_memory=True
-    )
+        limit = next((int((low + share * (high - low)) / PLANNING_HEADROOM) for share in (0.8, 0.9, 0.95, 0.6)
+                      if _swaps(profile, schedule, int((low + share * (high - low)) / PLANNING_HEADROOM))), limit)
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, memory_limit=limit,
+                                  host_bandwidth=host_bandwidth, measure_memory=True)
     return _fit(name, strategy)
 
 
@@ -87,14 +78,8 @@ def _swaps(profile, schedule, limit):
     for speed in (1 / 4, 1, 4):
         nodes = [replace(n, forward_ms=n.forward_ms / speed, backward_ms=n.backward_ms / speed) for n in profile.nodes]
         try:
-            plan = make_plan(
-                replace(profile, nodes=nodes),
-                [int(limit * PLANNING_HEADROOM)] * STAGES,
-                "dawnpiper",
-                schedule,
-                CHUNKS,
-                HOST_BANDWIDTH,
-            )
+            plan = make_plan(replace(profile, nodes=nodes), [int(limit * PLANNING_HEADROOM)] * STAGES, "dawnpiper",
+                             schedule, CHUNKS, HOST_BANDWIDTH)
         except InfeasiblePlanError:
             return False
         if "swap" not in plan.policies:
@@ -130,13 +115,11 @@ def test_a_skip_gradient_waiting_under_gpipe_is_predicted():
     cat's stage while that stage runs two more micro-batches' backward (stage 2 metered
     5.84 MiB against 4.43 MiB predicted)."""
     bench = suite(full=False)["unet"]
-    strategy = MemoryPipeStrategy(
-        chunks=CHUNKS, schedule="gpipe", planner="capslog", memory_limit=7_223_661, measure_memory=True
-    )
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="gpipe", planner="capslog", memory_limit=7_223_661,
+                                  measure_memory=True)
     microbatch = 10
-    trainer(strategy, 4, max_steps=STEPS).fit(
-        bench.model(), loader(bench.data(microbatch * CHUNKS * STEPS), microbatch * CHUNKS)
-    )
+    trainer(strategy, 4, max_steps=STEPS).fit(bench.model(), loader(bench.data(microbatch * CHUNKS * STEPS),
+                                                                    microbatch * CHUNKS))
     assert "recompute" in strategy.plan.policies
     _assert_within_tolerance(strategy.plan, strategy.meter.peaks())
 

@@ -61,12 +61,8 @@ def test_plan_report_written_to_the_log_dir(tmp_path, capsys):
 
 def _plan(peaks: list[int], targets: list[int]) -> Plan:
     """A plan with these stage peaks (bytes, split over the kinds) and planning targets."""
-    stages = [
-        StageReport(
-            k, k + 1, p // 4, StagePeak(p // 4, p // 2, p // 8, p - p // 4 - p // 2 - p // 8), 1.0, 2.0, 0.5, 0.0, 0, 0
-        )
-        for k, p in enumerate(peaks)
-    ]
+    stages = [StageReport(k, k + 1, p // 4, StagePeak(p // 4, p // 2, p // 8, p - p // 4 - p // 2 - p // 8),
+                          1.0, 2.0, 0.5, 0.0, 0, 0) for k, p in enumerate(peaks)]
     return Plan("dawnpiper", "1f1b", targets, 2, 4, None, [1] * len(peaks), ["keep"] * len(peaks), stages, 20.0, 0.3)
 
 
@@ -110,14 +106,8 @@ pyplot = sys.modules.get("matplotlib.pyplot")
 print(after_import, matplotlib.get_backend(), len(pyplot.get_fignums()) if pyplot else 0)
 """
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "MPLBACKEND": "svg"},
-    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MPLBACKEND": "svg"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["svg", "svg", "0"]
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"

@@ -220,13 +220,8 @@ def test_metered_fit_reports_stage_peaks_and_enforces_limits():
     # The same run under a limit below the metered peak of stage 1 fails there, loudly.
     model, data = make("gpt")
     limit = [peaks[0] * 2, peaks[1] // 2]
-    unplanned = MemoryPipeStrategy(
-        chunks=2,
-        planner=None,
-        measure_memory=True,
-        memory_limit=limit,
-        balance=[len(s.node_names) for s in strategy.program.stages],
-    )
+    unplanned = MemoryPipeStrategy(chunks=2, planner=None, measure_memory=True, memory_limit=limit,
+                                   balance=[len(s.node_names) for s in strategy.program.stages])
     with pytest.raises(StageOutOfMemoryError, match="Stage 1 is out of memory"):
         trainer(unplanned, 2, max_steps=2).fit(model, loader(data, 8))
     with pytest.raises(ValueError, match="memory_limit has 3 entries but there are 2 stage devices"):

@@ -70,14 +70,8 @@ def test_profile_at_b_predicts_bytes_at_2b():
     assert predicted.microbatch_size == 8
     # Activations scale with the batch; the few batch-independent values (the causal mask,
     # the positional-embedding slice) are scaled too, a small over-estimate.
-    for field, tolerance in [
-        ("saved_bytes", 0.01),
-        ("output_bytes", 0.01),
-        ("output_grad_bytes", 0.01),
-        ("made_bytes", 0.01),
-        ("held_bytes", 0.01),
-        ("backward_bytes", 0.1),
-    ]:
+    for field, tolerance in [("saved_bytes", 0.01), ("output_bytes", 0.01), ("output_grad_bytes", 0.01),
+                             ("made_bytes", 0.01), ("held_bytes", 0.01), ("backward_bytes", 0.1)]:
         want = sum(getattr(n, field) for n in large.nodes)
         assert sum(getattr(n, field) for n in predicted.nodes) == pytest.approx(want, rel=tolerance), field
     # the forward's workspace beyond what a node leaves: a few scalars here, whatever the batch
@@ -156,9 +150,8 @@ def test_measured_times_are_shared_out_by_work_so_only_their_total_varies(monkey
     noisy = lambda *a: tuple(t * (1 + next(jitter) % 7 / 10) for t in time_node(*a))  # noqa: E731
     monkeypatch.setattr(profiler, "_time_node", noisy)
     a, b = (profile_graph(captured, (batch,), repeats=1, warmup=0).nodes for _ in range(2))
-    ratios = [
-        getattr(y, f) / getattr(x, f) for x, y in zip(a, b) for f in ("forward_ms", "backward_ms") if getattr(x, f) > 0
-    ]
+    ratios = [getattr(y, f) / getattr(x, f) for x, y in zip(a, b) for f in ("forward_ms", "backward_ms")
+              if getattr(x, f) > 0]
     assert len(ratios) > len(a)  # forwards and backwards: one factor for all of them
     assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
     # a node doing more work gets more of the total: the head's product against the embedding's lookup

@@ -27,17 +27,8 @@ def skipping(n: int, seed: int) -> Profile:
             users.add(rnd.randrange(i + 2, n))
         nodes.append(
             NodeProfile(
-                f"n{i}",
-                f,
-                rnd.uniform(1, 3) * f,
-                output,
-                rnd.randint(0, 16) * 1000,
-                rnd.randint(0, 4) * 500,
-                params,
-                params,
-                2 * params,
-                users=sorted(users),
-                backward_bytes=rnd.randint(0, 8) * 500,
+                f"n{i}", f, rnd.uniform(1, 3) * f, output, rnd.randint(0, 16) * 1000, rnd.randint(0, 4) * 500,
+                params, params, 2 * params, users=sorted(users), backward_bytes=rnd.randint(0, 8) * 500,
                 output_grad_bytes=output,
             )
         )
@@ -54,10 +45,8 @@ def setting(seed: int, n: int) -> tuple[Profile, list[int], Schedule, int, float
     profile = skipping(n, seed)
     model, flight = CostModel(profile), in_flight(schedule, chunks, count)
     even = [n // count + (s < n % count) for s in range(count)]
-    fullest = max(
-        model.peak(r.start, r.stop, flight[s], {}, weight_versions(schedule)).total
-        for s, r in enumerate(stage_ranges(even))
-    )
+    fullest = max(model.peak(r.start, r.stop, flight[s], {}, weight_versions(schedule)).total
+                  for s, r in enumerate(stage_ranges(even)))
     shares = [rnd.uniform(0.3, 1.1) for _ in range(count)] if rnd.random() < 0.3 else [rnd.uniform(0.3, 1.1)] * count
     return profile, [int(fullest * share) for share in shares], schedule, chunks, rnd.choice([None, None, 1e6, 1e7])
 
@@ -78,9 +67,8 @@ def test_dawnpiper_fits_whenever_any_balance_fits(block):
 
 def largest(profile, capacities, partitioner, schedule, chunks, host_bandwidth, optimise):
     try:
-        return max_microbatch(
-            profile, capacities, partitioner, schedule, chunks, host_bandwidth, optimise_memory=optimise
-        )
+        return max_microbatch(profile, capacities, partitioner, schedule, chunks, host_bandwidth,
+                              optimise_memory=optimise)
     except InfeasiblePlanError:
         return 0
 

@@ -12,20 +12,8 @@ def node(i, saved=0, made=None, held=0, until=-1, users=None, params=0, workspac
     made = saved + held if made is None else made
     out = made if out is None else out
     return NodeProfile(
-        f"n{i}",
-        1.0,
-        2.0,
-        out,
-        saved,
-        workspace,
-        params,
-        params,
-        2 * params,
-        users=users or [i + 1],
-        backward_bytes=backward,
-        output_grad_bytes=out if grad is None else grad,
-        made_bytes=made,
-        held_bytes=held,
+        f"n{i}", 1.0, 2.0, out, saved, workspace, params, params, 2 * params, users=users or [i + 1],
+        backward_bytes=backward, output_grad_bytes=out if grad is None else grad, made_bytes=made, held_bytes=held,
         held_until=until,
     )
 
@@ -37,19 +25,8 @@ def random_profile(n, seed):
         users = sorted({i + 1, min(n - 1, i + rnd.randint(1, 4))}) if i < n - 1 else [-1]
         held = rnd.choice([0, rnd.randint(1, 500)])
         until = max(users) if users != [-1] else n
-        nodes.append(
-            node(
-                i,
-                rnd.randint(0, 900),
-                held=held,
-                until=until,
-                users=users,
-                params=rnd.randint(0, 50),
-                workspace=rnd.randint(0, 300),
-                backward=rnd.randint(0, 300),
-                grad=rnd.randint(0, 200),
-            )
-        )
+        nodes.append(node(i, rnd.randint(0, 900), held=held, until=until, users=users, params=rnd.randint(0, 50),
+                          workspace=rnd.randint(0, 300), backward=rnd.randint(0, 300), grad=rnd.randint(0, 200)))
     return Profile(nodes, "cpu", "float32", 4, input_bytes=100, input_users=[0])
 
 
@@ -63,21 +40,16 @@ def reference(profile, lo, hi, n, schedule, chunks):
         return sum(nodes[k].held_bytes for k in range(lo, i) if nodes[k].held_until >= i)
 
     def gradients(i):  # made by the range's nodes after i for values made up to i
-        return sum(
-            nodes[p].output_grad_bytes
-            for p in range(i + 1)
-            if any(i < u < hi and nodes[u].output_grad_bytes for u in nodes[p].users)
-        )
+        return sum(nodes[p].output_grad_bytes for p in range(i + 1)
+                   if any(i < u < hi and nodes[u].output_grad_bytes for u in nodes[p].users))
 
-    forward = max(
-        sum(p.saved_bytes for p in nodes[lo:i]) + held(i) + nodes[i].made_bytes + nodes[i].transient_bytes
-        for i in range(lo, hi)
-    )
+    forward = max(sum(p.saved_bytes for p in nodes[lo:i]) + held(i) + nodes[i].made_bytes + nodes[i].transient_bytes
+                  for i in range(lo, hi))
     leaving = held(hi)
 
     def backward(i, grads):
         own = max(nodes[i].backward_bytes - nodes[i].grad_bytes, 0)
-        return sum(p.saved_bytes for p in nodes[lo : i + 1]) + gradients(i) + own + grads
+        return sum(p.saved_bytes for p in nodes[lo:i + 1]) + gradients(i) + own + grads
 
     grads = [p.grad_bytes for p in nodes]
     first = max(backward(i, sum(grads[i:hi])) for i in range(lo, hi))
@@ -115,13 +87,8 @@ def test_2bw_keeps_a_second_copy_of_the_parameters():
 def chain():
     """Nodes keeping 100, 200, 300, 400 bytes; node 0 also makes 50 bytes node 1 reads and
     no node keeps, node 3 100 bytes the next stage reads. No gradients, no workspace."""
-    nodes = [
-        node(0, 100, held=50, until=1, grad=0),
-        node(1, 200, grad=0),
-        node(2, 300, grad=0),
-        node(3, 400, held=100, until=4, grad=0),
-        node(4, users=[-1]),
-    ]
+    nodes = [node(0, 100, held=50, until=1, grad=0), node(1, 200, grad=0), node(2, 300, grad=0),
+             node(3, 400, held=100, until=4, grad=0), node(4, users=[-1])]
     return Profile(nodes, "cpu", "f", 1)
 
 
@@ -174,13 +141,8 @@ def test_1f1b_last_stage_takes_one_micro_batch_loss_and_keeps_the_earlier_losses
 def test_gradients_wait_for_the_node_that_made_the_value():
     # node 0's value is read by node 1 and by node 3: node 3's backward makes its gradient,
     # which waits through the backward of nodes 2 and 1 for node 0's
-    nodes = [
-        node(0, users=[1, 3], out=64),
-        node(1, out=8),
-        node(2, out=8),
-        node(3, backward=64, out=8),
-        node(4, users=[-1]),
-    ]
+    nodes = [node(0, users=[1, 3], out=64), node(1, out=8), node(2, out=8), node(3, backward=64, out=8),
+             node(4, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
     # node 3's backward makes 64 bytes; at node 2's, that gradient and the one node 3 made
     # for node 2's output are alive (node 1's is made by node 2's backward, later)

@@ -11,7 +11,8 @@ def stage(specs):
     A last node of no cost follows, so that the chain is not the last stage (which also holds
     the batch and the loss)."""
     nodes = [
-        NodeProfile(chr(ord("a") + i), f, 2 * f, s, s, 0, 0, 0, 0, users=[i + 1]) for i, (f, s) in enumerate(specs)
+        NodeProfile(chr(ord("a") + i), f, 2 * f, s, s, 0, 0, 0, 0, users=[i + 1])
+        for i, (f, s) in enumerate(specs)
     ]
     nodes.append(NodeProfile("z", 0.0, 0.0, 0, 0, 0, 0, 0, 0, users=[-1]))
     return CostModel(Profile(nodes, "cpu", "f", 1))

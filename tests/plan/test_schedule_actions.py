@@ -22,39 +22,17 @@ def test_every_stage_runs_each_task_once_forward_before_backward(schedule, m, L)
 def test_gpipe_runs_all_forwards_then_backwards_in_reverse():
     order = actions("gpipe", 3, 2)[1]
     assert [(a.kind[0], a.microbatch) for a in order] == [
-        ("f", 0),
-        ("f", 1),
-        ("f", 2),
-        ("b", 2),
-        ("b", 1),
-        ("b", 0),
-        ("u", -1),
+        ("f", 0), ("f", 1), ("f", 2), ("b", 2), ("b", 1), ("b", 0), ("u", -1)
     ]
 
 
 def test_1f1b_warmup_then_alternate_then_cooldown():
     lists = actions("1f1b", 4, 3)
     assert [(a.kind[0], a.microbatch) for a in lists[0]] == [
-        ("f", 0),
-        ("f", 1),
-        ("f", 2),
-        ("b", 0),
-        ("f", 3),
-        ("b", 1),
-        ("b", 2),
-        ("b", 3),
-        ("u", -1),
+        ("f", 0), ("f", 1), ("f", 2), ("b", 0), ("f", 3), ("b", 1), ("b", 2), ("b", 3), ("u", -1)
     ]
     assert [(a.kind[0], a.microbatch) for a in lists[2]] == [
-        ("f", 0),
-        ("b", 0),
-        ("f", 1),
-        ("b", 1),
-        ("f", 2),
-        ("b", 2),
-        ("f", 3),
-        ("b", 3),
-        ("u", -1),
+        ("f", 0), ("b", 0), ("f", 1), ("b", 1), ("f", 2), ("b", 2), ("f", 3), ("b", 3), ("u", -1)
     ]
     assert actions("2bw", 4, 3) == lists
 

@@ -42,7 +42,4 @@ def test_profiling_again_gives_the_same_plan(one_thread):
             targets = [1 << 40 if share is None else int(share * fullest)] * count
             plans = [make_plan(p, targets, "dawnpiper", "1f1b", 4) for p in profiles]
             assert all((p.balance, p.policies) == (plans[0].balance, plans[0].policies) for p in plans), (
-                count,
-                share,
-                [p.balance for p in plans],
-            )
+                count, share, [p.balance for p in plans])

@@ -100,9 +100,8 @@ def test_pp2_trains_like_one_device_for_every_family(tmp_path):
 def test_carried_values_reach_every_later_reader():
     model, _ = make("unet")
     captured = capture(model)
-    program = build(
-        captured, model, balance_by_weight(captured.param_bytes(), 4), [torch.device("cpu")] * 4, place=False
-    )
+    program = build(captured, model, balance_by_weight(captured.param_bytes(), 4), [torch.device("cpu")] * 4,
+                    place=False)
     # the stem's output is read by the last decoder level: it crosses every cut
     stem = program.stages[0].outputs[0]
     readers = [s.index for s in program.stages if stem in s.inputs]

@@ -65,17 +65,8 @@ def test_fake_run_meters_the_same_peaks_as_a_real_run(monkeypatch, family, sched
     policies = {n.name: p for n, p in zip(captured.nodes, plan.policies) if p != "keep"}
     assert bool(policies) == memopt
     batch = default_collate([data[i] for i in range(BATCH)])
-    meter = fake_training(
-        model,
-        captured,
-        batch,
-        lambda forward, mb: model.criterion(forward(*model.inputs(mb)), mb),
-        model.configure_optimizers(),
-        plan.balance,
-        policies,
-        schedule=schedule,
-        chunks=CHUNKS,
-    )
+    meter = fake_training(model, captured, batch, lambda forward, mb: model.criterion(forward(*model.inputs(mb)), mb),
+                          model.configure_optimizers(), plan.balance, policies, schedule=schedule, chunks=CHUNKS)
     assert meter.peaks() == real
     assert all(isinstance(p, FakeTensor) for p in model.parameters())
 
@@ -93,9 +84,8 @@ def test_fake_run_enforces_capacities_and_leaves_the_host_pool_alone(monkeypatch
     policies = {n.name: "swap" for n in captured.nodes[:10]}
     peaks = fake_training(model, captured, batch, step, optimizer, balance, policies, chunks=2).peaks()
     with pytest.raises(StageOutOfMemoryError) as error:
-        fake_training(
-            model, captured, batch, step, optimizer, balance, policies, chunks=2, capacities=[peaks[0] - 1, None]
-        )
+        fake_training(model, captured, batch, step, optimizer, balance, policies, chunks=2,
+                      capacities=[peaks[0] - 1, None])
     assert error.value.stage == 0
     fake_training(model, captured, batch, step, optimizer, balance, policies, chunks=2, capacities=peaks)
     gc.collect()  # swapped fake tensors freed late give their buffers back to their own pool
@@ -108,14 +98,7 @@ def test_a_meta_model_runs_fake_at_sizes_that_would_not_fit_the_host():
     captured = capture(model)
     ids = torch.zeros(64, 1024, dtype=torch.long, device="meta")
     batch = {"input_ids": ids, "labels": ids}
-    meter = fake_training(
-        model,
-        captured,
-        batch,
-        lambda forward, mb: model.criterion(forward(mb), mb),
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        [len(captured.nodes)],
-        chunks=4,
-    )
+    meter = fake_training(model, captured, batch, lambda forward, mb: model.criterion(forward(mb), mb),
+                          torch.optim.SGD(model.parameters(), lr=0.1), [len(captured.nodes)], chunks=4)
     logits = 16 * 1024 * 50_000 * 4  # one micro-batch's logits, kept for backward
     assert meter.peaks()[0] > 4 * logits

@@ -62,14 +62,8 @@ def test_1f1b_matches_single_device_with_accumulation_and_logs_batch_values(tmp_
     runs = {}
     for name, strategy, devices in [("single", "auto", 1), ("1f1b", MemoryPipeStrategy(chunks=3, schedule="1f1b"), 2)]:
         model, data = make("encdec")
-        t = trainer(
-            strategy,
-            devices,
-            max_steps=3,
-            accumulate_grad_batches=2,
-            logger=CSVLogger(tmp_path / name),
-            log_every_n_steps=1,
-        )
+        t = trainer(strategy, devices, max_steps=3, accumulate_grad_batches=2,
+                    logger=CSVLogger(tmp_path / name), log_every_n_steps=1)
         t.fit(model, loader(data, 6))
         runs[name] = (model, float(t.callback_metrics["train_loss"]))
     assert max_rel_diff(runs["1f1b"][0], runs["single"][0]) < 1e-5
@@ -115,9 +109,8 @@ class _Shifted(LightningModule):
 def test_1f1b_frees_a_boundary_value_once_the_next_stage_read_it():
     chunks, batch, width = 4, 32, 256
     data = torch.utils.data.TensorDataset(torch.randn(batch, width))
-    strategy = MemoryPipeStrategy(
-        chunks=chunks, schedule="1f1b", balance=[1, 2, 2, 3], planner=None, measure_memory=True
-    )
+    strategy = MemoryPipeStrategy(chunks=chunks, schedule="1f1b", balance=[1, 2, 2, 3], planner=None,
+                                  measure_memory=True)
     trainer(strategy, 4, max_steps=1).fit(_Shifted(width), torch.utils.data.DataLoader(data, batch_size=batch))
     one_microbatch = batch // chunks * width * 4
     # stage 0 sends layers.0's output to stage 1; 1F1B holds 4 micro-batches in flight at
