@@ -44,7 +44,7 @@ from lightning_pipe.graph.capture import Captured, capture
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec
 from lightning_pipe.plan.partitioners import PARTITIONERS
-from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, Plan, make_plan, max_microbatch
+from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, Plan, fitting_plan, max_microbatch
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.runtime.fake import TrainingStep, fake_training
 
@@ -180,13 +180,9 @@ class Bench:
         made once: the search for the largest size and its fake run ask for the same)."""
         key = (stages, schedule, memopt, partitioner, microbatch)
         if key not in self._plans:
-            try:
-                self._plans[key] = make_plan(self.profile.scaled(microbatch), self._targets(stages),
-                                             partitioner, schedule, stages,
-                                             self.device.host_bandwidth, self.device.link_bandwidth,
-                                             optimise_memory=memopt)
-            except InfeasiblePlanError:
-                self._plans[key] = None
+            self._plans[key] = fitting_plan(self.profile.scaled(microbatch), self._targets(stages), partitioner,
+                                            schedule, stages, self.device.host_bandwidth, self.device.link_bandwidth,
+                                            optimise_memory=memopt)
         return self._plans[key]
 
     def predicted(self, stages: int, schedule: str, memopt: bool, partitioner: str, at_least: int = 0) -> int:

@@ -138,6 +138,7 @@ class CostModel:
         self.batch = chunks * (profile.batch_bytes or profile.input_bytes)  # the training batch, on the last stage
         self._arrays = _NodeArrays(profile)
         self._kept: dict[tuple[int, int], _Live] = {}
+        self._range_gradients: tuple[tuple[int, int], _Array] = ((0, 0), np.zeros(0, dtype=np.int64))
         self.forward_ms, self.backward_ms = _pooled_times(profile)
         self.saved = [n.saved_bytes for n in nodes]
         self.last_saver = [n.last_saver for n in nodes]
@@ -410,6 +411,13 @@ class CostModel:
     def _final_outputs(self, lo: int) -> int:
         return sum(self.output[i] for i in range(lo, self.n) if -1 in self.users[i])
 
+    def _gradients(self, lo: int, hi: int) -> _Array:
+        """:func:`_gradients` of ``[lo, hi)``, kept for the last range asked: a stage's
+        optimisation prices one range hundreds of times, and they do not depend on policies."""
+        if self._range_gradients[0] != (lo, hi):
+            self._range_gradients = (lo, hi), _gradients(self._arrays, lo, hi)
+        return self._range_gradients[1]
+
     def _live(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> "_Live":
         """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
         (cached when every node is kept)."""
@@ -516,7 +524,7 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     held = np.cumsum(held)[:size]
     forward = kept[:-1] + held + a.made[lo:hi] + a.workspace[lo:hi]
     f = int(np.argmax(forward))
-    common = kept[1:] + _gradients(a, lo, hi) + a.backward[lo:hi] + back
+    common = kept[1:] + model._gradients(lo, hi) + a.backward[lo:hi] + back
     # a fresh gradient of the node's parameters, to add to theirs; under the local GPipe, whose
     # one backward sums the micro-batches' gradients before the parameter takes them, the sum
     # of the two besides (a linear layer's gradient is a transposed view, not summed in place)

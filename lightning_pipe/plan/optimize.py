@@ -207,9 +207,8 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
         lowered = False
         for i in sorted(found.policies):
             policies = {j: p for j, p in found.policies.items() if j != i}
-            fewer = stage.priced(policies)
-            if fewer.peak.total < found.peak.total:
-                found, lowered = fewer, True
+            if stage.peak(policies).total < found.peak.total:  # priced in full only when lower
+                found, lowered = stage.priced(policies), True
                 if found.fits:
                     break
     return found
@@ -277,8 +276,11 @@ class _Stage:
     host_bandwidth: float | None
     waiting: Waiting
 
+    def peak(self, policies: dict[int, Policy]) -> StagePeak:
+        return self.model.peak(self.lo, self.hi, self.in_flight, policies, self.weight_versions, self.waiting)
+
     def priced(self, policies: dict[int, Policy]) -> StageOptimum:
-        peak = self.model.peak(self.lo, self.hi, self.in_flight, policies, self.weight_versions, self.waiting)
+        peak = self.peak(policies)
         recompute_ms, swap_ms = policy_time(self.model, self.lo, self.hi, policies, self.host_bandwidth)
         return StageOptimum(policies, recompute_ms, swap_ms, peak, peak.total <= self.capacity)
 

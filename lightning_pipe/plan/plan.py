@@ -25,8 +25,8 @@ from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.units import format_bytes
 
 __all__ = [
-    "PLANNING_HEADROOM", "PREDICTION_ERROR", "InfeasiblePlanError", "Plan", "StageReport", "make_plan",
-    "max_microbatch", "planning_stages",
+    "PLANNING_HEADROOM", "PREDICTION_ERROR", "InfeasiblePlanError", "Plan", "StageReport", "fitting_plan",
+    "make_plan", "max_microbatch", "planning_stages",
 ]
 
 #: How far the memory model may under-predict the stage that binds: the worst measured, rounded
@@ -164,6 +164,32 @@ def make_plan(
     )
     if not all(o.fits for o in optima):
         raise _infeasible(stages, partitioner, balance, optima)
+    return _plan(stages, partitioner, schedule, balance, optima)
+
+
+def fitting_plan(
+    profile: Profile,
+    capacities: list[int],
+    partitioner: Partitioner = "dawnpiper",
+    schedule: Schedule = "1f1b",
+    chunks: int = 1,
+    host_bandwidth: float | None = None,
+    link_bandwidth: float | None = None,
+    *,
+    optimise_memory: bool = True,
+) -> Plan | None:
+    """:func:`make_plan`'s plan, or ``None`` where it does not fit: what a search over sizes
+    asks, without the search for the lowest peak that :class:`InfeasiblePlanError` reports
+    (on a large model it costs more than the plan)."""
+    stages, balance, optima = _attempt(
+        profile, capacities, partitioner, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory
+    )
+    return _plan(stages, partitioner, schedule, balance, optima) if all(o.fits for o in optima) else None
+
+
+def _plan(stages: Stages, partitioner: Partitioner, schedule: Schedule, balance: list[int],
+          optima: list[StageOptimum]) -> Plan:
+    """The plan of a split whose stages fit, with what it predicts."""
     model = stages.model
     policies = ["keep"] * model.n
     reports, times = [], []
@@ -189,20 +215,20 @@ def make_plan(
             )
         )
         times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, send))
-    sim = simulate(times, actions(schedule, chunks, len(capacities)))
+    sim = simulate(times, actions(schedule, model.chunks, stages.count))
     return Plan(
         partitioner=partitioner,
         schedule=schedule,
-        targets=list(capacities),
-        microbatch_size=profile.microbatch_size,
-        chunks=chunks,
-        host_bandwidth=host_bandwidth,
+        targets=list(stages.capacities),
+        microbatch_size=model.profile.microbatch_size,
+        chunks=model.chunks,
+        host_bandwidth=stages.host_bandwidth,
         balance=balance,
         policies=policies,
         stages=reports,
         step_ms=sim.step_ms,
         bubble=sim.bubble,
-        link_bandwidth=link_bandwidth,
+        link_bandwidth=model.link_bandwidth,
     )
 
 
@@ -226,8 +252,7 @@ def max_microbatch(
     settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
 
     def fits(size: int) -> bool:
-        _, _, optima = _attempt(profile.scaled(size), capacities, *settings, optimise_memory)
-        return all(o.fits for o in optima)
+        return fitting_plan(profile.scaled(size), capacities, *settings, optimise_memory=optimise_memory) is not None
 
     if not fits(1):
         make_plan(profile.scaled(1), capacities, *settings, optimise_memory=optimise_memory)  # raises
