@@ -387,9 +387,10 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] |
     memory-optimised and with the gradients that will wait at it (known once the earlier cuts
     are), leaving a node for every later stage; the last stage takes the rest. What crosses a
     cut (outputs kept for sending, gradients waiting on later stages) is not monotone in it, so
-    when the rest does not fit, a stage ends up to ``slack`` nodes earlier or later instead;
-    the search gives up after ``tries`` times the stage count such starts. ``None``: nothing
-    found."""
+    when the rest does not fit, a stage ends up to ``slack`` nodes earlier or later instead, or
+    earlier still at a cut as thin as the thinnest of its longest run (few bytes cross there,
+    typically a layer boundary, so a later stage can take over); the search gives up after
+    ``tries`` times the stage count such starts. ``None``: nothing found."""
     model, count, n = stages.model, stages.count, stages.model.n
     finishing: list[list[int]] = [[] for _ in range(n + 1)]  # nodes by their last reader (n: the output)
     for i, users in enumerate(model.users):
@@ -427,7 +428,10 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] |
         while a < b:  # the longest fitting end, were fitting monotone
             mid = (a + b + 1) // 2
             a, b = (mid, b) if fits(lo, mid, s) else (a, mid - 1)
-        for hi in range(min(a + slack, last), max(lo, a - slack - 1), -1):
+        window = range(min(a + slack, last), max(lo, a - slack - 1), -1)
+        thinnest = min((model.crossing[c] for c in range(lo + 1, a + 1)), default=0)
+        narrow = [c for c in range(a - slack - 1, lo, -1) if model.crossing[c] <= thinnest]
+        for hi in [*window, *narrow]:
             if fits(lo, hi, s):
                 cuts.append(hi)
                 if fill(hi, s + 1):

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.partitioners import BASELINES, NOISE, PARTITIONERS, split
+from lightning_pipe.plan.partitioners import BASELINES, NOISE, PARTITIONERS, _fill_fitting, split
 from lightning_pipe.plan.plan import InfeasiblePlanError, max_microbatch, planning_stages
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.schedule import Schedule, in_flight, weight_versions
@@ -100,3 +100,43 @@ def test_dawnpiper_is_as_fast_as_any_baseline_that_fits_within_the_noise(block):
             if stages.fits(theirs):
                 assert stages.fits(ours)
                 assert stages.step_ms(ours) <= (1 + NOISE) * stages.step_ms(theirs) * (1 + 1e-12), (seed, name)
+
+
+def residual_blocks(blocks: int, width: int, seed: int) -> Profile:
+    """Blocks of ``width`` nodes whose first node's output is read again at the block's end
+    (a residual), then a large output: cuts inside a block carry more than cuts between."""
+    rnd = random.Random(seed)
+    n = blocks * width + 1
+    nodes = []
+    for i in range(n):
+        end = min((i // width + 1) * width, n - 1)
+        users = {i + 1} if i + 1 < n else {-1}
+        if i % width == 0 and end > i + 1:
+            users.add(end)
+        f = rnd.uniform(0.5, 2)
+        output = rnd.randint(2, 8) * 1000 if i < n - 1 else 40000
+        params = rnd.choice([0, rnd.randint(1, 20) * 100])
+        nodes.append(
+            NodeProfile(
+                f"n{i}", f, 2 * f, output, rnd.randint(0, 8) * 1000, rnd.randint(0, 4) * 500, params, params,
+                2 * params, users=sorted(users), backward_bytes=rnd.randint(0, 4) * 500, output_grad_bytes=output,
+            )
+        )
+    return Profile(nodes, "cpu", "f", 1, input_bytes=1000, input_users=[0])
+
+
+@pytest.mark.parametrize("seed", [78, 220])
+def test_the_fitting_search_reaches_past_its_window_to_a_thin_cut(seed):
+    # cases where no candidate split fits and the longest run of each stage, give or take a
+    # node, leaves a rest that does not fit: a split fits only with a cut at a block boundary
+    rnd = random.Random(seed)
+    profile = residual_blocks(rnd.randint(4, 8), rnd.randint(4, 8), seed)
+    schedule, chunks, n = rnd.choice(["gpipe", "1f1b", "2bw"]), rnd.randint(1, 4), len(profile.nodes)
+    model, flight = CostModel(profile), in_flight(schedule, chunks, 3)
+    even = [n // 3 + (s < n % 3) for s in range(3)]
+    fullest = max(model.peak(r.start, r.stop, flight[s], {}, weight_versions(schedule)).total
+                  for s, r in enumerate(stage_ranges(even)))
+    stages = planning_stages(profile, [int(fullest * rnd.uniform(0.3, 0.9))] * 3, schedule, chunks)
+    assert not any(stages.fits(split(name, stages)) for name in BASELINES)
+    found = _fill_fitting(stages, slack=1)
+    assert found is not None and stages.fits(found)
