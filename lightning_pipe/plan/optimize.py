@@ -84,15 +84,14 @@ def optimize_stage(
     optimise: bool = True,
     thorough: bool = False,
     waiting: Waiting = (0, ()),
-    prune: bool = True,
 ) -> StageOptimum:
     """Cheapest policies (by the greedy above) bringing stage ``[lo, hi)`` under ``capacity``;
     with ``optimise`` false, every node keeps its activations. A stage left near its capacity
     is searched further (:func:`_descended`); with ``thorough``, so is one asked for its lowest
     peak (``capacity`` 0), which costs a planner's search too much to do for every range.
     ``waiting``: what waits at the stage for others (:meth:`CostModel.waiting`), once known.
-    ``prune`` false: the choices the stage turns out to fit without stay (:func:`prune_stage`
-    drops them, at one pricing per choice)."""
+    Choices the stage turns out to fit without stay (:func:`prune_stage` drops them, at one
+    pricing per choice: a search prunes only the split it chooses)."""
     stage = _Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting)
     base = stage.priced({}).peak
     if base.total <= capacity or not optimise:
@@ -169,7 +168,7 @@ def optimize_stage(
             restore = max(restore, region)
         estimate -= gain
         if estimate <= capacity and (found := check()):
-            return _pruned(stage, found) if prune else found
+            return found
     options = [dict(policies)] + _lowest_memory_policies(model, lo, hi, host_bandwidth)
     for policies_ in options:
         found = stage.priced(policies_)
@@ -177,8 +176,6 @@ def optimize_stage(
             best = found
     if not best.fits and ((capacity <= 0 and thorough) or best.peak.total <= DESCENT * capacity):
         best = _descended(stage, best)
-    if best.fits and prune:
-        return _pruned(stage, best)
     return best
 
 
@@ -193,8 +190,8 @@ def prune_stage(
     host_bandwidth: float | None = None,
     waiting: Waiting = (0, ()),
 ) -> StageOptimum:
-    """``found`` (an :func:`optimize_stage` result with ``prune`` false) without the choices
-    the stage fits without."""
+    """``found`` (an :func:`optimize_stage` result) without the choices the stage fits
+    without."""
     return _pruned(_Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting), found)
 
 

@@ -22,7 +22,6 @@
 Capacities are per stage device and may differ (heterogeneous devices).
 """
 
-import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
-from lightning_pipe.plan.memory import CostModel, Waiting, backward_waiting, stage_ranges
+from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
 from lightning_pipe.plan.optimize import NOISE, StageOptimum, optimize_stage, prune_stage
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Action, BackwardState
@@ -80,7 +79,7 @@ class Stages:
         if key not in self._optima:
             self._optima[key] = optimize_stage(
                 self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
-                self.host_bandwidth, self.optimise_memory, self.thorough, waiting, prune=False,
+                self.host_bandwidth, self.optimise_memory, self.thorough, waiting,
             )
         return self._optima[key]
 
@@ -392,29 +391,19 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] |
     typically a layer boundary, so a later stage can take over); the search gives up after
     ``tries`` times the stage count such starts. ``None``: nothing found."""
     model, count, n = stages.model, stages.count, stages.model.n
-    finishing: list[list[int]] = [[] for _ in range(n + 1)]  # nodes by their last reader (n: the output)
-    for i, users in enumerate(model.users):
-        if users:
-            finishing[n if min(users) < 0 else max(users)].append(i)
     cuts: list[int] = []
     failed: set[tuple[int, ...]] = set()  # (stage, its start, the previous stage's start)
     budget = [tries * count]
 
-    def waiting(lo: int, hi: int, s: int) -> Waiting:
-        """Gradients that wait at stage ``s`` on ``[lo, hi)`` for earlier stages' backward."""
-        sent = [0] * count  # per earlier stage, bytes of one micro-batch's gradients for it
-        for r in range(lo, n + 1 if hi == n else hi):
-            for i in finishing[r]:
-                if i < lo:
-                    sent[bisect.bisect_right(cuts, i)] += model.output[i]
-        forward = sum(sent[p] * stages.waits[p][s] for p in range(s)) if stages.waits else 0
-        states = stages.backward_states[s] if stages.backward_states else ()
-        return forward, backward_waiting(states, [(p, b) for p, b in enumerate(sent) if b])
+    def waiting(hi: int, s: int) -> Waiting:
+        """What waits at stage ``s`` ending at ``hi``, the nodes after it taken as one stage."""
+        known = _balance(cuts + [hi] if hi < n else cuts, n)
+        return model.waiting(known, stages.waits, stages.backward_states)[s]
 
     def fits(lo: int, hi: int, s: int) -> bool:
         if model.static(lo, hi, stages.weight_versions) + model.transient(lo, hi) > stages.capacities[s]:
             return False  # what no memory optimisation takes off
-        return stages.optimum(lo, hi, s, waiting=waiting(lo, hi, s)).fits
+        return stages.optimum(lo, hi, s, waiting=waiting(hi, s)).fits
 
     def fill(lo: int, s: int) -> bool:
         if s == count - 1:  # what waits at each stage while it runs its backwards: the whole split's
