@@ -7,11 +7,12 @@ no times at all, every cut would balance and every recompute would be free to th
 The result is a :class:`~lightning_pipe.plan.profile.Profile`, plain data for the planner.
 """
 
+import functools
 import inspect
 import statistics
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -126,6 +127,7 @@ def profile_graph(
                 saved_inputs_bytes=memory[k].saved_inputs,
                 saved_inputs_from=memory[k].saved_inputs_from,
                 input_grad_bytes=memory[k].input_grads,
+                forwarded_grads=sorted(memory[k].forwarded),
             )
         )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -170,6 +172,7 @@ class _NodeBytes:
     backward: int = 0
     last_saver: int = -1
     input_grads: int = 0
+    forwarded: set[int] = field(default_factory=set)
 
 
 def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBytes]:
@@ -188,7 +191,7 @@ def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBy
                 with meter.running(k):
                     runner.env[node] = runner.run_on(node, _device_of(node, runner))
                 meter.tag_backward([runner.env[node]], k)
-                _watch_input_grads(runner.env[node], measured[k])
+                _watch_input_grads(runner.env[node], measured[k], _read_by(node, index, runner))
                 stage = meter.stages[k]
                 kept = _kept_from_others(meter, node, k, runner)
                 measured[k].saved_inputs = sum(t.untyped_storage().nbytes() for t in kept)
@@ -226,19 +229,34 @@ def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBy
     return measured
 
 
-def _watch_input_grads(value: Any, measured: _NodeBytes) -> None:
+def _watch_input_grads(value: Any, measured: _NodeBytes, read: dict[tuple[int, int], int]) -> None:
     """Note in ``measured`` the largest buffer the gradients a node's backward hands its
     inputs are slices of (``cat``'s backward slices its output's gradient): a gradient that
-    waits for an earlier stage keeps that whole buffer."""
+    waits for an earlier stage keeps that whole buffer; and the nodes (``read``: by their
+    value's autograd edge) whose gradient is its output gradient's storage."""
 
-    def hook(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
+    def hook(function: Any, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
         for g in grad_inputs:
             if g is not None and g.untyped_storage().nbytes() > _nbytes(g):
                 measured.input_grads = max(measured.input_grads, g.untyped_storage().nbytes())
+        outputs = {id(g.untyped_storage()) for g in grad_outputs if g is not None}
+        for (fn, nr), g in zip(function.next_functions, grad_inputs):
+            if g is not None and fn is not None and id(g.untyped_storage()) in outputs and (id(fn), nr) in read:
+                measured.forwarded.add(read[id(fn), nr])
 
     functions = {id(t.grad_fn): t.grad_fn for t in tree_flatten(value)[0] if isinstance(t, Tensor) and t.grad_fn}
     for function in functions.values():
-        function.register_hook(hook)
+        function.register_hook(functools.partial(hook, function))
+
+
+def _read_by(node: fx.Node, index: dict[fx.Node, int], runner: "_NodeRunner") -> dict[tuple[int, int], int]:
+    """The graph nodes ``node`` reads, by the autograd edge of each tensor of their values."""
+    return {
+        (id(t.grad_fn), t.output_nr): index[a]
+        for a in node.all_input_nodes if a in index
+        for t in tree_flatten(runner.env.get(a))[0]
+        if isinstance(t, Tensor) and t.grad_fn is not None
+    }
 
 
 def _kept_from_others(meter: MemoryMeter, node: fx.Node, k: int, runner: "_NodeRunner") -> list[Tensor]:

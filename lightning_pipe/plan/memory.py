@@ -488,7 +488,10 @@ class _NodeArrays:
         edges = sorted((u, j) for j, n in enumerate(nodes) for u in n.users if u >= 0 and nodes[u].output_grad_bytes)
         self.consumer = array([u for u, _ in edges])
         self.producer = array([j for _, j in edges])
-        self.gradient = array([nodes[j].output_grad_bytes for _, j in edges])
+        # a gradient handed over on the reader's output gradient's storage, to several of the
+        # values it reads, is one storage, taken last by the earliest of them
+        self.gradient = array([0 if j in nodes[u].forwarded_grads and j != nodes[u].forwarded_grads[0]
+                               else nodes[j].output_grad_bytes for u, j in edges])
 
 
 _CODES = {"keep": 0, "recompute": 1, "swap": 2}
@@ -563,7 +566,10 @@ def _drop_stashes(model: CostModel, lo: int, hi: int, codes: _Codes, stash: _Arr
     outside = (code == 2) & (inputs_from >= 0) & (inputs_from < start)
     freed = np.maximum(0, freed - np.where(outside, a.saved_inputs[lo:hi], 0))
     stash -= freed
-    total = np.cumsum(freed)
+    # what comes back: a recomputed region's inputs stay (the region keeps them), not made again
+    made_again = np.maximum(0, freed - np.where((code == 1) & (inputs_from >= 0) & (inputs_from < start),
+                                                a.saved_inputs[lo:hi], 0))
+    total = np.cumsum(made_again)
     back += total - np.concatenate(([0], total))[starts][segment]
     kind = code[starts]
     runs = np.add.reduceat(freed, starts)

@@ -50,6 +50,9 @@ class NodeProfile:
         input_grad_bytes: bytes of the buffer the gradients the node's backward hands its
             inputs are slices of (``cat``: its output's gradient; 0: each is its own). A
             gradient waiting for an earlier stage keeps the whole buffer.
+        forwarded_grads: the nodes read whose gradient the node's backward hands over on its
+            output gradient's storage (``add`` gives both inputs that very tensor): one
+            storage, alive until the earliest of them takes it.
     """
 
     name: str
@@ -72,6 +75,7 @@ class NodeProfile:
     saved_inputs_bytes: int = 0
     saved_inputs_from: int = -1
     input_grad_bytes: int = 0
+    forwarded_grads: list[int] = field(default_factory=list)
 
 
 @dataclass

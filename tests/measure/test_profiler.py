@@ -204,3 +204,25 @@ def test_tied_weights_are_recorded_and_their_copy_charged_to_the_borrowing_stage
     assert costs.static(head, n) == CostModel(replace(p, shared=[])).static(head, n) + weight
     p.save(tmp_path / "profile.json")
     assert Profile.load(tmp_path / "profile.json").shared == p.shared
+
+
+class Residual(nn.Module):
+    def __init__(self, subtract: bool):
+        super().__init__()
+        self.subtract = subtract
+        self.inner = nn.Linear(8, 8)
+        self.outer = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.inner(x)
+        return self.outer(h - self.outer(h) if self.subtract else h + self.outer(h))
+
+
+@pytest.mark.parametrize("subtract", [False, True])
+def test_an_add_hands_its_output_gradient_to_both_values_it_reads(subtract):
+    # add's backward gives both inputs its output's gradient tensor; sub negates one
+    p = profile_graph(capture(Residual(subtract)), (torch.randn(4, 8),), repeats=1)
+    names = [n.name for n in p.nodes]
+    join = p.nodes[names.index("sub" if subtract else "add")]
+    inner, outer = names.index("inner"), names.index("outer")
+    assert join.forwarded_grads == ([inner] if subtract else sorted([inner, outer]))

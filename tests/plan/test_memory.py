@@ -1,4 +1,5 @@
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -157,3 +158,26 @@ def test_the_graph_input_counts_at_the_first_recomputed_region_reading_it():
     assert model._live(0, 5, {3: "recompute"}).stashed == kept - 300 + 64
     # the region [1, 2) before it reads no input: [3, 4) still keeps it
     assert model._live(0, 5, {1: "recompute", 3: "recompute"}).stashed == kept - 200 - 300 + 64
+
+
+def test_a_gradient_handed_to_two_values_on_one_storage_counts_once():
+    # node 3 reads nodes 0 and 2 and hands both its output's gradient (an add): at node 2's
+    # backward that one 64-byte tensor is alive, with the 8 bytes node 2 makes for node 1
+    nodes = [node(0, users=[1, 3], out=64), node(1, out=8), node(2, out=64), node(3, out=64), node(4, users=[-1])]
+    apart = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    nodes[3] = replace(nodes[3], forwarded_grads=[0, 2])
+    shared = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    assert (apart.peak(0, 4, 1).total, shared.peak(0, 4, 1).total) == (64 + 64, 64 + 8)
+
+
+def test_a_recomputed_region_makes_again_what_it_saved_but_not_its_inputs():
+    # node 1 saves node 0's 100-byte output (the region's input, which the region keeps) and
+    # node 2 saves node 1's 50 bytes: recomputing [1, 3) keeps 100 and brings back only 50
+    nodes = [node(0, 0, held=100, until=1, out=100),
+             replace(node(1, 100, made=50, held=50, until=2), saved_inputs_bytes=100, saved_inputs_from=0),
+             replace(node(2, 50, made=0, out=20, grad=0), saved_inputs_bytes=50, saved_inputs_from=1),
+             node(3, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    assert model._live(0, 3, {}).stashed == 150
+    recomputed = model._live(0, 3, {1: "recompute", 2: "recompute"})
+    assert recomputed.stashed == 100 and recomputed.backward == (100, 50)
