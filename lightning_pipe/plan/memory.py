@@ -42,7 +42,7 @@ from typing import Literal, TypeAlias, TypeVar
 
 import numpy as np
 
-from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.schedule import BackwardState, Schedule
 
 __all__ = ["CostModel", "Policy", "StagePeak", "predict_peaks", "stage_ranges"]
@@ -488,13 +488,22 @@ class _NodeArrays:
         edges = sorted((u, j) for j, n in enumerate(nodes) for u in n.users if u >= 0 and nodes[u].output_grad_bytes)
         self.consumer = array([u for u, _ in edges])
         self.producer = array([j for _, j in edges])
-        # a gradient handed over on the reader's output gradient's storage, to several of the
-        # values it reads, is one storage, taken last by the earliest of them
-        self.gradient = array([0 if j in nodes[u].forwarded_grads and j != nodes[u].forwarded_grads[0]
-                               else nodes[j].output_grad_bytes for u, j in edges])
+        self.gradient = array([_edge_gradient(nodes, u, j) for u, j in edges])
 
 
 _CODES = {"keep": 0, "recompute": 1, "swap": 2}
+
+
+def _edge_gradient(nodes: Sequence[NodeProfile], reader: int, read: int) -> int:
+    """Bytes of the gradient node ``reader``'s backward hands node ``read``. Handed over on
+    its output gradient's storage (``add``: that tensor itself; ``cat``: slices of it), to
+    several values, it is one storage, alive whole until the earliest of them takes it."""
+    forwarded = nodes[reader].forwarded_grads
+    if read not in forwarded:
+        return nodes[read].output_grad_bytes
+    if read != forwarded[0]:
+        return 0
+    return max(nodes[read].output_grad_bytes, nodes[reader].input_grad_bytes)
 
 
 def _policy_codes(policies: Mapping[int, Policy], n: int) -> _Codes:

@@ -51,8 +51,8 @@ class NodeProfile:
             inputs are slices of (``cat``: its output's gradient; 0: each is its own). A
             gradient waiting for an earlier stage keeps the whole buffer.
         forwarded_grads: the nodes read whose gradient the node's backward hands over on its
-            output gradient's storage (``add`` gives both inputs that very tensor): one
-            storage, alive until the earliest of them takes it.
+            output gradient's storage (``add`` gives both inputs that very tensor, ``cat``
+            slices of it): one storage, alive whole until the earliest of them takes it.
     """
 
     name: str

@@ -181,3 +181,12 @@ def test_a_recomputed_region_makes_again_what_it_saved_but_not_its_inputs():
     assert model._live(0, 3, {}).stashed == 150
     recomputed = model._live(0, 3, {1: "recompute", 2: "recompute"})
     assert recomputed.stashed == 100 and recomputed.backward == (100, 50)
+
+
+def test_slices_of_one_gradient_keep_it_whole_until_the_earliest_value_takes_its_own():
+    # node 3 concatenates nodes 0 and 2 (64 bytes each) and hands each a slice of its 128-byte
+    # output gradient: at node 2's backward the whole buffer and node 2's 8 bytes for node 1
+    nodes = [node(0, users=[1, 3], out=64), node(1, out=8), node(2, out=64),
+             replace(node(3, out=128), forwarded_grads=[0, 2], input_grad_bytes=128), node(4, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    assert model.peak(0, 4, 1).total == 128 + 8
