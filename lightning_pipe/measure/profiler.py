@@ -241,7 +241,7 @@ def _watch_input_grads(value: Any, measured: _NodeBytes, read: dict[tuple[int, i
                 measured.input_grads = max(measured.input_grads, g.untyped_storage().nbytes())
         outputs = {id(g.untyped_storage()) for g in grad_outputs if g is not None}
         for (fn, nr), g in zip(function.next_functions, grad_inputs):
-            if g is not None and fn is not None and id(g.untyped_storage()) in outputs and (id(fn), nr) in read:
+            if g is not None and id(g.untyped_storage()) in outputs and (id(fn), nr) in read:
                 measured.forwarded.add(read[id(fn), nr])
 
     functions = {id(t.grad_fn): t.grad_fn for t in tree_flatten(value)[0] if isinstance(t, Tensor) and t.grad_fn}

@@ -572,12 +572,11 @@ def _drop_stashes(model: CostModel, lo: int, hi: int, codes: _Codes, stash: _Arr
     start, stop = starts[segment] + lo, stops[segment] + lo
     freed = np.where((code != 0) & (a.last_saver[lo:hi] < stop), a.saved[lo:hi], 0)
     inputs_from = a.saved_inputs_from[lo:hi]
-    outside = (code == 2) & (inputs_from >= 0) & (inputs_from < start)
-    freed = np.maximum(0, freed - np.where(outside, a.saved_inputs[lo:hi], 0))
+    before = (inputs_from >= 0) & (inputs_from < start)  # saves inputs made before its segment
+    freed = np.maximum(0, freed - np.where((code == 2) & before, a.saved_inputs[lo:hi], 0))
     stash -= freed
     # what comes back: a recomputed region's inputs stay (the region keeps them), not made again
-    made_again = np.maximum(0, freed - np.where((code == 1) & (inputs_from >= 0) & (inputs_from < start),
-                                                a.saved_inputs[lo:hi], 0))
+    made_again = np.maximum(0, freed - np.where((code == 1) & before, a.saved_inputs[lo:hi], 0))
     total = np.cumsum(made_again)
     back += total - np.concatenate(([0], total))[starts][segment]
     kind = code[starts]
