@@ -27,7 +27,6 @@ from typing import Any
 import lightning
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch.utils.data import default_collate
 
 from benchmarks.models import Bench, suite
 from benchmarks.peers import (
@@ -39,10 +38,8 @@ from benchmarks.peers import (
 )
 from benchmarks.planner_speed import transformer_like
 from examples.models import loader
-from lightning_pipe.graph.capture import capture
 from lightning_pipe.lightning.strategy import MemoryPipeStrategy
 from lightning_pipe.measure.meter import StageOutOfMemoryError
-from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.partitioners import BASELINES, PARTITIONERS, partition
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, make_plan, max_microbatch
@@ -123,14 +120,14 @@ def fit(model: LightningModule, data: Any, batch: int, strategy: Any, devices: i
 
 
 def sample_profile(bench: Bench, microbatch: int) -> Profile:
-    """Profile one micro-batch outside any strategy: the partitioners' input for runs
-    without memory optimisation, and the base for predictions at other sizes."""
-    model = bench.model()
-    data = bench.data(microbatch)
-    batch = default_collate([data[i] for i in range(microbatch)])
-    with quiet():
-        optimizer = model.configure_optimizers()
-        return profile_graph(capture(model), model.inputs(batch), optimizer=optimizer)
+    """The profile the strategy plans from, at one micro-batch, with memory to spare: the
+    partitioners' input for runs without memory optimisation, and the base for predictions at
+    other sizes. The strategy's, not a bare ``profile_graph``: it also measures the training
+    batch and the loss, which the last stage holds."""
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, planner="uniform")
+    fit(bench.model(), bench.data(microbatch * CHUNKS), microbatch * CHUNKS, strategy, 1)
+    assert strategy.profile is not None
+    return strategy.profile
 
 
 # --- memory efficiency: the largest micro-batch that really trains --------------------------

@@ -237,12 +237,14 @@ class CostModel:
         return [sum(sent[p][s] * waits[p][s] for p in range(s)) for s in range(len(balance))]
 
     def _gradient_bytes(self, balance: Sequence[int]) -> list[list[int]]:
-        """``[p][s]``: bytes of one micro-batch's gradients stage ``s`` makes for values of
-        stage ``p`` whose last reader it holds. Under GPipe, where autograd holds them, a
-        reader whose backward hands out slices of one buffer (``cat``) keeps that buffer, once;
-        the other schedules hand a stage's input gradients over as their own tensors. A value
-        read only on its own stage waits for nothing, so only the values crossing a cut are
-        visited."""
+        """``[p][s]``: bytes of one micro-batch's gradients that wait at stage ``s`` for stage
+        ``p``'s backward. The schedule-driven runtimes keep a value's gradient, summed over its
+        readers, on the stage of its last reader until its producer ``p`` takes it. Under
+        GPipe, autograd sums it as it goes: each stage reading it makes a new sum, which waits
+        there for the next earlier reader's backward (the producer's, after the earliest); a
+        reader whose backward hands out slices of one buffer (``cat``) keeps that buffer, once.
+        A value read only on its own stage waits for nothing, so only the values crossing a
+        cut are visited."""
         sent = [[0] * len(balance) for _ in balance]
         cuts = list(itertools.accumulate(balance))[:-1]
         for p, cut in enumerate(cuts):
@@ -251,12 +253,16 @@ class CostModel:
                 if i < start:
                     break
                 reader = self._last_reader[i]
-                buffer = self.profile.nodes[reader].input_grad_bytes if self.merges and reader < self.n else 0
-                if buffer and reader in slicers:
+                if not self.merges:
+                    sent[p][bisect.bisect_right(cuts, reader)] += self.output[i]
                     continue
+                buffer = self.profile.nodes[reader].input_grad_bytes if reader < self.n else 0
+                first = 0 if buffer and reader in slicers else max(buffer, self.output[i])  # one buffer per reader
                 if buffer:
                     slicers.add(reader)
-                sent[p][bisect.bisect_right(cuts, reader)] += max(buffer, self.output[i])
+                readers = sorted({bisect.bisect_right(cuts, u if u >= 0 else self.n) for u in self.users[i]} - {p})
+                for taker, holder in zip([p, *readers], readers):
+                    sent[taker][holder] += first if holder == readers[-1] else self.output[i]
         return sent
 
     def waiting(
@@ -291,7 +297,12 @@ class CostModel:
         for s, r in enumerate(stage_ranges(balance)):
             if r.stop == self.n:
                 continue
-            end = _held_end(a, r.start, r.stop, _policy_codes({i: p for i, p in policies.items() if i in r}, self.n))
+            codes = _policy_codes({i: p for i, p in policies.items() if i in r}, self.n)
+            first, last = _recomputed_regions(a, r.start, r.stop, codes)
+            stashed = _NO_REGION_INPUTS
+            if first.size:
+                stashed = _regions_inputs(self, r.start, r.stop, first, last, codes)[1:]
+            end = _held_end(a, r.start, r.stop, codes, stashed)
             # (a value in the graph's output waits for the merge: see merged)
             for k in np.flatnonzero((end >= r.stop) & (end < self.n) & (a.held[r.start : r.stop] > 0)):
                 reader = bisect.bisect_right(cuts, min(int(end[k]), self.n - 1))
@@ -313,7 +324,7 @@ class CostModel:
         if not self.stashed(a, b):
             return 0
         codes = _policy_codes(policies, self.n)
-        return int(_regions_inputs(self, lo, hi, np.array([a]), np.array([b]), codes)[0])
+        return int(_regions_inputs(self, lo, hi, np.array([a]), np.array([b]), codes)[0][0])
 
     def peak(
         self,
@@ -523,11 +534,12 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     size = hi - lo
     stash = a.saved[lo:hi].copy()
     back = np.zeros(size, dtype=np.int64)
+    stashed = _NO_REGION_INPUTS
     if codes is not None and codes[lo:hi].any():
-        _drop_stashes(model, lo, hi, codes, stash, back)
+        stashed = _drop_stashes(model, lo, hi, codes, stash, back)
     kept = np.concatenate(([0], np.cumsum(stash)))
     # values a node makes and does not keep itself stay alive after it until kept, or read
-    end = _held_end(a, lo, hi, codes)
+    end = _held_end(a, lo, hi, codes, stashed)
     held = np.zeros(size + 1, dtype=np.int64)
     first = np.arange(1, size + 1)
     last = np.minimum(end, hi - 1) - lo + 1
@@ -554,20 +566,20 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     )
 
 
-def _drop_stashes(model: CostModel, lo: int, hi: int, codes: _Codes, stash: _Array, back: _Array) -> None:
+def _drop_stashes(
+    model: CostModel, lo: int, hi: int, codes: _Codes, stash: _Array, back: _Array
+) -> tuple[_Array, _Array]:
     """Take off ``stash`` (per node of ``[lo, hi)``) what each swapped or recomputed run
     drops, give a recomputed region its inputs, and add to ``back`` the bytes brought back
     during each node's backward. A run drops the stash its nodes alone keep (a swapped run
     keeps on the device what it saves of values made before it); the stash comes back whole
     (a swapped run's once the backward of the segment after it begins, a recomputed one's at
     its own last node) and leaves again as each node's backward takes its part. All runs are
-    priced at once: a stage may have hundreds."""
+    priced at once: a stage may have hundreds. Returns the storages the recomputed regions
+    keep as inputs and the first node of the region keeping each (:func:`_regions_inputs`)."""
     a = model._arrays
     code = codes[lo:hi]
-    new = np.ones(hi - lo, dtype=bool)
-    new[1:] = code[1:] != code[:-1]
-    starts = np.flatnonzero(new)  # segments: maximal runs of one policy, kept ones too
-    stops = np.append(starts[1:], hi - lo)
+    new, starts, stops = _segments(code)
     segment = np.cumsum(new) - 1
     start, stop = starts[segment] + lo, stops[segment] + lo
     freed = np.where((code != 0) & (a.last_saver[lo:hi] < stop), a.saved[lo:hi], 0)
@@ -585,17 +597,39 @@ def _drop_stashes(model: CostModel, lo: int, hi: int, codes: _Codes, stash: _Arr
     swapped = np.flatnonzero(kind[:-1] == 2)
     after[swapped + 1] = runs[swapped]
     back += after[segment]
-    recomputed = np.flatnonzero((kind == 1) & (np.add.reduceat(a.saved[lo:hi], starts) > 0))
-    if recomputed.size:
-        first, last = starts[recomputed] + lo, stops[recomputed] + lo
-        stash[first - lo] += _regions_inputs(model, lo, hi, first, last, codes)
+    first, last = _recomputed_regions(a, lo, hi, codes)
+    if not first.size:
+        return _NO_REGION_INPUTS
+    totals, storages, since = _regions_inputs(model, lo, hi, first, last, codes)
+    stash[first - lo] += totals
+    return storages, since
 
 
-def _regions_inputs(model: CostModel, lo: int, hi: int, starts: _Array, stops: _Array, codes: _Codes) -> _Array:
+def _segments(code: _Codes) -> tuple["np.ndarray[tuple[int], np.dtype[np.bool_]]", _Array, _Array]:
+    """Maximal runs of one policy (kept ones too): where each node starts a new one, and
+    their starts and stops (positions in ``code``)."""
+    new = np.ones(code.size, dtype=bool)
+    new[1:] = code[1:] != code[:-1]
+    starts = np.flatnonzero(new)
+    return new, starts, np.append(starts[1:], code.size)
+
+
+def _recomputed_regions(a: _NodeArrays, lo: int, hi: int, codes: _Codes) -> tuple[_Array, _Array]:
+    """First and stop node of each recomputed region of ``[lo, hi)`` that saves something."""
+    _, starts, stops = _segments(codes[lo:hi])
+    region = (codes[lo:hi][starts] == 1) & (np.add.reduceat(a.saved[lo:hi], starts) > 0)
+    return starts[region] + lo, stops[region] + lo
+
+
+def _regions_inputs(
+    model: CostModel, lo: int, hi: int, starts: _Array, stops: _Array, codes: _Codes
+) -> tuple[_Array, _Array, _Array]:
     """Per recomputed region ``[starts[k], stops[k])`` of a stage on ``[lo, hi)`` (in node
     order, each saving something), what it keeps: the storages of the values it reads from
     outside itself that no other node keeps as long (see :meth:`CostModel.region_inputs`). A
-    storage counts at the first region reading it; the graph input too."""
+    storage counts at the first region reading it; the graph input too. Also the storages
+    (by the node making them) it keeps of the values their makers hold, and the first node of
+    the region keeping each: from there on they are its stash, no longer held."""
     a = model._arrays
     totals = np.zeros(starts.size, dtype=np.int64)
     reads_input = np.flatnonzero(a.reads_input[stops] > a.reads_input[starts])
@@ -622,21 +656,35 @@ def _regions_inputs(model: CostModel, lo: int, hi: int, starts: _Array, stops: _
     )
     kept = np.where(kept_anyway, 0, a.held[q])
     dropped = (codes[q] != 0) & (a.last_saver[q] < stop)  # its own output, dropped with its stash
-    kept += np.where(dropped, np.minimum(a.made[q] - a.held[q], a.output[q]), 0)
-    np.add.at(totals, region, kept)
-    return totals
+    np.add.at(totals, region, kept + np.where(dropped, np.minimum(a.made[q] - a.held[q], a.output[q]), 0))
+    return totals, q[kept > 0], start[kept > 0]
 
 
-def _held_end(a: _NodeArrays, lo: int, hi: int, codes: "_Codes | None") -> _Array:
+_NO_REGION_INPUTS: tuple[_Array, _Array] = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
+def _held_end(
+    a: _NodeArrays, lo: int, hi: int, codes: "_Codes | None", stashed: tuple[_Array, _Array] = _NO_REGION_INPUTS
+) -> _Array:
     """Per node of ``[lo, hi)``, the last node before which what it holds is kept or freed:
-    the node keeping it first, unless that one's stash is recomputed or swapped; then the
-    last node reading it."""
+    the node keeping it first, unless that one's stash is recomputed or swapped and so
+    dropped (a node of the stage drops it only if no later node of its run keeps it on);
+    then the last node reading it, or the first of a recomputed region keeping it as an input
+    (``stashed``: storages and those nodes, from :func:`_regions_inputs`)."""
     end = a.held_end[lo:hi]
     if codes is None:
         return end
     by = a.held_by[lo:hi]
     dropped = (by >= 0) & (codes[by] != 0)
-    return np.where(dropped, a.held_until[lo:hi], end)
+    _, starts, stops = _segments(codes[lo:hi])
+    inside = dropped & (by < hi)
+    run_stop = stops[np.searchsorted(starts, by[inside] - lo, side="right") - 1] + lo
+    dropped[inside] = a.last_saver[by[inside]] < run_stop
+    end = np.where(dropped, a.held_until[lo:hi], end)
+    storages, since = stashed
+    inside = (storages >= lo) & (storages < hi)
+    np.minimum.at(end, storages[inside] - lo, since[inside])
+    return end
 
 
 def _gradients(a: _NodeArrays, lo: int, hi: int) -> _Array:

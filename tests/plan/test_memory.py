@@ -190,3 +190,33 @@ def test_slices_of_one_gradient_keep_it_whole_until_the_earliest_value_takes_its
              replace(node(3, out=128), forwarded_grads=[0, 2], input_grad_bytes=128), node(4, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
     assert model.peak(0, 4, 1).total == 128 + 8
+
+
+@pytest.mark.parametrize("last_saver", [1, 5])
+def test_a_value_the_stage_keeps_for_its_backward_is_not_held_for_a_later_stage_as_well(last_saver):
+    # node 0's 100 bytes are read by node 1, which saves them first, and by node 5 on a later
+    # stage. Recomputing node 1 either leaves them in the stash (node 5, the last to save them,
+    # keeps them on) or makes them the input its region keeps: either way they are stashed,
+    # not also held until node 5 reads them
+    nodes = [replace(node(0, 0, held=100, until=5, users=[1, 5], out=100), held_by=1),
+             replace(node(1, 100, made=10, held=10, until=2), last_saver=last_saver, saved_inputs_bytes=100,
+                     saved_inputs_from=0),
+             node(2, 20), node(3, 20), node(4, 20), node(5, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="gpipe", chunks=3)
+    kept, recomputed = model._live(0, 4, {}), model._live(0, 4, {1: "recompute"})
+    assert (kept.leaving, recomputed.leaving) == (0, 0)
+    assert recomputed.stashed == kept.stashed
+    assert recomputed.forward[0] + recomputed.forward[1] <= kept.forward[0] + kept.forward[1]
+    assert model.waiting_outputs([4, 2], {1: "recompute"}) == [0, 0]
+
+
+def test_under_gpipe_a_gradient_summed_over_several_stages_waits_at_each_for_the_next_reader():
+    # node 0's 64 bytes are read on stages 1, 2 and 3: autograd makes a new sum at each reader
+    # stage, which waits there for the next earlier reader's backward. The schedule-driven
+    # runtimes keep the sum on the last reader's stage until the producer takes it
+    nodes = [node(0, users=[1, 2, 3], out=64), node(1, out=8, users=[2]), node(2, out=8, users=[3]),
+             node(3, out=8, users=[-1])]
+    gpipe = CostModel(Profile(nodes, "cpu", "f", 1), schedule="gpipe", chunks=4)
+    assert gpipe._gradient_bytes([1, 1, 1, 1]) == [[0, 64, 0, 0], [0, 0, 64 + 8, 0], [0, 0, 0, 64 + 8], [0] * 4]
+    scheduled = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=4)
+    assert scheduled._gradient_bytes([1, 1, 1, 1]) == [[0, 0, 0, 64], [0, 0, 8, 0], [0, 0, 0, 8], [0] * 4]
