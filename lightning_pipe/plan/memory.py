@@ -546,7 +546,10 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     np.add.at(held, first, a.held[lo:hi])
     np.add.at(held, np.maximum(first, last), -a.held[lo:hi])
     held = np.cumsum(held)[:size]
-    forward = kept[:-1] + held + a.made[lo:hi] + a.workspace[lo:hi]
+    leaving = int(a.held[lo:hi][end >= hi].sum())
+    # each node's forward, and the end of the stage's: its whole stash and what leaves it (a
+    # node saving an input an earlier stage made takes it on only as it runs)
+    forward = np.append(kept[:-1] + held + a.made[lo:hi] + a.workspace[lo:hi], kept[-1] + leaving)
     f = int(np.argmax(forward))
     common = kept[1:] + model._gradients(lo, hi) + a.backward[lo:hi] + back
     # a fresh gradient of the node's parameters, to add to theirs; under the local GPipe, whose
@@ -559,7 +562,7 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     g = int(np.argmax(first))
     return _Live(
         stashed=int(kept[-1]),
-        leaving=int(a.held[lo:hi][end >= hi].sum()),
+        leaving=leaving,
         forward=(int(kept[f]), int(forward[f] - kept[f])),
         backward=(int(kept[b + 1]), int(backward[b] - kept[b + 1])),
         first_backward=(int(kept[g + 1]), int(first[g] - kept[g + 1])),
@@ -670,7 +673,9 @@ def _held_end(
     the node keeping it first, unless that one's stash is recomputed or swapped and so
     dropped (a node of the stage drops it only if no later node of its run keeps it on);
     then the last node reading it, or the first of a recomputed region keeping it as an input
-    (``stashed``: storages and those nodes, from :func:`_regions_inputs`)."""
+    (``stashed``: storages and those nodes, from :func:`_regions_inputs`). A stage runs each
+    run of one policy as one call, which holds its arguments until it returns: a value read
+    by a later run lives until that run's last node."""
     end = a.held_end[lo:hi]
     if codes is None:
         return end
@@ -681,6 +686,10 @@ def _held_end(
     run_stop = stops[np.searchsorted(starts, by[inside] - lo, side="right") - 1] + lo
     dropped[inside] = a.last_saver[by[inside]] < run_stop
     end = np.where(dropped, a.held_until[lo:hi], end)
+    read = ((by < 0) | dropped) & (end < hi)  # freed once read, not stashed
+    run = np.searchsorted(starts, np.minimum(end, hi - 1) - lo, side="right") - 1
+    later = read & (run != np.searchsorted(starts, np.arange(hi - lo), side="right") - 1)
+    end = np.where(later, stops[run] + lo - 1, end)
     storages, since = stashed
     inside = (storages >= lo) & (storages < hi)
     np.minimum.at(end, storages[inside] - lo, since[inside])

@@ -206,7 +206,6 @@ def test_a_value_the_stage_keeps_for_its_backward_is_not_held_for_a_later_stage_
     kept, recomputed = model._live(0, 4, {}), model._live(0, 4, {1: "recompute"})
     assert (kept.leaving, recomputed.leaving) == (0, 0)
     assert recomputed.stashed == kept.stashed
-    assert recomputed.forward[0] + recomputed.forward[1] <= kept.forward[0] + kept.forward[1]
     assert model.waiting_outputs([4, 2], {1: "recompute"}) == [0, 0]
 
 
@@ -220,3 +219,23 @@ def test_under_gpipe_a_gradient_summed_over_several_stages_waits_at_each_for_the
     assert gpipe._gradient_bytes([1, 1, 1, 1]) == [[0, 64, 0, 0], [0, 0, 64 + 8, 0], [0, 0, 0, 64 + 8], [0] * 4]
     scheduled = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=4)
     assert scheduled._gradient_bytes([1, 1, 1, 1]) == [[0, 0, 0, 64], [0, 0, 8, 0], [0, 0, 0, 8], [0] * 4]
+
+
+def test_a_value_read_by_a_later_run_of_one_policy_lives_until_that_run_ends():
+    # the stage calls each run of one policy at once, holding its arguments until it returns:
+    # node 0's 100 bytes, read by node 2, live through node 3's 500 once node 1 is recomputed
+    nodes = [node(0, 0, held=100, until=2, users=[2]), node(1, 0, users=[2]), node(2, users=[3]),
+             node(3, 0, held=500, until=4, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    assert model._live(0, 4, {}).forward == (0, 500)
+    assert model._live(0, 4, {1: "recompute"}).forward == (0, 100 + 500)
+
+
+def test_a_stage_ends_its_forward_with_its_whole_stash_and_what_leaves_it():
+    # node 1, alone on its stage, saves the 64 bytes an earlier stage made and sends on 32:
+    # after it ran the stage holds both, more than while it ran (its 32)
+    nodes = [replace(node(0, 0, held=64, until=1), held_by=1),
+             replace(node(1, 64, made=32, held=32, until=2), saved_inputs_bytes=64, saved_inputs_from=0),
+             node(2, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    assert model._live(1, 2, {}).forward == (64, 32)
