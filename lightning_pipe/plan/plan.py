@@ -29,13 +29,13 @@ __all__ = [
     "make_plan", "max_microbatch", "planning_stages",
 ]
 
-#: How far the memory model may under-predict the stage that binds: the worst measured, rounded
-#: up. Over the 36 planned runs of ``tests/lightning/test_prediction.py`` (four model families,
-#: three schedules, every activation kept, recompute, swap) +6.3% (a U-Net-like CNN under 2BW,
-#: recomputing), and that test fails past this; over ``tests/lightning/test_planned_fits.py``'s
-#: 50 random cases, with one thread per core, +8.3% on the fullest stage (a U-Net over 3 stages
-#: under GPipe, whose convolutions' scratch grows unevenly with the micro-batch).
-PREDICTION_ERROR = 0.10
+#: How far the memory model may under-predict a stage: the worst measured, rounded up. Over
+#: every stage of ``tests/lightning/test_planned_fits.py``'s 50 random cases (four families, 2-4
+#: stages, three schedules, each trained at the largest micro-batch the planner accepts) 4.0%
+#: (an encoder-decoder over 3 stages under 1F1B); over ``python -m benchmarks.accuracy``'s 36
+#: configurations 1.6%; over ``tests/lightning/test_prediction.py``'s runs none. Both tests fail
+#: past this.
+PREDICTION_ERROR = 0.05
 
 #: A stage's planning target is its device's memory limit times this: room for the memory
 #: model's worst measured under-prediction, so that a plan it accepts fits.
