@@ -29,13 +29,14 @@ __all__ = [
     "make_plan", "max_microbatch", "planning_stages",
 ]
 
-#: How far the memory model may under-predict a stage: the worst measured, rounded up. Over
-#: every stage of ``tests/lightning/test_planned_fits.py``'s 50 random cases (four families, 2-4
-#: stages, three schedules, each trained at the largest micro-batch the planner accepts) 4.0%
-#: (an encoder-decoder over 3 stages under 1F1B); over ``python -m benchmarks.accuracy``'s 36
-#: configurations 1.6%; over ``tests/lightning/test_prediction.py``'s runs none. Both tests fail
-#: past this.
-PREDICTION_ERROR = 0.05
+#: How far the memory model may under-predict a stage. Measured: over every stage of
+#: ``tests/lightning/test_planned_fits.py``'s 50 random cases (four families, 2-4 stages, three
+#: schedules, each trained at the largest micro-batch the planner accepts) 4.0%, over
+#: ``python -m benchmarks.accuracy``'s 36 configurations 1.6%, over
+#: ``tests/lightning/test_prediction.py``'s runs none; both tests fail past this. Planning to
+#: 5% instead put one of those random cases out of memory (its plans are fuller, and there the
+#: model under-predicts more), so the headroom stays at 10%.
+PREDICTION_ERROR = 0.10
 
 #: A stage's planning target is its device's memory limit times this: room for the memory
 #: model's worst measured under-prediction, so that a plan it accepts fits.
