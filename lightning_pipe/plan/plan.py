@@ -316,12 +316,19 @@ def _infeasible(
     lowest = replace(stages, thorough=True, _optima={}, _placed={}, _steps={})
     floor = lowest_peak_balance(lowest)
     unbounded = replace(lowest, capacities=[0] * stages.count, _optima={}, _placed={}, _steps={})
-    peaks = [o.peak.total for o in unbounded.placed(floor)]
-    worst = max(range(stages.count), key=lambda s: peaks[s] / stages.capacities[s])
     bad = next(s for s, o in enumerate(optima) if not o.fits)
     optimised = "with memory optimisation" if stages.optimise_memory else "without memory optimisation"
     fitting = split("dawnpiper", stages) if partitioner != "dawnpiper" else balance
-    if stages.fits(fitting):  # dawnpiper fits whenever one of the balances it tries does
+    fits = stages.fits(fitting)  # dawnpiper fits whenever one of the balances it tries does
+
+    def fullest(candidate: list[int]) -> tuple[float, int, list[int]]:
+        peaks = [o.peak.total for o in unbounded.placed(candidate)]
+        worst = max(range(stages.count), key=lambda s: peaks[s] / stages.capacities[s])
+        return peaks[worst] / stages.capacities[worst], worst, peaks
+
+    # the lowest-peak search is a heuristic: a balance that fits is a lower one
+    _, worst, peaks = min(fullest(floor), fullest(fitting)) if fits else fullest(floor)
+    if fits:
         return InfeasiblePlanError(
             f"partitioner {partitioner!r} gave balance {balance}, whose stage {bad} needs "
             f"{optima[bad].peak.total} bytes {optimised}, over its planning target "

@@ -138,6 +138,13 @@ def test_an_encoder_output_read_on_every_stage_is_predicted_under_gpipe():
                                                                     microbatch * CHUNKS))
     assert "recompute" in strategy.plan.policies
     _assert_within_tolerance(strategy.plan, strategy.meter.peaks())
+    # planned 5% below the limit rather than 10%, params' balance does not fit, others do: the
+    # error names a reachable peak no higher than theirs (the lowest-peak search named one
+    # above the target)
+    targets = [int(3_325_593 / 1.05)] * 4
+    with pytest.raises(InfeasiblePlanError, match="Other balances fit") as err:
+        make_plan(strategy.profile, targets, "params", "gpipe", CHUNKS)
+    assert err.value.min_peak <= targets[0]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
