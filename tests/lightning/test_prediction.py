@@ -108,18 +108,23 @@ def test_predicted_stage_peaks_are_within_ten_percent_of_the_metered(name, sched
     _assert_within_tolerance(strategy.plan, strategy.meter.peaks())
 
 
+def _benchmark_run(name, planner, limit, microbatch):
+    """A planned GPipe run of the quick benchmark's model over 4 stages, metered."""
+    bench = suite(full=False)[name]
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="gpipe", planner=planner, memory_limit=limit,
+                                  measure_memory=True)
+    batch = microbatch * CHUNKS
+    trainer(strategy, 4, max_steps=STEPS).fit(bench.model(), loader(bench.data(batch * STEPS), batch))
+    return strategy
+
+
 def test_a_skip_gradient_waiting_under_gpipe_is_predicted():
     """The benchmark's U-Net over 4 stages under GPipe, capslog's plan at micro-batch 10 under
     a 6.9 MiB limit: a planned run that ran out of memory while the cost model let no gradient
     wait under GPipe. The long skip's gradient, a slice of its cat's gradient, waits at the
     cat's stage while that stage runs two more micro-batches' backward (stage 2 metered
     5.84 MiB against 4.43 MiB predicted)."""
-    bench = suite(full=False)["unet"]
-    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="gpipe", planner="capslog", memory_limit=7_223_661,
-                                  measure_memory=True)
-    microbatch = 10
-    trainer(strategy, 4, max_steps=STEPS).fit(bench.model(), loader(bench.data(microbatch * CHUNKS * STEPS),
-                                                                    microbatch * CHUNKS))
+    strategy = _benchmark_run("unet", "capslog", 7_223_661, 10)
     assert "recompute" in strategy.plan.policies
     _assert_within_tolerance(strategy.plan, strategy.meter.peaks())
 
@@ -130,12 +135,7 @@ def test_an_encoder_output_read_on_every_stage_is_predicted_under_gpipe():
     twice (in the stash of the recomputed node saving it, and as held for the later stages:
     +15.6%), and its gradient only on its last reader's stage, while autograd makes a new sum
     on each stage reading it, which waits there (stage 2: -6.7%)."""
-    bench = suite(full=False)["t5"]
-    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="gpipe", planner="params", memory_limit=3_325_593,
-                                  measure_memory=True)
-    microbatch = 13
-    trainer(strategy, 4, max_steps=STEPS).fit(bench.model(), loader(bench.data(microbatch * CHUNKS * STEPS),
-                                                                    microbatch * CHUNKS))
+    strategy = _benchmark_run("t5", "params", 3_325_593, 13)
     assert "recompute" in strategy.plan.policies
     _assert_within_tolerance(strategy.plan, strategy.meter.peaks())
     # planned 5% below the limit rather than 10%, params' balance does not fit, others do: the
