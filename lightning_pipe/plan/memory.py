@@ -413,11 +413,13 @@ class CostModel:
     def _last_backward(self, lo: int, in_flight: float) -> int:
         """What the last stage holds besides its own during its backward: the batch, the
         gradient of its outputs and the losses; one micro-batch's output too when the loss's
-        graph keeps it (per micro-batch, the loss reads the output itself)."""
-        out, kept = self._final_outputs(lo), self.profile.loss_kept_bytes
+        graph keeps it (per micro-batch, the loss reads the output itself). Under GPipe no
+        loss: Lightning backs ``loss / accumulate_grad_batches``, a new scalar, and drops the
+        returned loss (with ``F.mse_loss``, a view of every unreduced value) before it."""
+        out = self._final_outputs(lo)
         if self.merges:
-            return self.batch + round(in_flight * (out + kept))
-        return self.batch + 2 * out + self.chunks * kept
+            return self.batch + round(in_flight * out)
+        return self.batch + 2 * out + self.chunks * self.profile.loss_kept_bytes
 
     def _final_outputs(self, lo: int) -> int:
         return sum(self.output[i] for i in range(lo, self.n) if -1 in self.users[i])
@@ -481,7 +483,6 @@ class _NodeArrays:
         self.grads = array([n.grad_bytes for n in nodes])
         self.last_saver = array([max(k, n.last_saver) for k, n in enumerate(nodes)])
         self.output = array([n.output_bytes for n in nodes])
-        self.reads_input = np.concatenate(([0], np.cumsum(np.isin(np.arange(len(nodes)), profile.input_users))))
         # the node whose storage a node's value lives on: itself, or for a view its largest input's
         base = list(range(len(nodes)))
         reads = sorted((u, j) for j, n in enumerate(nodes) for u in set(n.users) if u >= 0)
@@ -630,14 +631,12 @@ def _regions_inputs(
     """Per recomputed region ``[starts[k], stops[k])`` of a stage on ``[lo, hi)`` (in node
     order, each saving something), what it keeps: the storages of the values it reads from
     outside itself that no other node keeps as long (see :meth:`CostModel.region_inputs`). A
-    storage counts at the first region reading it; the graph input too. Also the storages
+    storage counts at the first region reading it; the graph input never (a micro-batch is a
+    view of the training batch, which the last stage holds). Also the storages
     (by the node making them) it keeps of the values their makers hold, and the first node of
     the region keeping each: from there on they are its stash, no longer held."""
     a = model._arrays
     totals = np.zeros(starts.size, dtype=np.int64)
-    reads_input = np.flatnonzero(a.reads_input[stops] > a.reads_input[starts])
-    if reads_input.size:
-        totals[reads_input[0]] += model.profile.input_bytes
     begin, end = np.searchsorted(a.reader, [starts[0], stops[-1]])
     reader, read, storage = a.reader[begin:end], a.read[begin:end], a.read_base[begin:end]
     region = np.searchsorted(starts, reader, side="right") - 1
