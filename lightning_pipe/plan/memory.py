@@ -298,11 +298,12 @@ class CostModel:
             if r.stop == self.n:
                 continue
             codes = _policy_codes({i: p for i, p in policies.items() if i in r}, self.n)
-            first, last = _recomputed_regions(a, r.start, r.stop, codes)
+            runs = _runs(codes[r.start : r.stop])
+            first, last = _recomputed_regions(a, r.start, r.stop, codes, runs)
             stashed = _NO_REGION_INPUTS
             if first.size:
                 stashed = _regions_inputs(self, r.start, r.stop, first, last, codes)[1:]
-            end = _held_end(a, r.start, r.stop, codes, stashed)
+            end = _held_end(a, r.start, r.stop, codes, runs, stashed)
             # (a value in the graph's output waits for the merge: see merged)
             for k in np.flatnonzero((end >= r.stop) & (end < self.n) & (a.held[r.start : r.stop] > 0)):
                 reader = bisect.bisect_right(cuts, min(int(end[k]), self.n - 1))
@@ -536,11 +537,12 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     stash = a.saved[lo:hi].copy()
     back = np.zeros(size, dtype=np.int64)
     stashed = _NO_REGION_INPUTS
-    if codes is not None and codes[lo:hi].any():
-        stashed = _drop_stashes(model, lo, hi, codes, stash, back)
+    runs = None if codes is None else _runs(codes[lo:hi])
+    if codes is not None and runs is not None and codes[lo:hi].any():
+        stashed = _drop_stashes(model, lo, hi, codes, runs, stash, back)
     kept = np.concatenate(([0], np.cumsum(stash)))
     # values a node makes and does not keep itself stay alive after it until kept, or read
-    end = _held_end(a, lo, hi, codes, stashed)
+    end = _held_end(a, lo, hi, codes, runs, stashed)
     held = np.zeros(size + 1, dtype=np.int64)
     first = np.arange(1, size + 1)
     last = np.minimum(end, hi - 1) - lo + 1
@@ -571,7 +573,7 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
 
 
 def _drop_stashes(
-    model: CostModel, lo: int, hi: int, codes: _Codes, stash: _Array, back: _Array
+    model: CostModel, lo: int, hi: int, codes: _Codes, runs: "_Runs", stash: _Array, back: _Array
 ) -> tuple[_Array, _Array]:
     """Take off ``stash`` (per node of ``[lo, hi)``) what each swapped or recomputed run
     drops, give a recomputed region its inputs, and add to ``back`` the bytes brought back
@@ -579,13 +581,12 @@ def _drop_stashes(
     keeps on the device what it saves of values made before it); the stash comes back whole
     (a swapped run's once the backward of the segment after it begins, a recomputed one's at
     its own last node) and leaves again as each node's backward takes its part. All runs are
-    priced at once: a stage may have hundreds. Returns the storages the recomputed regions
+    priced at once: a stage may have hundreds (``runs``: :func:`_runs`). Returns the storages the recomputed regions
     keep as inputs and the first node of the region keeping each (:func:`_regions_inputs`)."""
     a = model._arrays
     code = codes[lo:hi]
-    new, starts, stops = _segments(code)
-    segment = np.cumsum(new) - 1
-    start, stop = starts[segment] + lo, stops[segment] + lo
+    starts, segment = runs.starts, runs.of
+    start, stop = starts[segment] + lo, runs.stops[segment] + lo
     freed = np.where((code != 0) & (a.last_saver[lo:hi] < stop), a.saved[lo:hi], 0)
     inputs_from = a.saved_inputs_from[lo:hi]
     before = (inputs_from >= 0) & (inputs_from < start)  # saves inputs made before its segment
@@ -596,12 +597,12 @@ def _drop_stashes(
     total = np.cumsum(made_again)
     back += total - np.concatenate(([0], total))[starts][segment]
     kind = code[starts]
-    runs = np.add.reduceat(freed, starts)
+    dropped = np.add.reduceat(freed, starts)
     after = np.zeros(starts.size, dtype=np.int64)  # a swapped run's stash, back for the segment after it
     swapped = np.flatnonzero(kind[:-1] == 2)
-    after[swapped + 1] = runs[swapped]
+    after[swapped + 1] = dropped[swapped]
     back += after[segment]
-    first, last = _recomputed_regions(a, lo, hi, codes)
+    first, last = _recomputed_regions(a, lo, hi, codes, runs)
     if not first.size:
         return _NO_REGION_INPUTS
     totals, storages, since = _regions_inputs(model, lo, hi, first, last, codes)
@@ -609,20 +610,27 @@ def _drop_stashes(
     return storages, since
 
 
-def _segments(code: _Codes) -> tuple["np.ndarray[tuple[int], np.dtype[np.bool_]]", _Array, _Array]:
-    """Maximal runs of one policy (kept ones too): where each node starts a new one, and
-    their starts and stops (positions in ``code``)."""
+@dataclass
+class _Runs:
+    """Maximal runs of one policy over a stage's nodes (kept ones too), by position: their
+    starts and stops, and the run of each position."""
+
+    starts: _Array
+    stops: _Array
+    of: _Array
+
+
+def _runs(code: _Codes) -> _Runs:
     new = np.ones(code.size, dtype=bool)
     new[1:] = code[1:] != code[:-1]
     starts = np.flatnonzero(new)
-    return new, starts, np.append(starts[1:], code.size)
+    return _Runs(starts, np.append(starts[1:], code.size), np.cumsum(new) - 1)
 
 
-def _recomputed_regions(a: _NodeArrays, lo: int, hi: int, codes: _Codes) -> tuple[_Array, _Array]:
+def _recomputed_regions(a: _NodeArrays, lo: int, hi: int, codes: _Codes, runs: _Runs) -> tuple[_Array, _Array]:
     """First and stop node of each recomputed region of ``[lo, hi)`` that saves something."""
-    _, starts, stops = _segments(codes[lo:hi])
-    region = (codes[lo:hi][starts] == 1) & (np.add.reduceat(a.saved[lo:hi], starts) > 0)
-    return starts[region] + lo, stops[region] + lo
+    region = (codes[lo:hi][runs.starts] == 1) & (np.add.reduceat(a.saved[lo:hi], runs.starts) > 0)
+    return runs.starts[region] + lo, runs.stops[region] + lo
 
 
 def _regions_inputs(
@@ -666,29 +674,28 @@ _NO_REGION_INPUTS: tuple[_Array, _Array] = (np.zeros(0, dtype=np.int64), np.zero
 
 
 def _held_end(
-    a: _NodeArrays, lo: int, hi: int, codes: "_Codes | None", stashed: tuple[_Array, _Array] = _NO_REGION_INPUTS
+    a: _NodeArrays, lo: int, hi: int, codes: "_Codes | None", runs: _Runs | None,
+    stashed: tuple[_Array, _Array] = _NO_REGION_INPUTS,
 ) -> _Array:
     """Per node of ``[lo, hi)``, the last node before which what it holds is kept or freed:
     the node keeping it first, unless that one's stash is recomputed or swapped and so
     dropped (a node of the stage drops it only if no later node of its run keeps it on);
     then the last node reading it, or the first of a recomputed region keeping it as an input
     (``stashed``: storages and those nodes, from :func:`_regions_inputs`). A stage runs each
-    run of one policy as one call, which holds its arguments until it returns: a value read
-    by a later run lives until that run's last node."""
+    run of one policy (``runs``) as one call, which holds its arguments until it returns: a
+    value read by a later run lives until that run's last node."""
     end = a.held_end[lo:hi]
-    if codes is None:
+    if codes is None or runs is None:
         return end
     by = a.held_by[lo:hi]
     dropped = (by >= 0) & (codes[by] != 0)
-    _, starts, stops = _segments(codes[lo:hi])
     inside = dropped & (by < hi)
-    run_stop = stops[np.searchsorted(starts, by[inside] - lo, side="right") - 1] + lo
-    dropped[inside] = a.last_saver[by[inside]] < run_stop
+    dropped[inside] = a.last_saver[by[inside]] < runs.stops[runs.of[by[inside] - lo]] + lo
     end = np.where(dropped, a.held_until[lo:hi], end)
     read = ((by < 0) | dropped) & (end < hi)  # freed once read, not stashed
-    run = np.searchsorted(starts, np.minimum(end, hi - 1) - lo, side="right") - 1
-    later = read & (run != np.searchsorted(starts, np.arange(hi - lo), side="right") - 1)
-    end = np.where(later, stops[run] + lo - 1, end)
+    run = runs.of[np.minimum(end, hi - 1) - lo]
+    later = read & (run != runs.of)
+    end = np.where(later, runs.stops[run] + lo - 1, end)
     storages, since = stashed
     inside = (storages >= lo) & (storages < hi)
     np.minimum.at(end, storages[inside] - lo, since[inside])
