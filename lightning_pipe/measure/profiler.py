@@ -177,46 +177,19 @@ class _NodeBytes:
 
 def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBytes]:
     """Bytes per node (one meter "stage" per node)."""
-    index = {node: k for k, node in enumerate(nodes)}
     meter = MemoryMeter(len(nodes))
     measured = [_NodeBytes() for _ in nodes]
-    made: dict[int, tuple[int, Tensor]] = {}  # storage -> the node making it, and a tensor on it
-    last_read: dict[int, int] = {}  # storage -> the last node reading a value on it
+    rng = _rng_state()
     with meter, meter.saved_tensors_hooks():
-        for node in runner.gm.graph.nodes:
-            if node.op in ("placeholder", "get_attr"):
-                runner.env[node] = runner.run_node(node)
-            elif node.op != "output":
-                k = index[node]
-                with meter.running(k):
-                    runner.env[node] = runner.run_on(node, _device_of(node, runner))
-                meter.tag_backward([runner.env[node]], k)
-                _watch_input_grads(runner.env[node], measured[k], _read_by(node, index, runner))
-                stage = meter.stages[k]
-                kept = _kept_from_others(meter, node, k, runner)
-                measured[k].saved_inputs = sum(t.untyped_storage().nbytes() for t in kept)
-                makers = [made[id(t.untyped_storage())][0] for t in kept if id(t.untyped_storage()) in made]
-                measured[k].saved_inputs_from = min(makers, default=-1)
-                measured[k].made = stage.total - measured[k].saved_inputs
-                measured[k].workspace = stage.peak - stage.total
-                for t in tree_flatten(runner.env[node])[0]:
-                    if isinstance(t, Tensor):
-                        key = id(t.untyped_storage())
-                        if meter.charged(t) == (k, "transient"):
-                            made[key] = (k, t)
-                        last_read[key] = max(last_read.get(key, -1), _last_reader(node, index))
-        for k, m in enumerate(meter.stages):
-            measured[k].saved = m.current["activations"]
-        for key, (k, t) in made.items():  # what a node made and does not keep, until kept or last read
-            holder = meter.charged(t)
-            if holder != (k, "activations"):
-                measured[k].held += t.untyped_storage().nbytes()
-                if holder is not None and holder[1] == "activations":
-                    measured[k].held_by = max(measured[k].held_by, holder[0])
-                measured[k].held_until = max(measured[k].held_until, last_read[key])
+        _measure_forward(runner, nodes, meter, measured)
         result = fx.node.map_arg(runner.gm.graph.output_node().args[0], runner.env.__getitem__)
         outputs = [t for t in tree_flatten(result)[0] if _needs_grad(t)]
         leaves = [p for p in runner.module.parameters() if p.requires_grad]
+        # Only autograd holds the forward's values now, as in training: a node's backward
+        # frees what it saved before autograd sums the gradients it hands on.
+        del result
+        for node in nodes:
+            del runner.env[node]
         meter.reset_peaks()
         start = [m.total for m in meter.stages]
         if outputs and leaves:
@@ -226,7 +199,50 @@ def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBy
         for k, (m, s) in enumerate(zip(meter.stages, start)):
             measured[k].backward = max(m.peak - s, 0)
             measured[k].last_saver = meter.last_saver.get(k, -1)
+    _set_rng_state(rng)
+    for node in nodes:  # the same values again (dropout's too), for what is measured next
+        runner.env[node] = runner.run_on(node, _device_of(node, runner))
     return measured
+
+
+def _measure_forward(runner: "_NodeRunner", nodes: list[fx.Node], meter: MemoryMeter,
+                     measured: list[_NodeBytes]) -> None:
+    """Run the forward node by node under ``meter``, noting in ``measured`` what each node
+    makes, saves and holds."""
+    index = {node: k for k, node in enumerate(nodes)}
+    made: dict[int, tuple[int, Tensor]] = {}  # storage -> the node making it, and a tensor on it
+    last_read: dict[int, int] = {}  # storage -> the last node reading a value on it
+    for node in runner.gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            runner.env[node] = runner.run_node(node)
+        elif node.op != "output":
+            k = index[node]
+            with meter.running(k):
+                runner.env[node] = runner.run_on(node, _device_of(node, runner))
+            meter.tag_backward([runner.env[node]], k)
+            _watch_input_grads(runner.env[node], measured[k], _read_by(node, index, runner))
+            stage = meter.stages[k]
+            kept = _kept_from_others(meter, node, k, runner)
+            measured[k].saved_inputs = sum(t.untyped_storage().nbytes() for t in kept)
+            makers = [made[id(t.untyped_storage())][0] for t in kept if id(t.untyped_storage()) in made]
+            measured[k].saved_inputs_from = min(makers, default=-1)
+            measured[k].made = stage.total - measured[k].saved_inputs
+            measured[k].workspace = stage.peak - stage.total
+            for t in tree_flatten(runner.env[node])[0]:
+                if isinstance(t, Tensor):
+                    key = id(t.untyped_storage())
+                    if meter.charged(t) == (k, "transient"):
+                        made[key] = (k, t)
+                    last_read[key] = max(last_read.get(key, -1), _last_reader(node, index))
+    for k, m in enumerate(meter.stages):
+        measured[k].saved = m.current["activations"]
+    for key, (k, t) in made.items():  # what a node made and does not keep, until kept or last read
+        holder = meter.charged(t)
+        if holder != (k, "activations"):
+            measured[k].held += t.untyped_storage().nbytes()
+            if holder is not None and holder[1] == "activations":
+                measured[k].held_by = max(measured[k].held_by, holder[0])
+            measured[k].held_until = max(measured[k].held_until, last_read[key])
 
 
 def _watch_input_grads(value: Any, measured: _NodeBytes, read: dict[tuple[int, int], int]) -> None:
