@@ -82,11 +82,12 @@ def profile_graph(
             args, kwargs = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, Tensor) else x, (args, kwargs))
         runner = _NodeRunner(gm, _bind(gm, args, kwargs))
         memory = _measure_memory(runner, captured.nodes)
+        machine = (device, 0.0) if fake else _machine(_device_of(captured.nodes[0], runner))
+        _set_rng_state(rng)  # the measured forward's values again (dropout's too), for the output
+        estimated = _roofline_times(runner, captured.nodes, *machine)
         if output is not None:
             result = fx.node.map_arg(gm.graph.output_node().args[0], runner.env.__getitem__)
             output.append(tree_map(_leaf, result))
-        machine = (device, 0.0) if fake else _machine(_device_of(captured.nodes[0], runner))
-        estimated = _roofline_times(runner, captured.nodes, *machine)
         times = []
         for k, n in enumerate(captured.nodes):
             times.append(estimated[k] if fake else _time_node(runner, n, repeats, warmup))
@@ -176,10 +177,9 @@ class _NodeBytes:
 
 
 def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBytes]:
-    """Bytes per node (one meter "stage" per node)."""
+    """Bytes per node (one meter "stage" per node). Leaves no node's value in ``runner.env``."""
     meter = MemoryMeter(len(nodes))
     measured = [_NodeBytes() for _ in nodes]
-    rng = _rng_state()
     with meter, meter.saved_tensors_hooks():
         _measure_forward(runner, nodes, meter, measured)
         result = fx.node.map_arg(runner.gm.graph.output_node().args[0], runner.env.__getitem__)
@@ -199,9 +199,6 @@ def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBy
         for k, (m, s) in enumerate(zip(meter.stages, start)):
             measured[k].backward = max(m.peak - s, 0)
             measured[k].last_saver = meter.last_saver.get(k, -1)
-    _set_rng_state(rng)
-    for node in nodes:  # the same values again (dropout's too), for what is measured next
-        runner.env[node] = runner.run_on(node, _device_of(node, runner))
     return measured
 
 
