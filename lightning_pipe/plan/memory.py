@@ -536,11 +536,10 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     size = hi - lo
     stash = a.saved[lo:hi].copy()
     back = np.zeros(size, dtype=np.int64)
-    again = np.zeros(size, dtype=np.int64)
     stashed = _NO_REGION_INPUTS
     runs = None if codes is None else _runs(codes[lo:hi])
     if codes is not None and runs is not None and codes[lo:hi].any():
-        stashed = _drop_stashes(model, lo, hi, codes, runs, stash, back, again)
+        stashed = _drop_stashes(model, lo, hi, codes, runs, stash, back)
     kept = np.concatenate(([0], np.cumsum(stash)))
     # values a node makes and does not keep itself stay alive after it until kept, or read
     end = _held_end(a, lo, hi, codes, runs, stashed)
@@ -555,10 +554,7 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     # node saving an input an earlier stage made takes it on only as it runs)
     forward = np.append(kept[:-1] + held + a.made[lo:hi] + a.workspace[lo:hi], kept[-1] + leaving)
     f = int(np.argmax(forward))
-    own = a.backward[lo:hi] + back
-    if codes is not None and runs is not None and again.any():
-        own = np.maximum(own, _recomputing(a, lo, hi, codes, runs, end, again))
-    common = kept[1:] + model._gradients(lo, hi) + own
+    common = kept[1:] + model._gradients(lo, hi) + a.backward[lo:hi] + back
     # a fresh gradient of the node's parameters, to add to theirs; under the local GPipe, whose
     # one backward sums the micro-batches' gradients before the parameter takes them, the sum
     # of the two besides (a linear layer's gradient is a transposed view, not summed in place)
@@ -577,12 +573,11 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
 
 
 def _drop_stashes(
-    model: CostModel, lo: int, hi: int, codes: _Codes, runs: "_Runs", stash: _Array, back: _Array, again: _Array
+    model: CostModel, lo: int, hi: int, codes: _Codes, runs: "_Runs", stash: _Array, back: _Array
 ) -> tuple[_Array, _Array]:
     """Take off ``stash`` (per node of ``[lo, hi)``) what each swapped or recomputed run
     drops, give a recomputed region its inputs, and add to ``back`` the bytes brought back
-    during each node's backward (and to ``again`` what each node's recompute makes again of
-    it). A run drops the stash its nodes alone keep (a swapped run
+    during each node's backward. A run drops the stash its nodes alone keep (a swapped run
     keeps on the device what it saves of values made before it); the stash comes back whole
     (a swapped run's once the backward of the segment after it begins, a recomputed one's at
     its own last node) and leaves again as each node's backward takes its part. All runs are
@@ -599,7 +594,6 @@ def _drop_stashes(
     stash -= freed
     # what comes back: a recomputed region's inputs stay (the region keeps them), not made again
     made_again = np.maximum(0, freed - np.where((code == 1) & before, a.saved_inputs[lo:hi], 0))
-    again += np.where(code == 1, made_again, 0)
     total = np.cumsum(made_again)
     back += total - np.concatenate(([0], total))[starts][segment]
     kind = code[starts]
@@ -631,31 +625,6 @@ def _runs(code: _Codes) -> _Runs:
     new[1:] = code[1:] != code[:-1]
     starts = np.flatnonzero(new)
     return _Runs(starts, np.append(starts[1:], code.size), np.cumsum(new) - 1)
-
-
-def _recomputing(
-    a: _NodeArrays, lo: int, hi: int, codes: _Codes, runs: _Runs, end: _Array, again: _Array
-) -> _Array:
-    """Per node of ``[lo, hi)``, the most a recomputed region holds while it runs again, at its
-    last node (whose backward, unpacking first, runs it; 0 elsewhere): the stash it made again
-    so far (``again``), the values its nodes made that it still reads (``end``: each one's last
-    reader), and the running node's own allocations."""
-    size = hi - lo
-    first, _ = _recomputed_regions(a, lo, hi, codes, runs)
-    region = np.zeros(runs.starts.size, dtype=bool)
-    region[np.searchsorted(runs.starts, first - lo)] = True
-    inside = region[runs.of]
-    stop = runs.stops[runs.of]
-    k = np.flatnonzero(inside)
-    held = np.zeros(size + 1, dtype=np.int64)
-    np.add.at(held, k + 1, a.held[lo:hi][k])
-    np.add.at(held, np.maximum(k + 1, np.minimum(end[k] - lo, stop[k] - 1) + 1), -a.held[lo:hi][k])
-    before = np.cumsum(again) - again
-    running = before - before[runs.starts[runs.of]] + np.cumsum(held)[:size] + a.made[lo:hi] + a.workspace[lo:hi]
-    peaks = np.maximum.reduceat(np.where(inside, running, 0), runs.starts)
-    result = np.zeros(size, dtype=np.int64)
-    result[runs.stops[region] - 1] = peaks[region]
-    return result
 
 
 def _recomputed_regions(a: _NodeArrays, lo: int, hi: int, codes: _Codes, runs: _Runs) -> tuple[_Array, _Array]:

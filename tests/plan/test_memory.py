@@ -197,17 +197,6 @@ def test_a_recomputed_region_makes_again_what_it_saved_but_not_its_inputs():
     assert recomputed.stashed == 100 and recomputed.backward == (100, 50)
 
 
-def test_a_recomputed_region_running_again_holds_what_its_nodes_still_read():
-    # [0, 3) recomputed: at node 2's backward (the region's last, whose backward runs it again),
-    # as the region reaches node 2, node 1's stash made again (10), node 0's 100 bytes that
-    # node 2 still reads, and node 2's own 5 (node 3's output takes no gradient)
-    nodes = [node(0, 0, held=100, until=2, users=[1, 2], grad=1), node(1, 10, users=[2], grad=1),
-             node(2, 5, users=[3], grad=1), node(3, users=[-1])]
-    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
-    recomputed = model._live(0, 4, {0: "recompute", 1: "recompute", 2: "recompute"})
-    assert recomputed.stashed == 0 and recomputed.backward == (0, 10 + 100 + 5)
-
-
 def test_slices_of_one_gradient_keep_it_whole_until_the_earliest_value_takes_its_own():
     # node 3 concatenates nodes 0 and 2 (64 bytes each) and hands each a slice of its 128-byte
     # output gradient: at node 2's backward the whole buffer and node 2's 8 bytes for node 1
