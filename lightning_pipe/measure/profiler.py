@@ -83,7 +83,9 @@ def profile_graph(
         runner = _NodeRunner(gm, _bind(gm, args, kwargs))
         memory = _measure_memory(runner, captured.nodes)
         machine = (device, 0.0) if fake else _machine(_device_of(captured.nodes[0], runner))
-        _set_rng_state(rng)  # the measured forward's values again (dropout's too), for the output
+        # The roofline run fills runner.env again (_measure_memory leaves it without the nodes'
+        # values), from the measured forward's random state: the output and the timings read it.
+        _set_rng_state(rng)
         estimated = _roofline_times(runner, captured.nodes, *machine)
         if output is not None:
             result = fx.node.map_arg(gm.graph.output_node().args[0], runner.env.__getitem__)

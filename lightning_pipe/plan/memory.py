@@ -537,9 +537,11 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     stash = a.saved[lo:hi].copy()
     back = np.zeros(size, dtype=np.int64)
     stashed = _NO_REGION_INPUTS
-    runs = None if codes is None else _runs(codes[lo:hi])
-    if codes is not None and runs is not None and codes[lo:hi].any():
-        stashed = _drop_stashes(model, lo, hi, codes, runs, stash, back)
+    runs = None
+    if codes is not None:
+        runs = _runs(codes[lo:hi])
+        if codes[lo:hi].any():
+            stashed = _drop_stashes(model, lo, hi, codes, runs, stash, back)
     kept = np.concatenate(([0], np.cumsum(stash)))
     # values a node makes and does not keep itself stay alive after it until kept, or read
     end = _held_end(a, lo, hi, codes, runs, stashed)
@@ -580,9 +582,10 @@ def _drop_stashes(
     during each node's backward. A run drops the stash its nodes alone keep (a swapped run
     keeps on the device what it saves of values made before it); the stash comes back whole
     (a swapped run's once the backward of the segment after it begins, a recomputed one's at
-    its own last node) and leaves again as each node's backward takes its part. All runs are
-    priced at once: a stage may have hundreds (``runs``: :func:`_runs`). Returns the storages the recomputed regions
-    keep as inputs and the first node of the region keeping each (:func:`_regions_inputs`)."""
+    its own last node) and leaves again as each node's backward takes its part. All runs
+    (``runs``) are priced at once: a stage may have hundreds. Returns the storages the
+    recomputed regions keep as inputs and the first node of the region keeping each
+    (:func:`_regions_inputs`)."""
     a = model._arrays
     code = codes[lo:hi]
     starts, segment = runs.starts, runs.of
