@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -44,6 +45,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -57,13 +59,14 @@ from lightning_pipe.lightning.steps import _loss_of
 from lightning_pipe.lightning.strategy import MemoryPipeStrategy, _policies
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
-from lightning_pipe.measure.profiler import profile_graph
+from lightning_pipe.measure.profiler import device_spec, profile_graph
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, make_plan
 from lightning_pipe.plan.schedule import actions
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.distributed import DistributedPipeline, StageRunner, cuts, pipeline_mesh
+from lightning_pipe.runtime.materialize import check_resettable, has_meta, materialize_module
 
 __all__ = ["DistributedPipeStrategy", "become_distributed"]
 
@@ -89,6 +92,11 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         self._graphs: Variants | None = None  # the forward's graphs, by modes and inputs
         self._pipe_graph: Captured | None = None  # the graph the pipeline runs (the training graph)
         self._runners: dict[int, StageRunner] = {}  # this rank's stage of each other graph (evaluation's)
+        self._empty = False  # the module was built on the meta device: each rank materialises its stage
+        self._init_rng: tuple[Tensor, Tensor | None] | None = None  # the CPU's and the device's random
+        # states when the module was handed over: rank 0 initialises a meta-built module from them
+        self._deferred: tuple[Mapping[str, Any] | None, list[Any] | None] | None = None  # a checkpoint's
+        # model and optimizer states, for a module on the meta device: loaded into the held tensors
 
     # --- ranks and processes, as Lightning's multi-process strategies ---------------------
 
@@ -186,10 +194,29 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
     @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``trainer.init_module(empty_init=True)`` builds the model on the meta device: no
+        process ever holds it whole; each rank materialises its own stage at the first batch
+        (:mod:`~lightning_pipe.runtime.materialize`)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
     def model_to_device(self) -> None:
         """Route ``forward``; the stages are built at the first step, from its batch."""
         module = self._module
-        module.to(self.root_device)
+        self._empty = has_meta(module)
+        if self._empty:
+            check_resettable(module)
+            cuda = self.root_device.type == "cuda"
+            self._init_rng = torch.get_rng_state(), torch.cuda.get_rng_state(self.root_device) if cuda else None
+        else:
+            module.to(self.root_device)
         module.forward = self._forward  # type: ignore[method-assign]
         module._device = self.root_device
 
@@ -210,17 +237,21 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         box: list[Any] = [None]
         if self.global_rank == 0:
             sample = scatter((args, kwargs), self.chunks)[0]
+            if self._empty:  # shapes are all a model without storage can give
+                sample = tree_map(lambda x: x.to("meta") if isinstance(x, Tensor) else x, sample)
             plan = None
             if training and self.planner is not None and self.balance is None:
                 optimizer = self.optimizers[0] if self.optimizers else None
-                with torch.enable_grad():
-                    self.profile = profile_graph(captured, *sample, optimizer=optimizer)
+                with torch.enable_grad():  # fake tensors (times from a roofline) for a model without storage
+                    self.profile = profile_graph(captured, *sample, optimizer=optimizer, fake=self._empty,
+                                                 device=device_spec(self.root_device))
                 capacity = self._stage_capacities(stages)
                 plan = make_plan(self.profile, [int(c * PLANNING_HEADROOM) for c in capacity], self.planner,
                                  self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth, carry=True)
             balance = plan.balance if plan else self.balance or balance_by_weight(captured.param_bytes(), stages)
             policies = _policies(captured, plan) if plan else {}
-            program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
+            device = torch.device("meta") if self._empty else self.root_device
+            program = build(captured, module, balance, [device] * stages, policies, place=False)
             box = [(balance, policies, cuts(program, module, *sample), plan)]
         dist.broadcast_object_list(box, src=0)
         balance, policies, boundaries, self.plan = box[0]
@@ -228,10 +259,14 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         if final:  # the evaluation graph, while every rank holds every tensor (an exported one needs them)
             with in_mode(module, training=False):
                 self._graphs.get((args, kwargs))
-        self._pipe = DistributedPipeline(
-            program, module, boundaries, self.device_mesh, self.schedule,  # type: ignore[arg-type]
-            self.chunks, self._loss, self.root_device, release=final, timeout=self.timeout,
-        )
+        previous = self._pipe.held_by_stage if self._pipe is not None and self._pipe.released else None
+        with self._initialising():
+            self._pipe = DistributedPipeline(
+                program, module, boundaries, self.device_mesh, self.schedule,  # type: ignore[arg-type]
+                self.chunks, self._loss, self.root_device, release=final, timeout=self.timeout,
+                previous=previous, init=partial(materialize_module, device=self.root_device),
+            )
+        self._load_deferred(final)
         self._planned = final
         self._pipe_graph, self._runners = captured, {}
         self.clock = self._pipe.module.clock = StageClock(1)  # this rank's stage as stage 0
@@ -240,10 +275,37 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             self.meter.own(0, self._pipe.held)
         if final:
             for optimizer in self.optimizers:  # state of tensors another rank holds
-                for param in [p for p in optimizer.state if p.numel() == 0]:
+                for param in [p for p in optimizer.state if p.numel() == 0 or p.is_meta]:
                     del optimizer.state[param]
             self._load_sharded_optimizers()
         return self._pipe
+
+    @contextmanager
+    def _initialising(self) -> Iterator[None]:
+        """The random state a meta-built module was handed over with: rank 0 initialises it as
+        if right after it was built, whatever ran since (the sanity check, the probe)."""
+        with torch.random.fork_rng(devices=[self.root_device] if self.root_device.type == "cuda" else []):
+            if self._init_rng is not None:
+                cpu_state, device_state = self._init_rng
+                torch.set_rng_state(cpu_state)
+                if device_state is not None:
+                    torch.cuda.set_rng_state(device_state, self.root_device)
+            yield
+
+    def _load_deferred(self, final: bool) -> None:
+        """A checkpoint restored into a module on the meta device, loaded into the tensors this
+        rank now holds (its optimizer states once the pipeline is final)."""
+        if self._deferred is None or self._pipe is None:
+            return
+        state, optimizer_states = self._deferred
+        if self._sharded_from is not None:
+            load_tensors(self._sharded_from, self._pipe.held_state())
+        elif state is not None:
+            self._pipe.load_state_dict(dict(state))
+        if final:
+            for optimizer, saved in zip(self.optimizers, optimizer_states or []):
+                optimizer.load_state_dict(saved)
+            self._deferred = None
 
     def _stage_capacities(self, stages: int) -> list[int]:
         limits = self.memory_limit
@@ -530,7 +592,9 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._sharded_from is not None:  # every tensor before the first batch, then the held ones
+        if self._pipe is None and has_meta(self._module):  # nothing to load into yet (restored before setup)
+            self._deferred = (None if self._sharded_from else checkpoint["state_dict"], None)
+        elif self._sharded_from is not None:  # every tensor before the first batch, then the held ones
             tensors = self._pipe.held_state() if self._pipe else self._module.state_dict(keep_vars=True)
             load_tensors(self._sharded_from, tensors)
         elif self._pipe is None:
@@ -540,6 +604,9 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._deferred is not None and self._sharded_from is None:
+            self._deferred = (self._deferred[0], checkpoint["optimizer_states"])
+            return
         if self._sharded_from is not None:  # read once the pipeline says which parameters are this rank's
             self._optimizers_from = self._sharded_from
             if self._planned:
@@ -602,7 +669,14 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         self._restore_skip_backward()
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
-        ParallelStrategy.teardown(self)
+        module = self._lightning_module
+        if self._empty and module is not None:  # Lightning's module.cpu(), but what has no storage stays on meta
+            module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[no-untyped-call]
+            self._lightning_module = None
+        try:
+            ParallelStrategy.teardown(self)
+        finally:
+            self._lightning_module = module
 
 
 def become_distributed(strategy: MemoryPipeStrategy) -> None:

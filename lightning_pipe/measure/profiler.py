@@ -29,7 +29,7 @@ from lightning_pipe.plan.devices import DEVICES, DeviceSpec
 from lightning_pipe.plan.profile import NodeProfile, Profile, SharedParam
 from lightning_pipe.stream import current_stream, elapsed_ms, record_event
 
-__all__ = ["FAKE_DEVICE", "profile_graph"]
+__all__ = ["FAKE_DEVICE", "device_spec", "profile_graph"]
 
 #: The GPU a fake profile's times are estimated for when none is given (the DawnPiper
 #: paper's). Only their ratios matter to balancing and recompute; against
@@ -321,6 +321,12 @@ def _roofline_times(
 # matches none), ~5 us to launch a kernel.
 _HOST = DeviceSpec("host CPU", 0, {"fp32": 100e9}, 20e9, 20e9, 20e9)
 _HOST_OVERHEAD_MS, _GPU_OVERHEAD_MS = 0.010, 0.005
+
+
+def device_spec(device: torch.device) -> DeviceSpec:
+    """The spec a fake profile estimates times for, to plan for ``device``: its GPU model's,
+    or the host's."""
+    return _machine(device)[0]
 
 
 def _machine(device: torch.device) -> tuple[DeviceSpec, float]:

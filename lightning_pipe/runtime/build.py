@@ -256,8 +256,11 @@ def _place(program: Program, root: nn.Module, place: bool = True) -> None:
     on another device."""
     owner: dict[int, Stage] = {}
 
+    def on(tensor: Tensor, stage: Stage) -> bool:  # a meta tensor gets storage where its stage runs
+        return place or tensor.device == stage.device or tensor.is_meta
+
     def borrows(tensor: Tensor, stage: Stage) -> bool:
-        return owner.setdefault(id(tensor), stage) is not stage or not (place or tensor.device == stage.device)
+        return owner.setdefault(id(tensor), stage) is not stage or not on(tensor, stage)
 
     for stage in program.stages:
         for segment in stage.segments:
@@ -277,7 +280,7 @@ def _place(program: Program, root: nn.Module, place: bool = True) -> None:
         stage = owner.get(id(tensor), program.stages[0])
         if place:
             _move_in_place(tensor, stage.device)
-        if place or tensor.device == stage.device:
+        if on(tensor, stage):
             stage.owned.append(tensor)
 
 

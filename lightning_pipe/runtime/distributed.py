@@ -33,6 +33,7 @@ from lightning_pipe.graph.microbatch import gather
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.runtime.build import Program, Stage
+from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, to_meta
 
 __all__ = [
     "Cut", "DistributedPipeline", "DistributedSchedule", "PipelineRank", "StageModule", "StageRunner", "TensorMeta",
@@ -248,6 +249,14 @@ class DistributedPipeline:
     before the data-parallel average. ``release=False`` keeps every tensor (a provisional
     pipeline, for evaluation before the planned one is built). ``timeout``: how long the
     gradient reductions of tied parameters wait (default: ``torch.distributed``'s).
+
+    A model built on the meta device (:mod:`~lightning_pipe.runtime.materialize`) is never
+    whole in any process: rank 0 initialises it module by module (``init``, called with each
+    module whose tensors it has just given storage) and sends each tensor on before the next
+    module; the other ranks give storage only to their stage's tensors, and what a rank does
+    not hold stays on the meta device. ``previous``: the tensors each stage held in a released
+    pipeline this one replaces; a rank then receives what it lacks from the rank of its
+    replica that held it.
     """
 
     def __init__(
@@ -262,6 +271,8 @@ class DistributedPipeline:
         device: torch.device,
         release: bool = True,
         timeout: timedelta | None = None,
+        previous: Sequence[set[int]] | None = None,
+        init: Callable[[nn.Module], None] | None = None,
     ) -> None:
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
@@ -276,11 +287,10 @@ class DistributedPipeline:
         held = [{id(t) for t in m.tensors()} | {k for k, s in self.owner.items() if s == m.stage.index}
                 for m in modules]
         self.held = [t for t in _unique(root) if id(t) in held[self.stage_index]]
-        self._share_from_rank0(root, held)
-        self.released = release
-        for tensor in _unique(root) if release else []:
-            if id(tensor) not in held[self.stage_index]:
-                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # not this rank's
+        self.held_by_stage = held
+        meta_built = has_meta(root)
+        self.released = release or meta_built
+        self._distribute(root, held, previous, init, device, meta_built)
         self._tied = self._tied_groups(root, held, timeout)
         self.rank = PipelineRank(
             self.module, self.stage_index, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn
@@ -313,23 +323,59 @@ class DistributedPipeline:
     def _global_rank(self, stage: int, replica: int) -> int:
         return stage * self.replicas + replica
 
-    def _share_from_rank0(self, root: nn.Module, held: list[set[int]]) -> None:
-        """Rank 0 sends every other rank the current values of its stage's tensors."""
-        me = dist.get_rank()
-        for stage in range(self.num_stages):
-            for replica in range(self.replicas):
-                peer = self._global_rank(stage, replica)
-                if peer == 0 or me not in (0, peer):
-                    continue
-                for tensor in _unique(root):
-                    if id(tensor) in held[stage]:
+    def _distribute(
+        self,
+        root: nn.Module,
+        held: list[set[int]],
+        previous: Sequence[set[int]] | None,
+        init: Callable[[nn.Module], None] | None,
+        device: torch.device,
+        meta_built: bool,
+    ) -> None:
+        """Send every rank the values of its stage's tensors it lacks, module by module in
+        ``modules()`` order (every rank walks the same order, so the blocking sends and
+        receives meet), then release what this rank does not hold: back to the meta device
+        for a model built there, else to an empty tensor."""
+        me, seen = dist.get_rank(), set[int]()
+        for module in root.modules():
+            tensors = [t for t in own_tensors(module) if id(t) not in seen]
+            seen.update(map(id, tensors))
+            if me == 0 and previous is None and init is not None and any(t.is_meta for t in tensors):
+                init(module)
+            for tensor in tensors:
+                for src, dst in self._transfers(id(tensor), held, previous):
+                    if me == dst:
+                        if tensor.is_meta:
+                            allocate(tensor, device)
                         with torch.no_grad():
-                            if me == 0:
-                                dist.send(tensor.detach().contiguous(), peer)
-                            else:
-                                buffer = torch.empty_like(tensor)
-                                dist.recv(buffer, 0)
-                                tensor.copy_(buffer)
+                            buffer = torch.empty_like(tensor)
+                            dist.recv(buffer, src)
+                            tensor.copy_(buffer)
+                    elif me == src:
+                        dist.send(tensor.detach().contiguous(), dst)
+                if not self.released or id(tensor) in held[self.stage_index] or tensor.is_meta:
+                    continue
+                if meta_built:
+                    to_meta(tensor)
+                else:
+                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+    def _transfers(
+        self, tensor: int, held: list[set[int]], previous: Sequence[set[int]] | None
+    ) -> list[tuple[int, int]]:
+        """(source, destination) global ranks for one tensor: from rank 0, or from the rank of
+        the same replica whose stage held it in the ``previous`` pipeline."""
+        pairs = []
+        for stage in range(self.num_stages):
+            if tensor not in held[stage] or (previous is not None and tensor in previous[stage]):
+                continue
+            source = None if previous is None else next((s for s, ids in enumerate(previous) if tensor in ids), None)
+            for replica in range(self.replicas):
+                dst = self._global_rank(stage, replica)
+                src = 0 if source is None else self._global_rank(source, replica)
+                if src != dst:
+                    pairs.append((src, dst))
+        return pairs
 
     def _tied_groups(
         self, root: nn.Module, held: list[set[int]], timeout: timedelta | None

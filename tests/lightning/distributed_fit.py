@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from examples.models import loader
+from examples.models import UNet, loader
 from lightning_pipe import MemoryPipeStrategy
 from tests.models import make
 
@@ -126,6 +126,39 @@ def sharded_trainer(devices: int | None, steps: int) -> dict:
                 enable_progress_bar=False, enable_model_summary=False, **strategy)
 
 
+def empty(out: Path, devices: int) -> None:
+    """The U-Net built on the meta device, planned, validated first (a sanity check on a
+    provisional split) and trained three steps; then a meta-built model resumed from its
+    checkpoint for two more. Every rank saves which tensors of the model have storage."""
+    _, data = make("unet")
+    trainer = Trainer(**empty_trainer(devices, steps=3))
+    with trainer.init_module(empty_init=True):
+        torch.manual_seed(0)
+        model = UNet()
+    trainer.fit(model, loader(data, BATCH), loader(data, BATCH))
+    trainer.save_checkpoint(out / "empty.ckpt")
+    strategy = trainer.strategy
+    stored = {name: not t.is_meta for name, t in model.state_dict(keep_vars=True).items()}
+    result = {"stored": stored, "balance": strategy.plan.balance, "stage": strategy._pipe.stage_index}
+    (out / f"empty-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    again = Trainer(**empty_trainer(devices, steps=5))
+    with again.init_module(empty_init=True):
+        resumed = UNet()
+    again.fit(resumed, loader(data, BATCH), loader(data, BATCH), ckpt_path=out / "empty.ckpt")
+    again.save_checkpoint(out / "empty-resumed.ckpt")
+
+
+def empty_trainer(devices: int | None, steps: int) -> dict:
+    """The meta-built run's Trainer arguments; ``devices=None``: the single-device reference."""
+    strategy = {} if devices is None else {
+        "devices": devices, "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS,
+                                                           planner="dawnpiper"),
+    }
+    return dict(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, limit_val_batches=1,
+                num_sanity_val_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                use_distributed_sampler=False, **strategy)
+
+
 def exported(out: Path, devices: int) -> None:
     """Models torch.export captures: GPT-2 from a small config (1F1B, validated before and after
     training) and one that doubles in training and triples in evaluation; on every rank, the
@@ -186,7 +219,7 @@ def fail(out: Path, devices: int, hang: bool) -> None:
     trainer.fit(model, loader(data, BATCH))
 
 
-SCENARIOS = {"features": features, "sharded": sharded, "exported": exported,
+SCENARIOS = {"features": features, "sharded": sharded, "empty": empty, "exported": exported,
              "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
 

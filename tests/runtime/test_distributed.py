@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.graph.microbatch import scatter
@@ -19,6 +19,7 @@ from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.plan import make_plan
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.distributed import DistributedPipeline, carried, cuts, pipeline_mesh
+from lightning_pipe.runtime.materialize import materialize, materialize_module, own_tensors
 from tests.models import make
 
 STEPS, BATCH, CHUNKS = 3, 8, 4
@@ -148,3 +149,74 @@ def test_the_plan_counts_what_each_stage_carries_for_every_microbatch(stages, un
     assert grown[0] == grown[-1] == 0 and all(g > 0 for g in grown[1:-1])  # middle stages carry skips
     plan = make_plan(profile, [1 << 40] * stages, "params", "gpipe", CHUNKS, carry=True)
     assert plan.stages[1].peak.total == distributed.peak(plan.stages[1].start, plan.stages[1].stop, CHUNKS).total
+
+
+def _materialise(rank: int, world: int, port: int, out: str) -> None:
+    """pp=2 x dp=2: the encoder-decoder built on the meta device, given storage by a pipeline
+    on the even split, then by one on another split that replaces it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = pipeline_mesh(2, world // 2, "cpu")
+        with torch.device("meta"):
+            model, _ = make("encdec")
+        captured = capture(model)
+        inputs = tree_map(lambda t: t.to("meta"), model.inputs(scatter(_batch("encdec"), CHUNKS)[0]))
+        stored: list[set[int]] = []  # on rank 0, after each module got storage: which tensors have it
+
+        def init(module: torch.nn.Module) -> None:
+            materialize_module(module, torch.device("cpu"))
+            stored.append({id(t) for t in [*model.parameters(), *model.buffers()] if not t.is_meta})
+
+        held, previous = {}, None
+        even = balance_by_weight(captured.param_bytes(), 2)
+        torch.manual_seed(0)  # as the reference's, built on the meta device after make's seeding
+        for balance in (even, [even[0] + 6, even[1] - 6]):
+            on_meta = build(captured, model, balance, [torch.device("meta")] * 2, place=False)
+            boundaries = cuts(on_meta, model, inputs, {})
+            program = build(captured, model, balance, [torch.device("cpu")] * 2, place=False)
+            pipe = DistributedPipeline(program, model, boundaries, mesh, "gpipe", CHUNKS, lambda o, t: o.sum(),
+                                       torch.device("cpu"), previous=previous, init=init)
+            previous = pipe.held_by_stage
+            held[str(balance)] = {name: t.clone() for name, t in pipe.held_state().items()}
+            held[str(balance)]["meta"] = [name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+            if rank == 0:  # what it held beyond its stage at any moment, in bytes
+                mine, tensors = {id(t) for t in pipe.held}, {id(t): t for t in model.parameters()}
+                tensors.update((id(t), t) for t in model.buffers())
+                extra = [sum(tensors[i].numel() * tensors[i].element_size() for i in ids - mine) for ids in stored]
+                held[str(balance)]["extra"] = max(extra, default=0)
+                stored.clear()
+        torch.save(held, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_meta_built_model_gets_storage_stage_by_stage_and_moves_with_a_new_split(tmp_path):
+    """Each rank gives storage only to its own stage's tensors, with the values of the whole
+    model materialised in one process; rank 0, which initialises every module, never holds
+    more than its stage and one module's own tensors; a pipeline on another split takes the
+    values over from the ranks that held them (each replica from its own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_materialise, args=(4, port, str(tmp_path)), nprocs=4, join=True, start_method="fork")
+    with torch.device("meta"):
+        reference, _ = make("encdec")
+    materialize(reference, torch.device("cpu"))
+    expected = reference.state_dict()
+    largest = max(sum(t.numel() * t.element_size() for t in own_tensors(m)) for m in reference.modules())
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    extra = [ranks[0][split].pop("extra") for split in ranks[0]]
+    assert 0 < extra[0] <= largest and extra[1] == 0  # the second split initialises nothing
+    for split in ranks[0]:
+        meta = [set(r[split].pop("meta")) for r in ranks]
+        for rank, state in enumerate(ranks):
+            assert set(state[split]) | meta[rank] == set(expected) and not set(state[split]) & meta[rank]
+            for name, value in state[split].items():
+                assert torch.equal(value, expected[name]), (split, rank, name)
+        assert set(ranks[0][split]) == set(ranks[1][split])  # replicas hold the same stage
+        assert set(ranks[0][split]) | set(ranks[2][split]) == set(expected)
+    first, second = list(ranks[0])
+    assert set(ranks[0][first]) != set(ranks[0][second])
