@@ -499,6 +499,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         finally:
             self._stepping = False
         self._log_stage_metrics((time.perf_counter() - self._step_start) * 1e3)
+        if self.meter is not None:
+            self.meter.own_optimizer_state(optimizer)
         return output
 
     def _log_stage_metrics(self, step_ms: float) -> None:

@@ -132,8 +132,9 @@ class CostModel:
         self.carry = carry  # micro-batches whose carried values a stage holds (see carried, static)
         self.link_bandwidth = link_bandwidth  # bytes per second between stage devices
         self.n = len(nodes)
-        # GPipe: a stage's outputs wait for the next stage, the last stage's for the merge.
-        self.merges = schedule == "gpipe"
+        # GPipe: a stage's outputs wait for the next stage, the last stage's for the merge
+        # (stages as processes run a loss and a backward per micro-batch, as 1F1B does).
+        self.merges = schedule == "gpipe" and not carry
         self.chunks = chunks
         self.batch = chunks * (profile.batch_bytes or profile.input_bytes)  # the training batch, on the last stage
         self._arrays = _NodeArrays(profile)
@@ -147,6 +148,9 @@ class CostModel:
         self._params = _prefix([n.param_bytes for n in nodes])
         self._state = _prefix([n.grad_bytes + n.optimizer_bytes for n in nodes])
         self._grads = _prefix([n.grad_bytes for n in nodes])
+        # gradient and optimizer-state bytes per parameter byte (tied copies have the same)
+        self._state_per_param = self._state[-1] / self._params[-1] if self._params[-1] else 0.0
+        self._grads_per_param = self._grads[-1] / self._params[-1] if self._params[-1] else 0.0
         self._saved = _prefix(self.saved)
         # storages a node makes that end up in the graph's output and no later node keeps:
         # under GPipe they wait on its stage for the merge, every micro-batch's
@@ -195,15 +199,18 @@ class CostModel:
         return self._live(lo, hi, {}).leaving
 
     def carried(self, lo: int, hi: int) -> int:
-        """Bytes a stage of nodes ``[lo, hi)`` holds per micro-batch for values it only passes
-        on: made before it and read after it (a U-Net skip, an encoder output), as the
-        distributed runtime carries them between adjacent stages. Each has a receive buffer
-        and, if it has a gradient, a buffer for that gradient coming back; the graph inputs
-        count when a later stage reads one."""
-        total = self.profile.input_bytes if lo > 0 and any(u >= hi for u in self.reads_input) else 0
-        for i, _ in self._leaving[hi]:  # i descending: the values made in the range come first
-            if i < lo:
-                total += self.output[i] + self.profile.nodes[i].output_grad_bytes
+        """Bytes of the distributed runtime's buffers a stage of nodes ``[lo, hi)`` holds per
+        micro-batch, from its first step on: one for every value it receives (made before it,
+        read by it or a later stage: a U-Net skip, an encoder output, the graph inputs),
+        unless one of its nodes saves that value (counted with its activations), and one for
+        the gradient coming back of every value it sends (read after it)."""
+        total = self.profile.input_bytes if lo > 0 and any(u >= lo for u in self.reads_input) else 0
+        nodes = self.profile.nodes
+        for i, _ in self._leaving[lo]:
+            if not lo <= nodes[i].held_by < hi:
+                total += self.output[i]
+        for i, _ in self._leaving[hi] if hi < self.n else []:
+            total += nodes[i].output_grad_bytes
         return total
 
     def send_ms(self, lo: int, hi: int) -> float:
@@ -312,11 +319,13 @@ class CostModel:
         return waiting
 
     def static(self, lo: int, hi: int, weight_versions: int = 1) -> int:
-        """Bytes held all along: parameters, their state, borrowed copies and, with ``carry``,
-        the buffers of carried values (allocated once, kept across steps)."""
-        carried = self.carry * self.carried(lo, hi) if self.carry else 0
-        return (weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo] + self.borrowed(lo, hi)
-                + carried)
+        """Bytes held all along: parameters, their state, borrowed copies and, with ``carry``
+        (stages as processes), the buffers of carried values (allocated once, kept across
+        steps) and the state of the borrowed copies: each process steps its own."""
+        held = weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo] + self.borrowed(lo, hi)
+        if not self.carry:
+            return held
+        return held + self.carry * self.carried(lo, hi) + round(self.borrowed(lo, hi) * self._state_per_param)
 
     def region_inputs(self, a: int, b: int, lo: int, hi: int, policies: Mapping[int, Policy]) -> int:
         """Bytes a recomputed region ``[a, b)`` of a stage on ``[lo, hi)`` keeps, if it saves
@@ -345,8 +354,13 @@ class CostModel:
         is."""
         live = self._live(lo, hi, policies)
         static = self.static(lo, hi, weight_versions)
-        backward = self._backward_peaks(lo, hi, in_flight, live, static, waiting[1])
-        if hi < self.n:
+        # stages as processes keep each micro-batch's outputs until its backward
+        cached = live.leaving if self.carry and hi < self.n else 0
+        backward = self._backward_peaks(lo, hi, in_flight, live, static, waiting[1], cached)
+        if cached:  # and the step begins with no gradients
+            fresh = static - self._step_grads(lo, hi)
+            forward = [self._forward_peak(in_flight, live, fresh, round(in_flight * cached))]
+        elif hi < self.n:
             # GPipe: outputs wait for the next stage; those in the graph's output for the merge
             outputs = min(1.0, in_flight - 1) if self.merges else 0.0
             merged = round(max(0.0, in_flight - 1 - outputs) * self.merged(lo, hi)) if self.merges else 0
@@ -366,16 +380,24 @@ class CostModel:
         return StagePeak(static, others + live.forward[0], live.forward[1], boundary)
 
     def _backward_peaks(
-        self, lo: int, hi: int, in_flight: float, live: "_Live", static: int, states: Sequence[tuple[float, int]]
+        self,
+        lo: int,
+        hi: int,
+        in_flight: float,
+        live: "_Live",
+        static: int,
+        states: Sequence[tuple[float, int]],
+        cached: int = 0,
     ) -> list[StagePeak]:
         """The peaks of a step's backwards: the first with the micro-batches in flight stashed
         and the gradients of the parameters made as it goes (they were freed for it), the
         later ones with all of them. ``states``: at each backward, the micro-batches held and
         the bytes of gradients waiting (:meth:`waiting`); without them (a search pricing a
         range), the first holds ``in_flight`` and the later ones one fewer, unless the
-        schedule runs another forward before each (1F1B and 2BW with more micro-batches)."""
+        schedule runs another forward before each (1F1B and 2BW with more micro-batches).
+        ``cached``: bytes of one micro-batch's outputs kept until its backward is done."""
         gradient = self._last_backward(lo, in_flight) if hi == self.n else 0
-        grads = self._grads[hi] - self._grads[lo]
+        grads = self._step_grads(lo, hi)
         if not states:
             later = in_flight if not self.merges and self.chunks > in_flight else in_flight - 1
             states = [(in_flight, 0)] + ([(later, 0)] if later >= 1 else [])
@@ -383,11 +405,18 @@ class CostModel:
         peaks = []
         for j, (held, waiting) in enumerate(states):
             others = round((held - 1) * live.stashed)
+            boundary = gradient + waiting + round(held * cached)
             if j == 0:
-                peaks.append(StagePeak(static - grads, others + first_stash, first_rest, gradient + waiting))
+                peaks.append(StagePeak(static - grads, others + first_stash, first_rest, boundary))
             else:
-                peaks.append(StagePeak(static, others + live.backward[0], live.backward[1], gradient + waiting))
+                peaks.append(StagePeak(static, others + live.backward[0], live.backward[1], boundary))
         return peaks
+
+    def _step_grads(self, lo: int, hi: int) -> int:
+        """Bytes of the gradients a step makes on a stage of nodes ``[lo, hi)`` (freed before
+        its first backward; as processes, before the step, the tied copies' too)."""
+        own = self._grads[hi] - self._grads[lo]
+        return own + round(self.borrowed(lo, hi) * self._grads_per_param) if self.carry else own
 
     def _last_peaks(self, lo: int, in_flight: float, live: "_Live", static: int) -> list[StagePeak]:
         """The last stage's forward and loss peaks: it also holds the training batch, and the

@@ -154,16 +154,20 @@ def _check_metrics(launch: Launch, stages: int) -> None:
     assert "pipe/step_ms" in header and "pipe/bubble_fraction" in header
 
 
-def _check_carried_peaks(launch: Launch) -> None:
-    """The U-Net's middle stages at pp=4 hold every micro-batch's skips on their way to the
-    decoder (a quarter to a third of their peak): each rank's metered peak is its predicted
-    one within 15%, which it is not when the plan leaves the carried bytes out (20-27% under)."""
-    (path,) = (launch.out / "unet-gpipe-4").rglob("metrics.csv")
-    with path.open() as f:
-        last = [row for row in csv.DictReader(f) if row["pipe/stage1/peak_bytes"]][-1]
-    for s in (1, 2):
-        metered, predicted = (float(last[f"pipe/stage{s}/{key}"]) for key in ("peak_bytes", "predicted_peak_bytes"))
-        assert abs(predicted - metered) < 0.15 * metered, (s, predicted, metered)
+def _check_predicted_peaks(launch: Launch) -> None:
+    """Every rank's metered peak is its predicted one within 10%, at pp=4: each rank holds the
+    runtime's receive and gradient buffers for every micro-batch (the U-Net's middle stages
+    carry its skips to the decoder), its outputs until their backward, and the last GPT stage
+    its copy of the tied embedding with a gradient and optimizer state of its own. Counting
+    only the skips passed on, the first U-Net stage was 28% under; without the tied copy's
+    state, the last GPT stage 8%."""
+    for name in ("unet-gpipe-4", "gpt-1f1b-4"):
+        (path,) = (launch.out / name).rglob("metrics.csv")
+        with path.open() as f:
+            last = [row for row in csv.DictReader(f) if row["pipe/stage1/peak_bytes"]][-1]
+        for s in range(4):
+            metered, predicted = (float(last[f"pipe/stage{s}/{key}"]) for key in ("peak_bytes", "predicted_peak_bytes"))
+            assert abs(predicted - metered) <= 0.10 * metered, (name, s, predicted, metered)
 
 
 @pytest.mark.slow
@@ -171,7 +175,7 @@ def test_pp4_and_pp2_dp2_equal_single_device(four_ranks):
     for config in PP4 + PP2_DP2:
         _check(four_ranks, 4, config)
     _check_metrics(four_ranks, 4)
-    _check_carried_peaks(four_ranks)
+    _check_predicted_peaks(four_ranks)
     # accumulation, clipping and a step-wise LR scheduler under pp=2 x dp=2
     state = torch.load(four_ranks.path("gpt-1f1b-2-features.ckpt"), weights_only=False)
     for key, value in _reference("gpt", 2, features=True).items():

@@ -1,6 +1,5 @@
 """Stages as processes on torch.distributed.pipelining (gloo): trains like one process."""
 
-import math
 import os
 import socket
 from pathlib import Path
@@ -9,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.graph.microbatch import scatter
@@ -110,17 +109,31 @@ def test_carried_values_reach_every_later_reader():
     assert carried(program, 0) == list(program.placeholders)
 
 
-def _carried_bytes(program, boundaries, stage: int) -> int:
-    """Bytes per micro-batch of what ``stage`` receives and sends on (read after it), from the
-    runtime's cut metadata: a receive buffer each, and one for the gradient of a float value."""
-    received = tree_unflatten(boundaries[stage].leaves, boundaries[stage].spec)
-    passed = set(carried(program, stage + 1))
-    total = 0
-    for name, value in received.items():
-        for meta in tree_flatten(value)[0] if name in passed else []:
-            size = math.prod(meta.shape) * meta.dtype.itemsize
-            total += 2 * size if meta.dtype.is_floating_point else size
-    return total
+def _buffer_bytes(program, model, microbatch, stage: int) -> int:
+    """Bytes of the runtime's buffers for one micro-batch of ``stage``: a receive buffer for
+    each tensor it receives that its own nodes do not save for backward (those count as its
+    activations; found by running the stage under saved-tensor hooks), and one for the
+    gradient of each tensor it sends that takes one."""
+    env = {**program.bind(model.inputs(microbatch), {}), **program.attribute_values(model)}
+    for s in program.stages[:stage]:
+        env.update(zip(s.outputs, s(*[env[n] for n in s.inputs])))
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    mine = program.stages[stage]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        env.update(zip(mine.outputs, mine(*[env[n] for n in mine.inputs])))
+
+    def tensors(names):
+        return [t for n in names for t in tree_flatten(env[n])[0] if isinstance(t, torch.Tensor)]
+
+    received = tensors(carried(program, stage)) if stage > 0 else []
+    sent = tensors(carried(program, stage + 1)) if stage + 1 < len(program.stages) else []
+    return (sum(t.nbytes for t in received if t.untyped_storage().data_ptr() not in saved)
+            + sum(t.nbytes for t in sent if t.requires_grad))
 
 
 @pytest.fixture(scope="module")
@@ -133,20 +146,20 @@ def unet_profile():
 
 @pytest.mark.parametrize("stages", [2, 4])
 def test_the_plan_counts_what_each_stage_carries_for_every_microbatch(stages, unet_profile):
-    """Under the distributed runtime every stage holds a receive buffer per micro-batch of the
-    step for each value it passes on (U-Net skips): the bytes each stage holds all along grow
-    by exactly those bytes times the micro-batches, as the runtime's cuts describe them."""
+    """Under the distributed runtime every stage holds, per micro-batch of the step, a buffer
+    for each value it receives (U-Net skips, the encoder's output) and for the gradient of
+    each it sends: the bytes each stage holds all along grow by exactly those bytes times the
+    micro-batches, but for the received values its nodes save (already its activations)."""
     model, captured, microbatch, profile = unet_profile
     balance = balance_by_weight(captured.param_bytes(), stages)
     program = build(captured, model, balance, [torch.device("cpu")] * stages, place=False)
-    boundaries = cuts(program, model, model.inputs(microbatch), {})
     local = CostModel(profile, schedule="gpipe", chunks=CHUNKS)
     distributed = CostModel(profile, schedule="gpipe", chunks=CHUNKS, carry=CHUNKS)
     # what a stage holds all along (the local GPipe's one backward also sums the micro-batches'
     # weight gradients, which the distributed runtime's backward per micro-batch does not)
     grown = [distributed.static(r.start, r.stop) - local.static(r.start, r.stop) for r in stage_ranges(balance)]
-    assert grown == [CHUNKS * _carried_bytes(program, boundaries, s) for s in range(stages)]
-    assert grown[0] == grown[-1] == 0 and all(g > 0 for g in grown[1:-1])  # middle stages carry skips
+    assert grown == [CHUNKS * _buffer_bytes(program, model, microbatch, s) for s in range(stages)]
+    assert all(g > 0 for g in grown)
     plan = make_plan(profile, [1 << 40] * stages, "params", "gpipe", CHUNKS, carry=True)
     assert plan.stages[1].peak.total == distributed.peak(plan.stages[1].start, plan.stages[1].stop, CHUNKS).total
 
