@@ -46,10 +46,10 @@ from tests.models import make
 ROOT = Path(__file__).parents[2]
 SCRIPT = Path(__file__).with_name("distributed_fit.py")
 STEPS = 3
-# each family under each schedule once; GPT under 1F1B and the U-Net under GPipe at pp=4 are
-# planned and log metered per-stage metrics
-PP4 = ["gpt:1f1b:4:metered", "unet:gpipe:4:metered", "encdec:1f1b:4"]
-PP2_DP2 = ["gpt:gpipe:2", "unet:1f1b:2", "encdec:gpipe:2"]
+# every family under each schedule at each layout (pp=4 and pp=2 x dp=2 on four ranks, pp=2 on
+# two); GPT under 1F1B and the U-Net under GPipe at pp=4 are planned and log metered metrics
+PP4 = ["gpt:1f1b:4:metered", "unet:gpipe:4:metered", "encdec:1f1b:4", "gpt:gpipe:4", "unet:1f1b:4", "encdec:gpipe:4"]
+PP2 = PP2_DP2 = ["gpt:gpipe:2", "unet:1f1b:2", "encdec:gpipe:2", "gpt:1f1b:2", "unet:gpipe:2", "encdec:1f1b:2"]
 
 
 @dataclass
@@ -98,7 +98,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    return _launch(tmp_path_factory.mktemp("two_ranks"), 2, "features", "sharded", "empty", "exported")
+    scenarios = [str(STEPS), *PP2, "features", "sharded", "empty", "exported"]
+    return _launch(tmp_path_factory.mktemp("two_ranks"), 2, *scenarios)
 
 
 def _reference(family: str, replicas: int, features: bool = False) -> dict[str, torch.Tensor]:
@@ -181,6 +182,12 @@ def test_pp4_and_pp2_dp2_equal_single_device(four_ranks):
     for key, value in _reference("gpt", 2, features=True).items():
         torch.testing.assert_close(state["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert state["lr_schedulers"][0]["last_epoch"] == STEPS
+
+
+@pytest.mark.slow
+def test_pp2_equals_single_device(two_ranks):
+    for config in PP2:
+        _check(two_ranks, 2, config)
 
 
 @pytest.mark.slow
