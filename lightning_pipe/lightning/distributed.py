@@ -91,7 +91,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         self._optimizers_from: Path | None = None  # ... whose optimizer state waits for the pipeline
         self._graphs: Variants | None = None  # the forward's graphs, by modes and inputs
         self._pipe_graph: Captured | None = None  # the graph the pipeline runs (the training graph)
-        self._runners: dict[int, StageRunner] = {}  # this rank's stage of each other graph (evaluation's)
+        self._runners: dict[int, list[StageRunner]] = {}  # this rank's stages of each other graph (evaluation's)
         self._empty = False  # the module was built on the meta device: each rank materialises its stage
         self._init_rng: tuple[Tensor, Tensor | None] | None = None  # the CPU's and the device's random
         # states when the module was handed over: rank 0 initialises a meta-built module from them
@@ -231,7 +231,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         args, kwargs = self._forward_inputs(hook, batch, batch_idx)
         self._graphs = self._graphs or Variants(module, self.leaf_modules)
         captured = self._graphs.training_graph((args, kwargs))
-        stages = self.num_stages
+        stages = self.num_stages * self.virtual_stages  # a process's stages share its memory
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
         box: list[Any] = [None]
@@ -245,7 +245,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
                 with torch.enable_grad():  # fake tensors (times from a roofline) for a model without storage
                     self.profile = profile_graph(captured, *sample, optimizer=optimizer, fake=self._empty,
                                                  device=device_spec(self.root_device))
-                capacity = self._stage_capacities(stages)
+                capacity = [c // self.virtual_stages for c in self._stage_capacities(self.num_stages)]
+                capacity = [capacity[s % self.num_stages] for s in range(stages)]
                 plan = make_plan(self.profile, [int(c * PLANNING_HEADROOM) for c in capacity], self.planner,
                                  self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth, carry=True)
             balance = plan.balance if plan else self.balance or balance_by_weight(captured.param_bytes(), stages)
@@ -259,7 +260,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         if final:  # the evaluation graph, while every rank holds every tensor (an exported one needs them)
             with in_mode(module, training=False):
                 self._graphs.get((args, kwargs))
-        previous = self._pipe.held_by_stage if self._pipe is not None and self._pipe.released else None
+        previous = self._pipe.held_by_rank if self._pipe is not None and self._pipe.released else None
         with self._initialising():
             self._pipe = DistributedPipeline(
                 program, module, boundaries, self.device_mesh, self.schedule,  # type: ignore[arg-type]
@@ -269,9 +270,11 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         self._load_deferred(final)
         self._planned = final
         self._pipe_graph, self._runners = captured, {}
-        self.clock = self._pipe.module.clock = StageClock(1)  # this rank's stage as stage 0
-        if self.measure_memory:
-            self.meter = self._pipe.module.meter = MemoryMeter(1)
+        self.clock = StageClock(1)  # this rank's stages as stage 0
+        self.meter = MemoryMeter(1) if self.measure_memory else None
+        for stage in self._pipe.modules:
+            stage.clock, stage.meter = self.clock, self.meter
+        if self.meter is not None:
             self.meter.own(0, self._pipe.held)
         if final:
             for optimizer in self.optimizers:  # state of tensors another rank holds
@@ -399,8 +402,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
             self._step_loss = loss_fn
             inputs = None
-            if pipe.stage_index == 0:
-                inputs = pipe.module.program.bind(*self._forward_inputs("training_step", batch, batch_idx))
+            if pipe.is_first:
+                inputs = pipe.modules[0].program.bind(*self._forward_inputs("training_step", batch, batch_idx))
             _before_step(module, optimizer, batch_idx)
             self.clock.reset()
             self._step_start = time.perf_counter()
@@ -410,12 +413,12 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
                         metering.enter_context(context)
                 pipe.rank.train_step(inputs)
             logged: Logged = []
-            if pipe.rank.module.is_last:
+            if pipe.is_last:
                 with _recording(module, logged):
                     logs.flush()
         loss = torch.stack([losses[i] for i in sorted(losses)]).mean() if losses else None
         loss, logged = self._from_last_stage((loss, logged))
-        if not pipe.rank.module.is_last:
+        if not pipe.is_last:
             _replay(module, logged)
         call._call_callback_hooks(module.trainer, "on_before_backward", loss / accumulate)
         call._call_lightning_module_hook(module.trainer, "on_before_backward", loss / accumulate)
@@ -441,21 +444,23 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         module = self._module
         count = len(scatter(batch, self.chunks))
         forward_args, forward_kwargs = self._forward_inputs(hook, batch, batch_idx)
-        runner = self._runner(pipe, forward_args, forward_kwargs)
-        inputs = runner.program.bind(forward_args, forward_kwargs)
-        microbatches = scatter(inputs, count) if pipe.stage_index == 0 else None
-        output = pipe.rank.forward_only(runner, microbatches, count)
+        runners = self._runners_for(pipe, forward_args, forward_kwargs)
+        inputs = runners[0].program.bind(forward_args, forward_kwargs)
+        microbatches = scatter(inputs, count) if pipe.is_first else None
+        output = pipe.rank.forward_only(runners, microbatches, count)
         result, logged = None, cast(Logged, [])
-        if pipe.rank.module.is_last:
+        if pipe.is_last:
             with _recording(module, logged), self._serving(output):
                 result = getattr(module, hook)(batch, batch_idx, *args)
         result, logged = self._from_last_stage((result, logged))
-        if not pipe.rank.module.is_last:
+        if not pipe.is_last:
             _replay(module, logged)
         return result
 
-    def _runner(self, pipe: DistributedPipeline, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StageRunner:
-        """This rank's stage of the graph for the module's current modes and these inputs: in
+    def _runners_for(
+        self, pipe: DistributedPipeline, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[StageRunner]:
+        """This rank's stages of the graph for the module's current modes and these inputs: in
         evaluation, the evaluation graph (no dropout; batch norm's running statistics), split
         so that each stage reads the parameters its rank holds; built once per graph."""
         assert self._graphs is not None and self._pipe_graph is not None, "the pipeline captured the training graph"
@@ -469,11 +474,11 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             )
         captured = captured or self._graphs.get((args, kwargs))
         if captured is self._pipe_graph:
-            return pipe.module
+            return list(pipe.modules)
         if id(captured) not in self._runners:
             balance = follow_balance(captured, pipe.stage_of(), pipe.num_stages)
             program = build(captured, self._module, balance, [self.root_device] * pipe.num_stages, place=False)
-            self._runners[id(captured)] = pipe.runner(program, self._module)
+            self._runners[id(captured)] = pipe.runners(program, self._module)
         return self._runners[id(captured)]
 
     @override
@@ -524,10 +529,13 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             for key in ("forward_ms", "backward_ms", "peak_bytes", "activation_bytes"):
                 if key in part:
                     metrics[f"pipe/stage{s}/{key}"] = part[key]
-            if self.plan is not None:
-                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = self.plan.stages[s].peak.total
-        times = [StageTime(p["forward_ms"] / self.chunks, p["backward_ms"] / self.chunks) for p in stages]
-        metrics["pipe/bubble_fraction"] = simulate(times, actions(self.schedule, self.chunks, self.num_stages)).bubble
+            if self.plan is not None:  # the rank's stages' peaks added: they need not coincide
+                rank_stages = self.plan.stages[s :: self.num_stages]
+                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = sum(stage.peak.total for stage in rank_stages)
+        if self.virtual_stages == 1:  # (the simulator knows no interleaved schedule)
+            times = [StageTime(p["forward_ms"] / self.chunks, p["backward_ms"] / self.chunks) for p in stages]
+            order = actions(self.schedule, self.chunks, self.num_stages)
+            metrics["pipe/bubble_fraction"] = simulate(times, order).bubble
         log_step_metrics(trainer, metrics)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

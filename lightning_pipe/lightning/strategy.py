@@ -99,6 +99,10 @@ class MemoryPipeStrategy(ParallelStrategy):
             one process per device (Lightning's launcher, torchrun or SLURM), pipelines of
             ``stages`` processes times data-parallel replicas (:mod:`.distributed`).
         stages: pipeline depth under ``runtime="distributed"``; default all processes.
+        virtual_stages: under ``runtime="distributed"`` with ``schedule="1f1b"``, stages per
+            process: the model is split into ``stages * virtual_stages`` stages placed in a
+            loop (process ``p`` runs stages ``p``, ``p + stages``, ...) and trained with
+            ``torch.distributed.pipelining``'s Interleaved 1F1B, which shortens the bubble.
         timeout: under ``runtime="distributed"``, how long a rank waits for another before
             failing (default 30 minutes), so that an error on one rank ends every rank.
         state_dict_type: under ``runtime="distributed"``, ``"full"`` gathers checkpoints on
@@ -127,6 +131,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         loss_reduction: LossReduction = "mean",
         runtime: Runtime = "local",
         stages: int | None = None,
+        virtual_stages: int = 1,
         timeout: timedelta | None = None,
         state_dict_type: StateDictType = "full",
         accelerator: Accelerator | None = None,
@@ -169,11 +174,12 @@ class MemoryPipeStrategy(ParallelStrategy):
             )
         if balance is not None and any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
-        _check_runtime(runtime, stages, schedule, timeout)
+        _check_runtime(runtime, stages, schedule, timeout, virtual_stages)
         _check_state_dict_type(runtime, state_dict_type)
         self.runtime = runtime
         self.state_dict_type = state_dict_type
         self.stages = stages
+        self.virtual_stages = virtual_stages
         self.timeout = timeout or timedelta(minutes=30)
         self.chunks = chunks
         self.schedule = schedule
@@ -707,7 +713,9 @@ def _state_to_param_devices(optimizer: Optimizer) -> None:
                 state[key] = value.to(param.device)
 
 
-def _check_runtime(runtime: Runtime, stages: int | None, schedule: Schedule, timeout: timedelta | None) -> None:
+def _check_runtime(
+    runtime: Runtime, stages: int | None, schedule: Schedule, timeout: timedelta | None, virtual_stages: int
+) -> None:
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime must be 'local' (one process) or 'distributed' (one per stage), got {runtime!r}.")
     if runtime == "local" and (stages is not None or timeout is not None):
@@ -721,6 +729,13 @@ def _check_runtime(runtime: Runtime, stages: int | None, schedule: Schedule, tim
         raise ValueError(
             "schedule='2bw' runs only with runtime='local': torch.distributed.pipelining flushes the pipeline every "
             "step and has no two-version weights. Use schedule='1f1b' or 'gpipe' with runtime='distributed'."
+        )
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be a positive int (stages per process), got {virtual_stages!r}.")
+    if virtual_stages > 1 and (runtime != "distributed" or schedule != "1f1b"):
+        raise ValueError(
+            f"virtual_stages={virtual_stages} interleaves stages over processes, which Interleaved 1F1B needs: "
+            f"use runtime='distributed' and schedule='1f1b', or leave virtual_stages=1."
         )
 
 

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.fx.node import map_aggregate
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
@@ -148,7 +149,8 @@ class StageModule(StageRunner):
 
     def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
         with self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
-            outputs = self.outputs.flatten(self.run(self.inputs.unflatten(tensors)))
+            # (gloo sends only contiguous tensors: a transposed view leaving the stage is copied)
+            outputs = tuple(t.contiguous() for t in self.outputs.flatten(self.run(self.inputs.unflatten(tensors))))
         if self.meter is not None:
             self.meter.tag_backward(outputs, 0)  # the backward's allocations are this stage's
         return outputs
@@ -156,11 +158,13 @@ class StageModule(StageRunner):
 
 @dataclass(eq=False)
 class PipelineRank:
-    """One rank's stage in one pipeline replica: training steps on a ``pipelining`` schedule,
-    forward-only runs over object point-to-point, and the gradient reductions across ranks."""
+    """One rank's stages in one pipeline replica: training steps on a ``pipelining`` schedule,
+    forward-only runs over object point-to-point, and the gradient reductions across ranks.
+    ``modules``: the rank's stages, in order; ``indices``: their places among all
+    ``num_stages`` (a loop over the ranks: several run Interleaved 1F1B)."""
 
-    module: StageModule
-    index: int
+    modules: list[StageModule]
+    indices: list[int]
     num_stages: int
     group: dist.ProcessGroup  # the pipeline's ranks
     device: torch.device
@@ -169,57 +173,74 @@ class PipelineRank:
     loss_fn: Callable[[Any, Tensor], Tensor]
 
     def __post_init__(self, schedule: DistributedSchedule) -> None:
-        first, last = self.index == 0, self.index == self.num_stages - 1
-        stage = _TimedStage(
-            self.module, self.index, self.num_stages, self.device,
-            input_args=self.module.inputs.examples(requires_grad=not first),
-            output_args=self.module.outputs.examples(requires_grad=not last),
-            group=self.group,
-        )
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self._schedule = kind(stage, self.chunks, loss_fn=self._loss, scale_grads=False)
+        self.ranks = dist.get_world_size(self.group)
+        stages: list[_PipelineStageBase] = [
+            _TimedStage(
+                module, index, self.num_stages, self.device,
+                input_args=module.inputs.examples(requires_grad=index > 0),
+                output_args=module.outputs.examples(requires_grad=index < self.num_stages - 1),
+                group=self.group,
+            )
+            for module, index in zip(self.modules, self.indices)
+        ]
+        if len(stages) > 1:  # only 1F1B interleaves (checked where a schedule is chosen)
+            self._schedule: Any = ScheduleInterleaved1F1B(stages, self.chunks, loss_fn=self._loss, scale_grads=False)
+        else:
+            kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+            self._schedule = kind(stages[0], self.chunks, loss_fn=self._loss, scale_grads=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.indices[0] == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.indices[-1] == self.num_stages - 1
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
         outputs = output if isinstance(output, tuple) else (output,)
-        return self.loss_fn(self.module.outputs.unflatten(outputs), target)
+        return self.loss_fn(self.modules[-1].outputs.unflatten(outputs), target)
 
     def train_step(self, received: dict[str, Any] | None) -> None:
-        """Forward and backward of one batch, gradients accumulated in ``.grad``. Stage 0
-        passes the whole batch's forward arguments (by name); the last stage's ``loss_fn``
-        receives each micro-batch's output and a one-element tensor with its index."""
-        if self.index == 0:
+        """Forward and backward of one batch, gradients accumulated in ``.grad``. The first
+        stage's rank passes the whole batch's forward arguments (by name); the last stage's
+        ``loss_fn`` receives each micro-batch's output and a one-element tensor with its index."""
+        if self.is_first:
             assert received is not None, "stage 0 needs the forward's arguments"
-            self._schedule.step(*self.module.inputs.flatten(received), target=_indices(self.chunks))
-        elif self.index == self.num_stages - 1:  # losses come from loss_fn: no merged outputs to keep
+            inputs = self.modules[0].inputs.flatten(received)
+            self._schedule.step(*inputs, target=_indices(self.chunks), return_outputs=False)
+        elif self.is_last:  # losses come from loss_fn: no merged outputs to keep
             self._schedule.step(target=_indices(self.chunks), return_outputs=False)
         else:
             self._schedule.step()
 
-    def forward_only(self, runner: StageRunner, microbatches: list[dict[str, Any]] | None, count: int) -> Any:
-        """The forward of ``count`` micro-batches through ``runner`` (this rank's stage of any
-        program of the model), any shapes: stage 0 passes them (by name); the last stage
-        returns the merged output, the others ``None``."""
+    def forward_only(self, runners: list[StageRunner], microbatches: list[dict[str, Any]] | None, count: int) -> Any:
+        """The forward of ``count`` micro-batches through ``runners`` (this rank's stages of any
+        program of the model), one micro-batch at a time through every stage, any shapes: the
+        first stage's rank passes them (by name); the last stage's rank returns the merged
+        output, the others ``None``."""
         outputs = []
         for i in range(count):
-            if self.index == 0:
-                assert microbatches is not None, "stage 0 needs the forward's arguments"
-                received = microbatches[i]
-            else:
-                received = self._recv(self.index - 1)
-            with torch.no_grad():
-                result = runner.run(received)
-            if runner.is_last:
-                outputs.append(result)
-            else:
-                self._send(result, self.index + 1)
+            for runner, index in zip(runners, self.indices):
+                if index == 0:
+                    assert microbatches is not None, "stage 0 needs the forward's arguments"
+                    received = microbatches[i]
+                else:
+                    received = self._recv((index - 1) % self.ranks)
+                with torch.no_grad():
+                    result = runner.run(received)
+                if runner.is_last:
+                    outputs.append(result)
+                else:
+                    self._send(result, (index + 1) % self.ranks)
         return gather(outputs, self.device) if outputs else None
 
-    def _send(self, value: Any, stage: int) -> None:
-        dist.send_object_list([value], group_dst=stage, group=self.group, device=self.device)
+    def _send(self, value: Any, rank: int) -> None:
+        dist.send_object_list([value], group_dst=rank, group=self.group, device=self.device)
 
-    def _recv(self, stage: int) -> Any:
+    def _recv(self, rank: int) -> Any:
         box: list[Any] = [None]
-        dist.recv_object_list(box, group_src=stage, group=self.group, device=self.device)
+        dist.recv_object_list(box, group_src=rank, group=self.group, device=self.device)
         return box[0]
 
 
@@ -238,13 +259,14 @@ def _indices(chunks: int) -> Tensor:
 
 
 class DistributedPipeline:
-    """This process's part of a pipeline of ``stages`` ranks times ``replicas`` data-parallel
-    copies, on a ``("pp", "dp")`` device mesh (pipeline outermost: global rank =
-    ``stage * replicas + replica``).
+    """This process's part of a pipeline of ``ranks`` processes times ``replicas``
+    data-parallel copies, on a ``("pp", "dp")`` device mesh (pipeline outermost: global rank
+    = ``position * replicas + replica``). A program of more stages than ranks loops over them:
+    stage ``s`` runs on the rank at position ``s % ranks`` (Interleaved 1F1B).
 
     Every rank builds the same program from the same plan and keeps only the tensors its
-    stage reads; the rest become empty. Global rank 0's values are the model's: it sends
-    each rank its stage's tensors. A parameter read by several stages (a tied embedding) is
+    stages read; the rest become empty. Global rank 0's values are the model's: it sends
+    each rank its stages' tensors. A parameter read by several stages (a tied embedding) is
     held by each of them, one logical parameter: its gradient is summed over those ranks
     before the data-parallel average. ``release=False`` keeps every tensor (a provisional
     pipeline, for evaluation before the planned one is built). ``timeout``: how long the
@@ -276,52 +298,65 @@ class DistributedPipeline:
     ) -> None:
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
-        self.stage_index, self.replica = coordinate
+        self.position, self.replica = coordinate  # this rank's place in its pipeline, and its replica
+        self.ranks, self.replicas = mesh.size(0), mesh.size(1)
         self.num_stages = len(program.stages)
-        self.replicas = mesh.size(1)
+        if self.num_stages % self.ranks:
+            raise ValueError(f"{self.num_stages} stages do not loop evenly over {self.ranks} pipeline ranks.")
         self.mesh = mesh
         modules = [StageModule(program, s, root, boundaries) for s in range(self.num_stages)]
-        self.module = modules[self.stage_index]
+        self.stages = list(range(self.position, self.num_stages, self.ranks))  # stage s runs on rank s % ranks
+        self.modules = [modules[s] for s in self.stages]
         self.names = dict(root.state_dict(keep_vars=True))  # name -> tensor, tied ones under each name
         self.owner = {id(t): stage.index for stage in reversed(program.stages) for t in stage.owned}
-        held = [{id(t) for t in m.tensors()} | {k for k, s in self.owner.items() if s == m.stage.index}
-                for m in modules]
-        self.held = [t for t in _unique(root) if id(t) in held[self.stage_index]]
-        self.held_by_stage = held
+        by_stage = [{id(t) for t in m.tensors()} | {k for k, s in self.owner.items() if s == m.stage.index}
+                    for m in modules]
+        held = [set().union(*by_stage[p :: self.ranks]) for p in range(self.ranks)]
+        self.held = [t for t in _unique(root) if id(t) in held[self.position]]
+        self.held_by_rank = held
         meta_built = has_meta(root)
         self.released = release or meta_built
         self._distribute(root, held, previous, init, device, meta_built)
         self._tied = self._tied_groups(root, held, timeout)
         self.rank = PipelineRank(
-            self.module, self.stage_index, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn
+            self.modules, self.stages, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn
         )
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs the first stage (it reads the batch)."""
+        return self.rank.is_first
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage (it computes the losses)."""
+        return self.rank.is_last
 
     def stage_of(self) -> dict[int, int]:
         """``id`` of each tensor to the stage owning it, for another graph's balance."""
         return dict(self.owner)
 
-    def runner(self, program: Program, root: nn.Module) -> StageRunner:
-        """This rank's stage of another program of the model (its evaluation graph's).
+    def runners(self, program: Program, root: nn.Module) -> list[StageRunner]:
+        """This rank's stages of another program of the model (its evaluation graph's).
 
         Raises:
-            RuntimeError: that stage reads a tensor this rank released.
+            RuntimeError: such a stage reads a tensor this rank released.
         """
-        runner = StageRunner(program, self.stage_index, root)
+        runners = [StageRunner(program, s, root) for s in self.stages]
         if self.released:
             held = {id(t) for t in self.held}
-            reads = {id(t) for t in runner.tensors()}
+            reads = {id(t) for runner in runners for t in runner.tensors()}
             missing = [name for name, t in self.names.items() if id(t) in reads - held]
             if missing:
                 raise RuntimeError(
-                    f"Stage {self.stage_index} of the graph captured for the modules' current modes (evaluation) "
-                    f"reads {missing}, which another rank holds: that graph uses parameters in another order than "
-                    f"the training graph. Give forward the same parameter order in both modes, or use "
-                    f"runtime='local'."
+                    f"Stages {self.stages} of the graph captured for the modules' current modes (evaluation) read "
+                    f"{missing}, which another rank holds: that graph uses parameters in another order than the "
+                    f"training graph. Give forward the same parameter order in both modes, or use runtime='local'."
                 )
-        return runner
+        return runners
 
-    def _global_rank(self, stage: int, replica: int) -> int:
-        return stage * self.replicas + replica
+    def _global_rank(self, position: int, replica: int) -> int:
+        return position * self.replicas + replica
 
     def _distribute(
         self,
@@ -332,7 +367,7 @@ class DistributedPipeline:
         device: torch.device,
         meta_built: bool,
     ) -> None:
-        """Send every rank the values of its stage's tensors it lacks, module by module in
+        """Send every rank the values of its stages' tensors it lacks, module by module in
         ``modules()`` order (every rank walks the same order, so the blocking sends and
         receives meet), then release what this rank does not hold: back to the meta device
         for a model built there, else to an empty tensor."""
@@ -353,7 +388,7 @@ class DistributedPipeline:
                             tensor.copy_(buffer)
                     elif me == src:
                         dist.send(tensor.detach().contiguous(), dst)
-                if not self.released or id(tensor) in held[self.stage_index] or tensor.is_meta:
+                if not self.released or id(tensor) in held[self.position] or tensor.is_meta:
                     continue
                 if meta_built:
                     to_meta(tensor)
@@ -364,14 +399,15 @@ class DistributedPipeline:
         self, tensor: int, held: list[set[int]], previous: Sequence[set[int]] | None
     ) -> list[tuple[int, int]]:
         """(source, destination) global ranks for one tensor: from rank 0, or from the rank of
-        the same replica whose stage held it in the ``previous`` pipeline."""
+        the same replica that held it in the ``previous`` pipeline. ``held``, ``previous``: the
+        tensors each pipeline rank holds."""
         pairs = []
-        for stage in range(self.num_stages):
-            if tensor not in held[stage] or (previous is not None and tensor in previous[stage]):
+        for position in range(self.ranks):
+            if tensor not in held[position] or (previous is not None and tensor in previous[position]):
                 continue
-            source = None if previous is None else next((s for s, ids in enumerate(previous) if tensor in ids), None)
+            source = None if previous is None else next((p for p, ids in enumerate(previous) if tensor in ids), None)
             for replica in range(self.replicas):
-                dst = self._global_rank(stage, replica)
+                dst = self._global_rank(position, replica)
                 src = 0 if source is None else self._global_rank(source, replica)
                 if src != dst:
                     pairs.append((src, dst))
@@ -380,19 +416,19 @@ class DistributedPipeline:
     def _tied_groups(
         self, root: nn.Module, held: list[set[int]], timeout: timedelta | None
     ) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
-        """A process group per replica and set of stages sharing parameters; every rank
+        """A process group per replica and set of pipeline ranks sharing parameters; every rank
         creates every group, in the same order, as ``new_group`` requires."""
         shared: dict[tuple[int, ...], list[nn.Parameter]] = {}
         for param in _unique(root):
             if isinstance(param, nn.Parameter) and param.requires_grad:
-                stages = tuple(s for s in range(self.num_stages) if id(param) in held[s])
-                if len(stages) > 1:
-                    shared.setdefault(stages, []).append(param)
+                positions = tuple(p for p in range(self.ranks) if id(param) in held[p])
+                if len(positions) > 1:
+                    shared.setdefault(positions, []).append(param)
         groups = []
-        for stages, params in sorted(shared.items(), key=lambda item: item[0]):
+        for positions, params in sorted(shared.items(), key=lambda item: item[0]):
             for replica in range(self.replicas):
-                group = dist.new_group([self._global_rank(s, replica) for s in stages], timeout=timeout)
-                if replica == self.replica and self.stage_index in stages:
+                group = dist.new_group([self._global_rank(p, replica) for p in positions], timeout=timeout)
+                if replica == self.replica and self.position in positions:
                     groups.append((group, params))
         return groups
 
@@ -408,8 +444,7 @@ class DistributedPipeline:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole pipeline: each parameter counted
         once (at the stage owning it), the norm reduced over the pipeline's ranks."""
-        owned = [p for p in self.held if isinstance(p, nn.Parameter) and p.grad is not None
-                 and self.owner.get(id(p), 0) == self.stage_index]
+        owned = [p for p in self.held if isinstance(p, nn.Parameter) and p.grad is not None and self._owns(p)]
         grads = [cast(Tensor, p.grad) for p in owned]
         if norm_type == float("inf"):
             local = max((g.abs().max() for g in grads), default=torch.zeros(()))
@@ -428,7 +463,7 @@ class DistributedPipeline:
 
     def state_dict(self) -> dict[str, Tensor] | None:
         """The plain module's ``state_dict``, gathered on global rank 0 (``None`` elsewhere)
-        from replica 0's ranks, each sending what its stage owns."""
+        from replica 0's ranks, each sending what its stages own."""
         mine = {name: t.clone() for name, t in self.owned_state().items()}
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
         dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
@@ -440,11 +475,16 @@ class DistributedPipeline:
         return {name: merged[name] for name in self.names}
 
     def owned_state(self) -> dict[str, Tensor]:
-        """This rank's part of the plain module's ``state_dict``: what its stage owns, on
+        """This rank's part of the plain module's ``state_dict``: what its stages own, on
         replica 0 (the other replicas hold copies)."""
         if self.replica:
             return {}
-        return {name: t.detach() for name, t in self.names.items() if self.owner.get(id(t), 0) == self.stage_index}
+        return {name: t.detach() for name, t in self.names.items() if self._owns(t)}
+
+    def _owns(self, tensor: Tensor) -> bool:
+        """Whether one of this rank's stages owns ``tensor`` (the first stage reading it; a
+        tensor no stage reads belongs to the first)."""
+        return self.owner.get(id(tensor), 0) % self.ranks == self.position
 
     def held_state(self) -> dict[str, Tensor]:
         """The tensors this rank holds, by every name of the plain module's ``state_dict``."""

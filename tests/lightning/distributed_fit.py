@@ -4,7 +4,7 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 
     python tests/lightning/distributed_fit.py OUT DEVICES SCENARIO...
 
-A scenario is ``family:schedule:stages[:metered][:features]`` (a few steps with
+A scenario is ``family:schedule:stages[:metered][:features][:vN]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``features``, ``sharded``, ``exported``, ``raise`` or ``hang``
 (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``raise`` and
@@ -34,23 +34,26 @@ ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping
 
 
 def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages: int, metered: bool,
-        features: bool) -> None:
+        features: bool, virtual: int = 1) -> None:
     """``metered``: plan (rank 0 profiles), measure memory and log per-stage metrics to a CSV
     logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
-    and decay the learning rate every step (:func:`with_scheduler`)."""
+    and decay the learning rate every step (:func:`with_scheduler`). ``virtual``: stages per
+    process (Interleaved 1F1B)."""
     model, data = make(family)
     if features:
         with_scheduler(model)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
-                                  planner="dawnpiper" if metered else None, measure_memory=metered)
-    logger = CSVLogger(out, name=f"{family}-{schedule}-{stages}") if metered else False
+                                  planner="dawnpiper" if metered else None, measure_memory=metered,
+                                  virtual_stages=virtual)
+    tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual > 1 else "")
+    logger = CSVLogger(out, name=tag) if metered else False
     extra = {"accumulate_grad_batches": ACCUMULATE, "gradient_clip_val": CLIP} if features else {}
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=logger,
                       log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, **extra)
     replicas = devices // stages
     trainer.fit(model, loader(data, BATCH // replicas))
-    name = f"{family}-{schedule}-{stages}" + ("-features" if features else "")
+    name = tag + ("-features" if features else "")
     trainer.save_checkpoint(out / f"{name}.ckpt")
     rank = trainer.global_rank
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -139,7 +142,7 @@ def empty(out: Path, devices: int) -> None:
     trainer.save_checkpoint(out / "empty.ckpt")
     strategy = trainer.strategy
     stored = {name: not t.is_meta for name, t in model.state_dict(keep_vars=True).items()}
-    result = {"stored": stored, "balance": strategy.plan.balance, "stage": strategy._pipe.stage_index}
+    result = {"stored": stored, "balance": strategy.plan.balance, "stage": strategy._pipe.position}
     (out / f"empty-rank{trainer.global_rank}.json").write_text(json.dumps(result))
     again = Trainer(**empty_trainer(devices, steps=5))
     with again.init_module(empty_init=True):
@@ -232,4 +235,5 @@ if __name__ == "__main__":
             SCENARIOS[scenario](out, devices)
         else:
             family, schedule, stages, *flags = scenario.split(":")
-            fit(out, devices, steps, family, schedule, int(stages), "metered" in flags, "features" in flags)
+            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
+            fit(out, devices, steps, family, schedule, int(stages), "metered" in flags, "features" in flags, virtual)

@@ -47,9 +47,13 @@ ROOT = Path(__file__).parents[2]
 SCRIPT = Path(__file__).with_name("distributed_fit.py")
 STEPS = 3
 # every family under each schedule at each layout (pp=4 and pp=2 x dp=2 on four ranks, pp=2 on
-# two); GPT under 1F1B and the U-Net under GPipe at pp=4 are planned and log metered metrics
-PP4 = ["gpt:1f1b:4:metered", "unet:gpipe:4:metered", "encdec:1f1b:4", "gpt:gpipe:4", "unet:1f1b:4", "encdec:gpipe:4"]
-PP2 = PP2_DP2 = ["gpt:gpipe:2", "unet:1f1b:2", "encdec:gpipe:2", "gpt:1f1b:2", "unet:gpipe:2", "encdec:1f1b:2"]
+# two), and Interleaved 1F1B (two stages per process, ":v2"); GPT under 1F1B and the U-Net
+# under GPipe at pp=4, and the U-Net interleaved at pp=2, are planned and log metered metrics
+FAMILIES = ["gpt:gpipe", "unet:1f1b", "encdec:gpipe", "gpt:1f1b", "unet:gpipe", "encdec:1f1b"]
+PP4 = ["gpt:1f1b:4:metered", "unet:gpipe:4:metered", "encdec:1f1b:4", "gpt:gpipe:4", "unet:1f1b:4", "encdec:gpipe:4",
+       "encdec:1f1b:4:v2"]
+PP2_DP2 = [f"{f}:2" for f in FAMILIES] + ["gpt:1f1b:2:v2"]
+PP2 = [f"{f}:2" for f in FAMILIES] + ["gpt:1f1b:2:v2", "unet:1f1b:2:metered:v2"]
 
 
 @dataclass
@@ -127,9 +131,9 @@ def _reference(family: str, replicas: int, features: bool = False) -> dict[str, 
 
 
 def _check(launch: Launch, devices: int, config: str) -> None:
-    family, schedule, stages = config.split(":")[:3]
+    family, schedule, stages, *flags = config.split(":")
     replicas = devices // int(stages)
-    name = f"{family}-{schedule}-{stages}"
+    name = f"{family}-{schedule}-{stages}" + "".join(f"-{f}" for f in flags if f.startswith("v"))
     expected = _reference(family, replicas)
     state = torch.load(launch.path(f"{name}.ckpt"), weights_only=False)["state_dict"]
     assert list(state) == list(expected), name  # the plain module's keys
@@ -188,6 +192,14 @@ def test_pp4_and_pp2_dp2_equal_single_device(four_ranks):
 def test_pp2_equals_single_device(two_ranks):
     for config in PP2:
         _check(two_ranks, 2, config)
+    # interleaved: a process's prediction adds its two stages' peaks, which do not coincide
+    (path,) = (two_ranks.out / "unet-1f1b-2-v2").rglob("metrics.csv")
+    with path.open() as f:
+        last = [row for row in csv.DictReader(f) if row["pipe/stage1/peak_bytes"]][-1]
+    for s in range(2):
+        metered, predicted = (float(last[f"pipe/stage{s}/{key}"]) for key in ("peak_bytes", "predicted_peak_bytes"))
+        assert metered <= predicted <= 1.2 * metered, (s, predicted, metered)
+    assert "pipe/bubble_fraction" not in last or not last["pipe/bubble_fraction"]
 
 
 @pytest.mark.slow
@@ -224,6 +236,9 @@ def test_runtime_distributed_builds_the_distributed_strategy():
         ({"runtime": "mpi"}, "runtime must be"),
         ({"state_dict_type": "sharded"}, "needs runtime='distributed'"),
         ({"runtime": "distributed", "state_dict_type": "dcp"}, "'full' or 'sharded'"),
+        ({"runtime": "distributed", "schedule": "gpipe", "virtual_stages": 2}, "schedule='1f1b'"),
+        ({"schedule": "1f1b", "virtual_stages": 2}, "runtime='distributed'"),
+        ({"runtime": "distributed", "schedule": "1f1b", "virtual_stages": 0}, "positive int"),
     ],
 )
 def test_bad_runtime_arguments_are_named(kwargs, message):

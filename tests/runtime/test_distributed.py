@@ -67,7 +67,7 @@ def _train(rank: int, world: int, port: int, stages: int, out: str) -> None:
             optimizer = model.configure_optimizers()
             for _ in range(STEPS):
                 optimizer.zero_grad()
-                inputs = program.bind(model.inputs(batch), {}) if pipe.stage_index == 0 else None
+                inputs = program.bind(model.inputs(batch), {}) if pipe.is_first else None
                 pipe.rank.train_step(inputs)
                 pipe.sync_gradients()
                 optimizer.step()
@@ -191,7 +191,7 @@ def _materialise(rank: int, world: int, port: int, out: str) -> None:
             program = build(captured, model, balance, [torch.device("cpu")] * 2, place=False)
             pipe = DistributedPipeline(program, model, boundaries, mesh, "gpipe", CHUNKS, lambda o, t: o.sum(),
                                        torch.device("cpu"), previous=previous, init=init)
-            previous = pipe.held_by_stage
+            previous = pipe.held_by_rank
             held[str(balance)] = {name: t.clone() for name, t in pipe.held_state().items()}
             held[str(balance)]["meta"] = [name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta]
             if rank == 0:  # what it held beyond its stage at any moment, in bytes
