@@ -518,6 +518,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         if self.meter is not None:
             mine.update(peak_bytes=self.meter.stages[0].peak,
                         activation_bytes=self.meter.stages[0].kind_peaks["activations"])
+        if self.root_device.type == "cuda":  # the allocator's own count, beside the meter's
+            mine["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.root_device)
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, mine)
         if self.global_rank != 0:
@@ -526,7 +528,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         stages = [parts[s * replicas] for s in range(self.num_stages)]
         metrics: dict[str, float] = {"pipe/step_ms": max(p["step_ms"] for p in parts)}
         for s, part in enumerate(stages):
-            for key in ("forward_ms", "backward_ms", "peak_bytes", "activation_bytes"):
+            for key in ("forward_ms", "backward_ms", "peak_bytes", "activation_bytes", "cuda_peak_bytes"):
                 if key in part:
                     metrics[f"pipe/stage{s}/{key}"] = part[key]
             if self.plan is not None:  # the rank's stages' peaks added: they need not coincide

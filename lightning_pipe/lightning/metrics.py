@@ -19,9 +19,11 @@ def step_metrics(
     schedule: Schedule,
     chunks: int,
     step_ms: float,
+    cuda_peaks: list[int] | None = None,
 ) -> dict[str, float]:
-    """Step time, per-stage forward/backward time, metered and predicted peaks, and the
-    bubble the measured stage times imply for the schedule."""
+    """Step time, per-stage forward/backward time, metered and predicted peaks (and the CUDA
+    allocator's, ``cuda_peaks``, when each stage has a GPU of its own), and the bubble the
+    measured stage times imply for the schedule."""
     stages = len(clock.forward_ms)
     metrics: dict[str, float] = {"pipe/step_ms": step_ms}
     for s in range(stages):
@@ -32,6 +34,8 @@ def step_metrics(
             metrics[f"pipe/stage{s}/activation_bytes"] = meter.stages[s].kind_peaks["activations"]
         if plan is not None:
             metrics[f"pipe/stage{s}/predicted_peak_bytes"] = plan.stages[s].peak.total
+        if cuda_peaks is not None:
+            metrics[f"pipe/stage{s}/cuda_peak_bytes"] = cuda_peaks[s]
     times = [StageTime(f / chunks, b / chunks) for f, b in zip(clock.forward_ms, clock.backward_ms)]
     metrics["pipe/bubble_fraction"] = simulate(times, actions(schedule, chunks, stages)).bubble
     return metrics

@@ -623,7 +623,8 @@ class MemoryPipeStrategy(ParallelStrategy):
         finally:
             self._stepping = False
         step_ms = (time.perf_counter() - self._step_start) * 1e3
-        metrics = step_metrics(self.clock, self.meter, self.plan, self.schedule, self.chunks, step_ms)
+        cuda = MemoryMeter.cuda_peaks(self.parallel_devices or [])
+        metrics = step_metrics(self.clock, self.meter, self.plan, self.schedule, self.chunks, step_ms, cuda)
         log_step_metrics(self._module.trainer, metrics)
         if self.meter is not None:
             self.meter.own_optimizer_state(optimizer)

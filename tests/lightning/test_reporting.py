@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from examples.models import loader
@@ -38,6 +39,20 @@ def test_metrics_reach_a_csv_logger_with_plausible_values(tmp_path, schedule):
             assert 0 < float(row[f"pipe/stage{s}/activation_bytes"]) < peak
             predicted = float(row[f"pipe/stage{s}/predicted_peak_bytes"])
             assert 0.5 < predicted / peak < 2  # the plan's formula against the meter
+
+
+@pytest.mark.cuda
+def test_the_cuda_allocators_peak_is_logged_beside_the_meters(tmp_path):
+    """On a GPU the loggers also get ``torch.cuda.max_memory_allocated``: at least the metered
+    peak (the allocator rounds every block up and sees what no stage is charged)."""
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(chunks=2, schedule="1f1b", measure_memory=True)
+    t = Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=2, logger=CSVLogger(tmp_path),
+                log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False)
+    t.fit(model, loader(data, 8))
+    with open(t.logger.log_dir + "/metrics.csv") as f:
+        row = [r for r in csv.DictReader(f) if r.get("pipe/step_ms")][-1]
+    assert float(row["pipe/stage0/cuda_peak_bytes"]) >= float(row["pipe/stage0/peak_bytes"]) > 0
 
 
 def test_plan_report_written_to_the_log_dir(tmp_path, capsys):
