@@ -1,5 +1,6 @@
 """Distributed runtime vs torch.distributed.pipelining's own 1F1B on the same split, and vs
-our one-process runtime: step time and peak bytes per rank, on CPU processes over gloo.
+our one-process runtime and our Interleaved 1F1B (two stages per rank, the split by parameter
+bytes over twice the stages): step time and peak bytes per rank, on CPU processes over gloo.
 
     python -m benchmarks.distributed [--stages 2] [--width 256] [--depth 16] [--batch 64] [--chunks 4]
 
@@ -14,6 +15,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +60,9 @@ def _program(stages: int, args: argparse.Namespace, place: bool) -> tuple[Sequen
     return module, x, y, program
 
 
-def _ours(rank: int, stages: int, args: argparse.Namespace) -> tuple[list[float], int]:
-    module, x, y, program = _program(stages, args, place=False)
+def _ours(rank: int, stages: int, args: argparse.Namespace, virtual: int = 1) -> tuple[list[float], int]:
+    """Our distributed runtime; ``virtual`` stages per rank: Interleaved 1F1B."""
+    module, x, y, program = _program(stages * virtual, args, place=False)
     mesh = init_device_mesh("cpu", (stages, 1), mesh_dim_names=("pp", "dp"))
     sample = x[: args.batch // args.chunks]
     labels = y.chunk(args.chunks)
@@ -95,7 +98,9 @@ def _theirs(rank: int, stages: int, args: argparse.Namespace) -> tuple[list[floa
 
 def _rank(rank: int, stages: int, args: argparse.Namespace, out: str) -> None:
     result = {}
-    for name, run in (("lightning_pipe distributed 1F1B", _ours), ("torch pipelining Schedule1F1B", _theirs)):
+    runs = (("lightning_pipe distributed 1F1B", _ours), ("torch pipelining Schedule1F1B", _theirs),
+            ("lightning_pipe interleaved 1F1B, v=2", partial(_ours, virtual=2)))
+    for name, run in runs:
         times, peak = run(rank, stages, args)
         result[name] = {"step_ms": times, "peak": peak}
     (Path(out) / f"{rank}.json").write_text(json.dumps(result))

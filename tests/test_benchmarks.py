@@ -98,3 +98,23 @@ def test_paper_benchmark_rows_are_the_same_from_worker_processes(monkeypatch):
     pooled, inline = (paper.run([tiny], settings, small, jobs) for jobs in (2, 1))
     assert [(r.stages, r.max_microbatch) for r in pooled] == [(r.stages, r.max_microbatch) for r in inline]
     assert [r.stages for r in pooled] == [2, 3] and all(r.max_microbatch > 0 for r in pooled)
+
+
+def test_distributed_benchmark_runs_every_runtime_and_matches_pipelinings_peaks():
+    """``python -m benchmarks.distributed`` at a tiny size: a row per runtime, and on the same
+    split our 1F1B holds what torch.distributed.pipelining's does on every rank."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.distributed", "--width", "128", "--depth", "4", "--batch", "16",
+         "--steps", "1"], cwd=root, capture_output=True, text=True, timeout=300, check=True,
+        env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+    )
+    rows = {line[:36].strip(): line[36:].split(maxsplit=1) for line in result.stdout.splitlines()[2:]}
+    assert set(rows) == {"lightning_pipe distributed 1F1B", "torch pipelining Schedule1F1B",
+                         "lightning_pipe interleaved 1F1B, v=2", "lightning_pipe local GPipe (1 proc)"}
+    assert rows["lightning_pipe distributed 1F1B"][1] == rows["torch pipelining Schedule1F1B"][1]
