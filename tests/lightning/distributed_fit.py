@@ -58,7 +58,10 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     rank = trainer.global_rank
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
     mesh = model.device_mesh
-    (out / f"{name}-rank{rank}.json").write_text(json.dumps({"logged": logged, "mesh": list(mesh.shape)}))
+    result = {"logged": logged, "mesh": list(mesh.shape)}
+    if virtual > 1:  # evaluation through every rank's stages in turn
+        result["val"] = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
+    (out / f"{name}-rank{rank}.json").write_text(json.dumps(result))
 
 
 def with_scheduler(model: LightningModule) -> None:

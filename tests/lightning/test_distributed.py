@@ -144,8 +144,12 @@ def _check(launch: Launch, devices: int, config: str) -> None:
     assert all("train_loss" in r["logged"] for r in ranks), name  # logged on every rank
     for r in range(devices):  # the ranks of one pipeline log the same (its last stage's) values
         assert ranks[r]["logged"] == ranks[r % replicas]["logged"], name
-    model, _ = make(family)
+    model, data = make(family)
     model.load_state_dict(state)  # loads into the plain LightningModule
+    if "val" in ranks[0]:  # every rank returns the validation loss of the trained model
+        plain = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        expected_val = plain.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
+        assert all(r["val"] == pytest.approx(expected_val, rel=1e-5) for r in ranks), name
 
 
 def _check_metrics(launch: Launch, stages: int) -> None:
