@@ -59,7 +59,7 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
     mesh = model.device_mesh
     result = {"logged": logged, "mesh": list(mesh.shape)}
-    if virtual > 1:  # evaluation through every rank's stages in turn
+    if virtual > 1 and replicas == 1:  # evaluation through every rank's stages in turn (one replica: all data)
         result["val"] = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(result))
 
