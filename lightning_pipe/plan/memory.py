@@ -366,7 +366,9 @@ class CostModel:
             merged = round(max(0.0, in_flight - 1 - outputs) * self.merged(lo, hi)) if self.merges else 0
             forward = [self._forward_peak(in_flight, live, static, round(outputs * live.leaving) + merged)]
         else:
-            forward = self._last_peaks(lo, in_flight, live, static)
+            forward, loss_backward = self._last_peaks(lo, in_flight, live, static)
+            if loss_backward is not None:  # it begins the stage's backward: what waits then waits with it
+                backward.append(loss_backward.waiting(max((w for _, w in waiting[1]), default=0)))
         return max([p.waiting(waiting[0]) for p in forward] + backward, key=lambda p: p.total)
 
     def merged(self, lo: int, hi: int) -> int:
@@ -418,12 +420,15 @@ class CostModel:
         own = self._grads[hi] - self._grads[lo]
         return own + round(self.borrowed(lo, hi) * self._grads_per_param) if self.carry else own
 
-    def _last_peaks(self, lo: int, in_flight: float, live: "_Live", static: int) -> list[StagePeak]:
+    def _last_peaks(
+        self, lo: int, in_flight: float, live: "_Live", static: int
+    ) -> tuple[list[StagePeak], StagePeak | None]:
         """The last stage's forward and loss peaks: it also holds the training batch, and the
         loss made from its outputs. Under GPipe every micro-batch's outputs wait for their
         merge, and the loss is the whole batch's, its backward after the gradients of the
-        parameters were freed; otherwise it is one micro-batch's, and the losses of the
-        earlier micro-batches are kept."""
+        parameters were freed; otherwise it is one micro-batch's, the losses of the earlier
+        micro-batches are kept, and the loss's backward (returned apart) begins the stage's
+        backward, when gradients waiting for earlier stages during its forwards may be gone."""
         out, p = self._final_outputs(lo), self.profile
         stashed = round(in_flight * live.stashed)
         if self.merges:  # the outputs and their merge, then the loss of the merge
@@ -432,13 +437,12 @@ class CostModel:
                 self._forward_peak(in_flight, live, static, round((in_flight - 1) * live.leaving) + self.batch),
                 StagePeak(static, stashed, 0, round(in_flight * max(out + live.leaving, p.loss_bytes)) + self.batch),
                 StagePeak(static - grads, stashed, 0, round(in_flight * p.loss_backward_bytes) + self.batch),
-            ]
-        earlier = (self.chunks - 1) * p.loss_kept_bytes
-        loss = live.leaving + max(p.loss_bytes, p.loss_backward_bytes)
+            ], None
+        held = live.leaving + (self.chunks - 1) * p.loss_kept_bytes + self.batch  # output, earlier losses, batch
         return [
-            self._forward_peak(in_flight, live, static, earlier + self.batch),
-            StagePeak(static, stashed, 0, loss + earlier + self.batch),
-        ]
+            self._forward_peak(in_flight, live, static, held - live.leaving),
+            StagePeak(static, stashed, 0, held + p.loss_bytes),
+        ], StagePeak(static, stashed, 0, held + p.loss_backward_bytes)
 
     def _last_backward(self, lo: int, in_flight: float) -> int:
         """What the last stage holds besides its own during its backward: the batch, the
