@@ -232,6 +232,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         self._graphs = self._graphs or Variants(module, self.leaf_modules)
         captured = self._graphs.training_graph((args, kwargs))
         stages = self.num_stages * self.virtual_stages  # a process's stages share its memory
+        _check_balance_entries(self.balance, self.num_stages, self.virtual_stages)
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
         box: list[Any] = [None]
@@ -689,6 +690,21 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             ParallelStrategy.teardown(self)
         finally:
             self._lightning_module = module
+
+
+def _check_balance_entries(balance: list[int] | None, processes: int, virtual_stages: int) -> None:
+    """On every rank, before rank 0 builds from it: a balance needs one entry per stage.
+
+    Raises:
+        ValueError: it has another number of entries.
+    """
+    stages = processes * virtual_stages
+    if balance is not None and len(balance) != stages:
+        raise ValueError(
+            f"balance has {len(balance)} entries, but runtime='distributed' runs {stages} stages ({processes} "
+            f"processes x virtual_stages={virtual_stages}; stage s on process s % {processes}). Give one node "
+            f"count per stage, in order."
+        )
 
 
 def become_distributed(strategy: MemoryPipeStrategy) -> None:

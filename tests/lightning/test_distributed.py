@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, defa
 from examples.models import UNet, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture
-from lightning_pipe.lightning.distributed import DistributedPipeStrategy
+from lightning_pipe.lightning.distributed import DistributedPipeStrategy, _check_balance_entries
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.runtime.materialize import materialize
 from tests.lightning.distributed_fit import (
@@ -248,6 +248,13 @@ def test_runtime_distributed_builds_the_distributed_strategy():
 def test_bad_runtime_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MemoryPipeStrategy(**kwargs)
+
+
+def test_a_balance_needs_an_entry_per_stage_of_every_process():
+    _check_balance_entries([3, 3, 3, 3], processes=2, virtual_stages=2)
+    _check_balance_entries(None, processes=2, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"balance has 2 entries, but runtime='distributed' runs 4 stages"):
+        _check_balance_entries([6, 6], processes=2, virtual_stages=2)
 
 
 def test_a_directory_that_is_no_sharded_checkpoint_is_named(tmp_path):
