@@ -249,13 +249,14 @@ class CostModel:
         readers, on the stage of its last reader until its producer ``p`` takes it. Under
         GPipe, autograd sums it as it goes: each stage reading it makes a new sum, which waits
         there for the next earlier reader's backward (the producer's, after the earliest); a
-        reader whose backward hands out slices of one buffer (``cat``) keeps that buffer, once.
-        A value read only on its own stage waits for nothing, so only the values crossing a
-        cut are visited."""
+        reader whose backward hands out slices of one buffer (``cat``) keeps that buffer, once,
+        for the earliest stage taking a slice (it waits longest). A value read only on its own
+        stage waits for nothing, so only the values crossing a cut are visited."""
         sent = [[0] * len(balance) for _ in balance]
         cuts = list(itertools.accumulate(balance))[:-1]
+        slicers: set[int] = set()
         for p, cut in enumerate(cuts):
-            start, slicers = cuts[p - 1] if p else 0, set()
+            start = cuts[p - 1] if p else 0
             for i, _ in self._leaving[cut]:  # i descending: stop at the first made before stage p
                 if i < start:
                     break
