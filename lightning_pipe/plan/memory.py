@@ -439,11 +439,11 @@ class CostModel:
                 StagePeak(static, stashed, 0, round(in_flight * max(out + live.leaving, p.loss_bytes)) + self.batch),
                 StagePeak(static - grads, stashed, 0, round(in_flight * p.loss_backward_bytes) + self.batch),
             ], None
-        held = live.leaving + (self.chunks - 1) * p.loss_kept_bytes + self.batch  # output, earlier losses, batch
+        kept = (self.chunks - 1) * p.loss_kept_bytes + self.batch  # the earlier losses and the batch
         return [
-            self._forward_peak(in_flight, live, static, held - live.leaving),
-            StagePeak(static, stashed, 0, held + p.loss_bytes),
-        ], StagePeak(static, stashed, 0, held + p.loss_backward_bytes)
+            self._forward_peak(in_flight, live, static, kept),
+            StagePeak(static, stashed, 0, live.leaving + kept + p.loss_bytes),
+        ], StagePeak(static, stashed, 0, live.leaving + kept + p.loss_backward_bytes)
 
     def _last_backward(self, lo: int, in_flight: float) -> int:
         """What the last stage holds besides its own during its backward: the batch, the

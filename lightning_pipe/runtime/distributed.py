@@ -275,10 +275,10 @@ class DistributedPipeline:
     A model built on the meta device (:mod:`~lightning_pipe.runtime.materialize`) is never
     whole in any process: rank 0 initialises it module by module (``init``, called with each
     module whose tensors it has just given storage) and sends each tensor on before the next
-    module; the other ranks give storage only to their stage's tensors, and what a rank does
-    not hold stays on the meta device. ``previous``: the tensors each stage held in a released
-    pipeline this one replaces; a rank then receives what it lacks from the rank of its
-    replica that held it.
+    module; the other ranks give storage only to their stages' tensors, and what a rank does
+    not hold stays on the meta device. ``previous``: the tensors each pipeline rank held in a
+    released pipeline this one replaces (its ``held_by_rank``); a rank then receives what it
+    lacks from the rank of its replica that held it.
     """
 
     def __init__(
@@ -402,10 +402,10 @@ class DistributedPipeline:
         the same replica that held it in the ``previous`` pipeline. ``held``, ``previous``: the
         tensors each pipeline rank holds."""
         pairs = []
+        source = None if previous is None else next((p for p, ids in enumerate(previous) if tensor in ids), None)
         for position in range(self.ranks):
             if tensor not in held[position] or (previous is not None and tensor in previous[position]):
                 continue
-            source = None if previous is None else next((p for p, ids in enumerate(previous) if tensor in ids), None)
             for replica in range(self.replicas):
                 dst = self._global_rank(position, replica)
                 src = 0 if source is None else self._global_rank(source, replica)
