@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.memory import CostModel, stage_ranges
@@ -233,3 +234,63 @@ def test_a_meta_built_model_gets_storage_stage_by_stage_and_moves_with_a_new_spl
         assert set(ranks[0][split]) | set(ranks[2][split]) == set(expected)
     first, second = list(ranks[0])
     assert set(ranks[0][first]) != set(ranks[0][second])
+
+
+def _with_policies(rank: int, world: int, port: int, out: str) -> None:
+    """pp=2, the U-Net under 1F1B, every node keeping its activations, then stage 0
+    recomputing and stage 1 swapping: each rank's parameters after training and its metered
+    activation peak."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = pipeline_mesh(2, 1, "cpu")
+        result = {}
+        for memopt in (False, True):
+            model, _ = make("unet")
+            batch = _batch("unet")
+            microbatches = scatter(batch, CHUNKS)
+            captured = capture(model)
+            balance = balance_by_weight(captured.param_bytes(), 2)
+            names = [n.name for n in captured.nodes]
+            policies = {}
+            if memopt:
+                policies = dict.fromkeys(names[: balance[0] - 1], "recompute")
+                policies.update(dict.fromkeys(names[balance[0] : len(names) - 1], "swap"))
+            program = build(captured, model, balance, [torch.device("cpu")] * 2, policies, place=False)
+            boundaries = cuts(program, model, model.inputs(microbatches[0]), {})
+
+            def loss_fn(output, target, microbatches=microbatches, model=model):
+                return model.criterion(output, microbatches[int(target)]) / CHUNKS
+
+            pipe = DistributedPipeline(program, model, boundaries, mesh, "1f1b", CHUNKS, loss_fn, torch.device("cpu"))
+            meter = MemoryMeter(1)
+            for stage in pipe.modules:
+                stage.meter = meter
+            meter.own(0, pipe.held)
+            optimizer = model.configure_optimizers()
+            for _ in range(STEPS):
+                optimizer.zero_grad()
+                with meter, meter.saved_tensors_hooks(), meter.running(0):
+                    pipe.rank.train_step(program.bind(model.inputs(batch), {}) if pipe.is_first else None)
+                optimizer.step()
+            result[memopt] = {"activations": meter.stages[0].kind_peaks["activations"], "state": pipe.state_dict()}
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_recompute_and_swap_inside_a_stage_train_like_one_device_on_less_memory(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_with_policies, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    expected = _reference("unet")
+    for memopt in (False, True):
+        state = ranks[0][memopt]["state"]
+        for name, value in expected.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=f"memopt={memopt} {name}")
+    for r in range(2):  # stage 0 recomputes, stage 1 swaps to the host: each keeps fewer activations
+        assert ranks[r][True]["activations"] < ranks[r][False]["activations"], r
