@@ -501,7 +501,10 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         self._stepping = True
         try:
-            output = ParallelStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)
+            def step(run: Any) -> Any:  # the closure Lightning passes, or the meter's wrapping of it
+                return ParallelStrategy.optimizer_step(self, optimizer, run, model, **kwargs)
+
+            output = step(closure) if self.meter is None else self.meter.step(step, closure)
         finally:
             self._stepping = False
         self._log_stage_metrics((time.perf_counter() - self._step_start) * 1e3)

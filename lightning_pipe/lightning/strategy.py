@@ -619,7 +619,12 @@ class MemoryPipeStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         self._stepping = True
         try:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            parent = super().optimizer_step
+
+            def step(run: Any) -> Any:  # the closure Lightning passes, or the meter's wrapping of it
+                return parent(optimizer, run, model, **kwargs)
+
+            output = step(closure) if self.meter is None else self.meter.step(step, closure)
         finally:
             self._stepping = False
         step_ms = (time.perf_counter() - self._step_start) * 1e3

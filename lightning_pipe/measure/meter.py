@@ -16,7 +16,7 @@ formulas.
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -118,16 +118,40 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     # -- what runs now ---------------------------------------------------------------------
 
-    @contextmanager
-    def running(self, stage: int | None) -> Iterator[None]:
+    def running(self, stage: int | None) -> AbstractContextManager[None]:
         """Charge what is allocated inside to ``stage`` (a stage's forward); ``None``: to no
         stage (planning inside a step)."""
-        previous = getattr(self._local, "stage", None)
-        self._local.stage = stage
+        return self._setting("stage", stage)
+
+    def stepping(self) -> AbstractContextManager[None]:
+        """An optimizer step: what it allocates outside any stage (its temporaries, new
+        state) is charged to the stage owning what the operator reads, for as long as it
+        lives. A closure the step calls runs the pipeline as usual (:meth:`step`)."""
+        return self._setting("stepping", True)
+
+    def step(self, step: Callable[[Any], _T], closure: Callable[[], Any] | None) -> _T:
+        """``step(closure)``, an optimizer step (``Strategy.optimizer_step``) run
+        :meth:`stepping`; the closure inside, the training step it calls, runs as usual."""
+
+        def training(closure: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:
+                with self._setting("stepping", False):
+                    return closure()
+
+            return run
+
+        with self.stepping():
+            return step(None if closure is None else training(closure))
+
+    @contextmanager
+    def _setting(self, name: str, value: Any) -> Iterator[None]:
+        """This thread's ``name`` set to ``value`` inside."""
+        previous = getattr(self._local, name, None)
+        setattr(self._local, name, value)
         try:
             yield
         finally:
-            self._local.stage = previous
+            setattr(self._local, name, previous)
 
     def run_as(self, stage: int, run: Callable[[], _T]) -> _T:
         """Run code outside the pipeline's stages as part of ``stage``, its backward included:
@@ -269,9 +293,12 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        where = None if getattr(_flags, "off", False) else self._stage_now()
-        if where is None:
+        if func is _DEVICE or getattr(_flags, "off", False):
             return func(*args, **kwargs)
+        where = self._stage_now()
+        if where is None:
+            stepping = getattr(self._local, "stepping", False)
+            return self._step_op(func, args, kwargs) if stepping else func(*args, **kwargs)
         flat = tree_flatten((args, kwargs))[0]
         out, workspace = _workspace(func, args, kwargs, flat)
         # Views and in-place results share an input's storage: not an allocation.
@@ -284,6 +311,26 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self._charge(t, *where)  # (under AccumulateGrad: a buffer adopted as .grad)
         if workspace:
             self._spike(where[0], workspace)
+        return out
+
+    def _step_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An operator of an optimizer step: each new storage goes to the stage owning what it
+        is made from (for an operator over lists of tensors, the tensor at the same place in
+        its first list; else the first input charged to a stage)."""
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        owner = next((e.stage for t in inputs if (e := self._entries.get(t.untyped_storage())) is not None), None)
+        if owner is None:
+            return out
+        storages = {id(t.untyped_storage()) for t in inputs}
+        listed = next((a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], Tensor)), None)
+        results = out if isinstance(out, (list, tuple)) else [out]
+        for k, t in enumerate(results):
+            if not isinstance(t, Tensor) or id(t.untyped_storage()) in storages:
+                continue
+            source = listed[k] if listed is not None and len(listed) == len(results) else None
+            entry = self._entries.get(source.untyped_storage()) if source is not None else None
+            self._charge(t, entry.stage if entry is not None else owner, "transient")
         return out
 
     # -- reading ---------------------------------------------------------------------------
@@ -325,6 +372,7 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
+_DEVICE = torch.ops.prim.device.default  # a fake tensor's ``.device``, asked often; allocates nothing
 _MEMORY_EVENTS = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
 
 

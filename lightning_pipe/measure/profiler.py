@@ -103,7 +103,8 @@ def profile_graph(
     _set_rng_state(rng)
 
     params = captured.params_by_node()
-    state_bytes = _optimizer_bytes(optimizer, [p for ps in params for p in ps])
+    state_bytes, step_bytes, grouped = _optimizer_bytes(optimizer, [p for ps in params for p in ps])
+    step = sum if grouped else functools.partial(max, default=0)
     index = {node: k for k, node in enumerate(captured.nodes)}
     profiles = []
     for k, node in enumerate(captured.nodes):
@@ -119,6 +120,7 @@ def profile_graph(
                 param_bytes=sum(_nbytes(p) for p in params[k]),
                 grad_bytes=sum(_nbytes(p) for p in params[k] if p.requires_grad),
                 optimizer_bytes=sum(state_bytes.get(id(p), 0) for p in params[k]),
+                step_bytes=step(step_bytes.get(id(p), 0) for p in params[k]),
                 users=sorted(index.get(u, -1) for u in node.users),
                 backward_bytes=memory[k].backward,
                 output_grad_bytes=_tensor_bytes([t for t in tree_flatten(value)[0] if _needs_grad(t)]),
@@ -144,6 +146,7 @@ def profile_graph(
         input_users=sorted({index[u] for p in placeholders for u in p.users if u in index}),
         fake=fake,
         shared=_shared(captured),
+        step_grouped=grouped,
     )
 
 
@@ -432,25 +435,50 @@ def _median_ms(fn: Callable[[], Any], device: torch.device, repeats: int, warmup
     return statistics.median(times)
 
 
-def _optimizer_bytes(optimizer: torch.optim.Optimizer | None, params: list[torch.nn.Parameter]) -> dict[int, int]:
-    """State bytes per parameter for the optimizer's class and settings, measured by one step
-    on a zero copy of each parameter in turn (never a copy of the whole model)."""
+def _optimizer_bytes(
+    optimizer: torch.optim.Optimizer | None, params: list[torch.nn.Parameter]
+) -> tuple[dict[int, int], dict[int, int], bool]:
+    """State bytes and step temporaries (:attr:`NodeProfile.step_bytes`) per parameter for the
+    optimizer's class and settings, measured by steps on a zero copy of each parameter in
+    turn (never a copy of the whole model); and whether the step groups parameters (two
+    copies stepped together hold twice one's temporaries)."""
     if optimizer is None:
-        return {}
-    cache: dict[tuple[Any, ...], int] = {}
-    result = {}
+        return {}, {}, False
+    cache: dict[tuple[Any, ...], tuple[int, int]] = {}
+    state: dict[int, int] = {}
+    step: dict[int, int] = {}
+    grouped = False
     for p in params:
         if not p.requires_grad:
             continue
         key = (p.shape, p.dtype, p.device)
         if key not in cache:
             probe = torch.zeros_like(p, requires_grad=True)
-            probe.grad = torch.zeros_like(p)
-            step = type(optimizer)([probe], **_settings(optimizer))
-            step.step()
-            cache[key] = sum(_nbytes(v) for v in step.state[probe].values() if isinstance(v, Tensor))
-        result[id(p)] = cache[key]
-    return result
+            cache[key] = _stepped(optimizer, [probe])
+            if len(cache) == 1:  # once, on the first parameter: how a step holds its temporaries
+                one = cache[key][1]
+                grouped = one > 0 and _stepped(optimizer, [probe, torch.zeros_like(probe)])[1] > 1.5 * one
+        state[id(p)], step[id(p)] = cache[key]
+    return state, step, grouped
+
+
+def _stepped(optimizer: torch.optim.Optimizer, probes: list[Tensor]) -> tuple[int, int]:
+    """State bytes of ``probes[0]`` and the most bytes a steady step of ``optimizer``'s class
+    on ``probes`` holds beyond parameters, gradients and state, as a meter sees them."""
+    for probe in probes:
+        probe.grad = torch.zeros_like(probe)
+    step = type(optimizer)(probes, **_settings(optimizer))
+    step.step()  # makes the state
+    state = [v for v in step.state[probes[0]].values() if isinstance(v, Tensor)]
+    meter = MemoryMeter(1)
+    meter.own(0, probes)
+    meter.own(0, [p.grad for p in probes if p.grad is not None], "gradients")
+    meter.own(0, [v for p in probes for v in step.state[p].values() if isinstance(v, Tensor)], "optimizer")
+    meter.reset_peaks()
+    with meter, meter.stepping():
+        step.step()
+    meter.close()
+    return sum(_nbytes(v) for v in state), meter.stages[0].peak - meter.stages[0].total
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

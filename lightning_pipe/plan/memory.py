@@ -158,6 +158,8 @@ class CostModel:
         self._forward = _prefix(self.forward_ms)
         self._compute = _prefix([f + b for f, b in zip(self.forward_ms, self.backward_ms)])
         self._transient = _sparse_max([max(n.transient_bytes, n.backward_bytes - n.grad_bytes) for n in nodes])
+        self._step_sum = _prefix([n.step_bytes for n in nodes])
+        self._step_max = _sparse_max([n.step_bytes for n in nodes])
         self.reads_input = set(profile.input_users)
         # Values leaving a range [lo, hi): node i < hi whose last reader is at or after hi
         # (or the graph output). _leaving[hi] lists those (i, bytes), i descending.
@@ -189,9 +191,14 @@ class CostModel:
 
     def transient(self, lo: int, hi: int) -> int:
         """Largest workspace of a node's forward or backward growth in the range."""
-        level = (hi - lo).bit_length() - 1
-        table = self._transient[level]
-        return max(table[lo], table[hi - (1 << level)])
+        return _range_max(self._transient, lo, hi)
+
+    def step(self, lo: int, hi: int) -> int:
+        """What the optimizer's step holds for a while on a stage of nodes ``[lo, hi)``
+        besides parameters, gradients and state: its temporaries (:attr:`NodeProfile.step_bytes`)."""
+        if self.profile.step_grouped:
+            return self._step_sum[hi] - self._step_sum[lo]
+        return _range_max(self._step_max, lo, hi)
 
     def boundary(self, lo: int, hi: int) -> int:
         """Bytes of one micro-batch's values nodes ``[lo, hi)`` made that later stages read
@@ -370,7 +377,9 @@ class CostModel:
             forward, loss_backward = self._last_peaks(lo, in_flight, live, static)
             if loss_backward is not None:  # it begins the stage's backward: what waits then waits with it
                 backward.append(loss_backward.waiting(max((w for _, w in waiting[1]), default=0)))
-        return max([p.waiting(waiting[0]) for p in forward] + backward, key=lambda p: p.total)
+        # the optimizer's step: the stage's state, the step's temporaries (the last: the batch)
+        step = StagePeak(static, 0, self.step(lo, hi), self.batch if hi == self.n else 0)
+        return max([p.waiting(waiting[0]) for p in forward] + backward + [step], key=lambda p: p.total)
 
     def merged(self, lo: int, hi: int) -> int:
         """Bytes of one micro-batch's values nodes ``[lo, hi)`` make that are part of the
@@ -788,6 +797,12 @@ _TICK = 2.0**-20
 
 def _on_grid(ms: float) -> float:
     return round(ms / _TICK) * _TICK
+
+
+def _range_max(table: list[list[int]], lo: int, hi: int) -> int:
+    """The largest value of ``[lo, hi)`` in a :func:`_sparse_max` table."""
+    level = (hi - lo).bit_length() - 1
+    return max(table[level][lo], table[level][hi - (1 << level)])
 
 
 def _sparse_max(values: Sequence[int]) -> list[list[int]]:

@@ -29,6 +29,10 @@ class NodeProfile:
         grad_bytes: bytes of the gradients of those parameters (trainable ones only).
         optimizer_bytes: bytes of optimizer state for those parameters, measured with the
             user's optimizer.
+        step_bytes: the most bytes the optimizer's step holds for a while beyond the state of
+            those parameters (its temporaries; for-loop Adam: twice the parameter), measured:
+            the largest of one parameter's, or their sum when the step works on all of a
+            stage's parameters at once (:attr:`Profile.step_grouped`).
         users: indices of the nodes reading this node's output; ``-1`` is the graph output.
         backward_bytes: peak bytes the node's backward adds: fresh gradients of its
             parameters and inputs, and workspace.
@@ -65,6 +69,7 @@ class NodeProfile:
     grad_bytes: int
     optimizer_bytes: int
     users: list[int] = field(default_factory=list)
+    step_bytes: int = 0
     backward_bytes: int = 0
     output_grad_bytes: int = 0
     last_saver: int = -1
@@ -105,6 +110,9 @@ class Profile:
             when unknown.
         loss_backward_bytes: the most bytes the loss's backward holds, what the loss kept and
             the gradient of the output included.
+        step_grouped: the optimizer steps all of a device's parameters at once (``foreach``,
+            PyTorch's default on GPUs): its temporaries for a stage add up, where a step
+            parameter by parameter holds one parameter's at a time.
         loss_kept_bytes: of those, the bytes the returned loss holds (a loss may be a view of
             its unreduced values): kept until the step ends, for every micro-batch when
             ``training_step`` runs per micro-batch.
@@ -122,6 +130,7 @@ class Profile:
     loss_bytes: int = 0
     loss_backward_bytes: int = 0
     loss_kept_bytes: int = 0
+    step_grouped: bool = False
 
     def scaled(self, microbatch_size: int) -> "Profile":
         """Predict the profile at another micro-batch size: activation, output and

@@ -102,7 +102,8 @@ def fake_training(
                     else:
                         _scheduled_step(program, root, schedule, step_chunks, meter, step_batch, training_step,
                                         optimizer, versions)
-                    optimizer.step()
+                    with meter.stepping():
+                        optimizer.step()
                     meter.own_optimizer_state(optimizer)
         finally:
             meter.close()

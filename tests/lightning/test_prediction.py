@@ -171,6 +171,21 @@ def test_stages_made_of_linear_layers_are_predicted(schedule):
     _assert_within_tolerance(strategy.plan, strategy.meter.peaks())
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_whose_peak_is_the_optimizer_step_is_predicted(schedule, foreach):
+    """Wide linear layers and a small batch: a stage's peak is Adam's step, its parameters,
+    gradients and state and the step's temporaries (for-loop: twice one weight; foreach: all
+    of the stage's square roots at once). Unpredicted, 1F1B's stages were 17% over."""
+    data = torch.utils.data.TensorDataset(torch.randn(16, 512))
+    model = Skipped(512, "add")
+    model.configure_optimizers = lambda: torch.optim.Adam(model.parameters(), foreach=foreach)
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, measure_memory=True)
+    trainer(strategy, 2, max_steps=STEPS).fit(model, loader(data, 8))
+    _assert_within_tolerance(strategy.plan, strategy.meter.peaks())
+    assert all(s.peak.transient >= 2 * 512 * 512 * 4 for s in strategy.plan.stages)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_logits_in_the_output_made_before_the_last_stage_are_predicted(schedule):
     """The loss computed in ``forward`` and returned with the logits, the head on stage 2 and

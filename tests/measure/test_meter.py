@@ -10,7 +10,7 @@ from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.gpipe import Pipeline
 from tests.helpers import trainer
-from tests.models import WIDE, Wide, make
+from tests.models import WIDE, Skipped, Wide, make
 
 CPU = torch.device("cpu")
 
@@ -119,3 +119,24 @@ def test_the_process_peak_is_the_allocator_s(family, schedule):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         strategy = fit()
     assert strategy.meter.process_peak == pytest.approx(_allocator_peak(prof), rel=0.03)
+
+
+def test_an_optimizer_steps_temporaries_are_charged_to_the_stage_of_their_parameter():
+    """Wide linear layers and a small batch: the peak is Adam's step (its temporaries for the
+    largest weight, beside every parameter's gradient and state), outside any stage; the
+    meter's process-wide peak is still the allocator's."""
+    data = torch.utils.data.TensorDataset(torch.randn(16, 512))
+
+    def fit():
+        model = Skipped(512, "add")
+        model.configure_optimizers = lambda: torch.optim.Adam(model.parameters(), foreach=False)
+        strategy = MemoryPipeStrategy(chunks=2, schedule="1f1b", planner=None, measure_memory=True)
+        trainer(strategy, 2, max_steps=2).fit(model, loader(data, 8))
+        return strategy
+
+    fit()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        strategy = fit()
+    assert strategy.meter.process_peak == pytest.approx(_allocator_peak(prof), rel=0.03)
+    weight = 512 * 512 * 4
+    assert all(m.peak_by_kind["transient"] >= 2 * weight for m in strategy.meter.stages)

@@ -252,3 +252,17 @@ def test_a_backward_frees_what_it_saved_before_its_gradient_is_summed():
     y_bytes = 4 * 4 * 8 * 8 * 4
     assert pool.saved_bytes == y_bytes
     assert pool.backward_bytes == y_bytes
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_an_optimizer_steps_temporaries_are_measured_per_parameter_or_per_group(foreach):
+    """For-loop Adam holds, for one parameter at a time, its second moment's square root and
+    that divided by the bias correction; foreach Adam holds the square roots of every
+    parameter it steps at once (the default on GPUs)."""
+    model = MLP()
+    optimizer = torch.optim.Adam(model.parameters(), foreach=foreach)
+    p = profile_graph(capture(model), (torch.randn(8, 16),), optimizer=optimizer, fake=True)
+    l0, act, l1 = p.nodes
+    assert p.step_grouped == foreach and act.step_bytes == 0
+    for node, (weight, bias) in ((l0, (16 * 32 * 4, 32 * 4)), (l1, (32 * 4 * 4, 4 * 4))):
+        assert node.step_bytes == (weight + bias if foreach else 2 * weight)
