@@ -65,12 +65,12 @@ def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(t
 
     rows = results["rows"]
     assert [(r["schedule"], r["memopt"], r["partitioner"]) for r in rows] == [
-        (s, m, p) for s in ("gpipe", "2bw") for m in (False, True) for p in ("time", "dawnpiper")]
+        (s, m, p) for s in ("gpipe", "2bw") for m in (False, True) for p in ("dawnpiper", "time")]
     for r in rows:  # trained by fake execution, at most what the planner predicted, under the cap
         assert 1 <= r["max_microbatch"] <= r["predicted"] and r["fake_runs"] >= 1
         assert 0 < r["fake_peak_gib"] * 2**30 <= small.memory and r["batch"] == 2 * r["max_microbatch"]
     assert [r["vs_time"] for r in results["ratios"]] == [
-        d["max_microbatch"] / t["max_microbatch"] for t, d in zip(rows[::2], rows[1::2])]
+        d["max_microbatch"] / t["max_microbatch"] for d, t in zip(rows[::2], rows[1::2])]
     # dawnpiper's search from the size another partitioner fits finds what max_microbatch finds
     bench = paper.Bench(tiny, small)
     time_fits = bench.predicted(2, "2bw", True, "time")
@@ -79,6 +79,34 @@ def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(t
     page = (tmp_path / "docs" / "paper-scale.md").read_text()
     assert "## Table 1: synchronous" in page and "## Table 2: asynchronous" in page and "| tiny GPT-2 |" in page
     assert json.loads((tmp_path / "benchmarks" / "paper_results.json").read_text())["rows"] == rows
+
+
+def test_paper_results_keep_the_configurations_a_later_run_did_not_measure():
+    from benchmarks import paper
+
+    def row(model: str, partitioner: str, size: int) -> paper.Row:
+        return paper.Row(model, 4, "gpipe", False, partitioner, 4, size, size)
+
+    def run(rows: list[paper.Row]) -> dict:  # a run of the settings those rows come from
+        settings = {"models": sorted({r.model for r in rows}), "stages": [4], "schedules": ["gpipe"],
+                    "memopt": [False], "partitioners": sorted({r.partitioner for r in rows})}
+        return {"command": "paper", "seconds": 1.0, "cpu_seconds": 1.0, "configurations": len(rows),
+                "settings": settings}
+
+    def merged(earlier, rows, device=DEVICES["A100-40GB"]):
+        return paper.merged(earlier, run(rows), device, {r.model: r.model.upper() for r in rows}, rows)
+
+    first = merged(None, [row("bert", "time", 10), row("bert", "dawnpiper", 20)])
+    second = merged(first, [row("gpt2", "time", 3), row("gpt2", "dawnpiper", 3)])
+    third = merged(second, [row("bert", "dawnpiper", 30)])
+    assert [(r["model"], r["partitioner"], r["max_microbatch"]) for r in third["rows"]] == [
+        ("bert", "dawnpiper", 30), ("bert", "time", 10), ("gpt2", "dawnpiper", 3), ("gpt2", "time", 3)]
+    assert [r["vs_time"] for r in third["ratios"]] == [3.0, 1.0] and len(third["runs"]) == 3
+    assert third["labels"] == {"bert": "BERT", "gpt2": "GPT2"}
+    # a run whose rows were all replaced is no longer listed; another device's results are not joined
+    assert len(merged(third, [row("gpt2", "time", 4), row("gpt2", "dawnpiper", 4)])["runs"]) == 3
+    other = merged(third, [row("gpt2", "time", 5)], replace(DEVICES["A100-40GB"], name="A100-80GB"))
+    assert len(other["rows"]) == 1 and len(other["runs"]) == 1
 
 
 def test_paper_benchmark_guesses_the_next_size_from_the_measured_peaks():
