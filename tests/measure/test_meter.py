@@ -89,17 +89,26 @@ def test_cuda_peaks_per_device():
 
 
 def _allocator_peak(prof: torch.profiler.profile) -> int:
-    """The most bytes the CPU allocator had handed out at once while ``prof`` ran, from the
-    running total it reports with each allocation and free (so the order the profiler's clock
-    gives its events does not matter), less the total before the first."""
+    """The most bytes the CPU allocator had handed out at once while ``prof`` ran, counting
+    the blocks allocated inside it. Frees of older blocks are left out: the allocator's running
+    total also drops for blocks an earlier profiler session saw made (garbage collection can
+    free those at any moment), which would lower the peak by bytes this session never counted."""
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
         stack.extend(event.children)
         if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            events.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.total_allocated))
-    _, size, total = min(events)
-    return max(t for _, _, t in events) - (total - size)
+            events.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
+    live: dict[int, int] = {}
+    now = peak = 0
+    for _, size, ptr in sorted(events, key=lambda e: e[0]):
+        if size > 0:
+            live[ptr] = size
+            now += size
+            peak = max(peak, now)
+        else:
+            now -= live.pop(ptr, 0)
+    return peak
 
 
 @pytest.mark.parametrize(("family", "schedule"), [("gpt", "1f1b"), ("unet", "gpipe")])
