@@ -18,6 +18,7 @@ from lightning_pipe.plan.plan import (
     PREDICTION_ERROR,
     InfeasiblePlanError,
     make_plan,
+    max_microbatch,
     planning_stages,
 )
 from tests.helpers import trainer
@@ -206,15 +207,19 @@ def test_logits_in_the_output_made_before_the_last_stage_are_predicted(schedule)
     assert max(map(abs, errors)) <= TOLERANCE, [f"{e:+.1%}" for e in errors]
 
 
-@pytest.mark.parametrize(("schedule", "microbatch", "stage"), [("1f1b", 15, 0), ("gpipe", 11, 3)])
-def test_the_unets_first_and_last_stages_are_predicted_to_the_byte(schedule, microbatch, stage):
+@pytest.mark.parametrize(("schedule", "stage"), [("1f1b", 0), ("gpipe", 3)])
+def test_the_unets_first_and_last_stages_are_predicted_to_the_byte(schedule, stage):
     """The benchmark's U-Net over 4 stages, dawnpiper's plan at its largest micro-batch under a
-    6.9 MiB limit. 1F1B, stage 0 (+13.0%): a recomputed region reading the graph input was
-    given a copy of it, but a micro-batch is a view of the batch, which the last stage holds.
-    GPipe, stage 3 (+9.6%): its backward was given the returned loss (``F.mse_loss`` returns
-    it in the storage of every unreduced value), which Lightning drops before the backward."""
+    6.9 MiB limit (15 and 11 where convolutions' scratch is small; 11 and 9 under AVX-512's).
+    1F1B, stage 0 (+13.0%): a recomputed region reading the graph input was given a copy of
+    it, but a micro-batch is a view of the batch, which the last stage holds. GPipe, stage 3
+    (+9.6%): its backward was given the returned loss (``F.mse_loss`` returns it in the storage
+    of every unreduced value), which Lightning drops before the backward."""
+    profile = _benchmark_run("unet", "uniform", 2**40, 1).profile
+    microbatch = max_microbatch(profile, [int(7_223_661 * PLANNING_HEADROOM)] * 4, "dawnpiper", schedule, CHUNKS)
     strategy = _benchmark_run("unet", "dawnpiper", 7_223_661, microbatch, schedule)
-    assert "recompute" in strategy.plan.policies[strategy.plan.stages[stage].start:strategy.plan.stages[stage].stop]
+    if schedule == "1f1b":
+        assert "recompute" in strategy.plan.policies[strategy.plan.stages[0].start:strategy.plan.stages[0].stop]
     predicted, metered = strategy.plan.stages[stage].peak.total, strategy.meter.peaks()[stage]
     assert abs(predicted - metered) <= 0.001 * metered
     _assert_within_tolerance(strategy.plan, strategy.meter.peaks())
