@@ -36,7 +36,7 @@ import bisect
 import itertools
 import re
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, TypeAlias, TypeVar
 
@@ -45,7 +45,7 @@ import numpy as np
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.schedule import BackwardState, Schedule
 
-__all__ = ["CostModel", "Policy", "StagePeak", "predict_peaks", "stage_ranges"]
+__all__ = ["CodedPolicies", "CostModel", "Policy", "StagePeak", "predict_peaks", "stage_ranges"]
 
 Policy = Literal["keep", "recompute", "swap"]
 _Array: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int64]]"
@@ -478,7 +478,7 @@ class CostModel:
     def _live(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> "_Live":
         """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
         (cached when every node is kept)."""
-        if any(lo <= i < hi for i in policies):
+        if policies.codes[lo:hi].any() if isinstance(policies, CodedPolicies) else any(lo <= i < hi for i in policies):
             return _live(self, lo, hi, _policy_codes(policies, self.n))
         if (lo, hi) not in self._kept:
             self._kept[lo, hi] = _live(self, lo, hi, None)
@@ -562,8 +562,43 @@ def _edge_gradient(nodes: Sequence[NodeProfile], reader: int, read: int) -> int:
     return max(nodes[read].output_grad_bytes, nodes[reader].input_grad_bytes)
 
 
+class CodedPolicies(Mapping[int, Policy]):
+    """Policies held as every node's code (0 keep, 1 recompute, 2 swap): a search pricing
+    one change at a time to hundreds of choices makes each variant by one array copy, not by
+    a dictionary of them all."""
+
+    def __init__(self, codes: _Codes) -> None:
+        self.codes = codes
+
+    @classmethod
+    def of(cls, policies: Mapping[int, Policy], n: int) -> "CodedPolicies":
+        return cls(_policy_codes(policies, n))
+
+    def without(self, i: int) -> "CodedPolicies":
+        """These policies with node ``i`` kept."""
+        codes = self.codes.copy()
+        codes[i] = 0
+        return CodedPolicies(codes)
+
+    def __getitem__(self, i: int) -> Policy:
+        if not 0 <= i < self.codes.size or not self.codes[i]:
+            raise KeyError(i)
+        return _POLICIES[int(self.codes[i])]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(self.codes).tolist())
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.codes))
+
+
+_POLICIES: tuple[Policy, ...] = ("keep", "recompute", "swap")
+
+
 def _policy_codes(policies: Mapping[int, Policy], n: int) -> _Codes:
     """Per node, its policy as a code (0 keep, 1 recompute, 2 swap)."""
+    if isinstance(policies, CodedPolicies):
+        return policies.codes
     codes = np.zeros(n, dtype=np.int8)
     if policies:
         codes[np.fromiter(policies, dtype=np.int64, count=len(policies))] = [_CODES[p] for p in policies.values()]

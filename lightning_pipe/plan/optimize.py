@@ -15,10 +15,10 @@ Times are per micro-batch, in milliseconds; ``host_bandwidth`` is bytes per seco
 device-host link (``None``: no swapping).
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_pipe.plan.memory import CostModel, Policy, StagePeak, Waiting
+from lightning_pipe.plan.memory import CodedPolicies, CostModel, Policy, StagePeak, Waiting
 
 __all__ = ["NOISE", "StageOptimum", "optimize_stage", "policy_time", "prune_stage"]
 
@@ -202,10 +202,14 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     lowered = True
     while lowered and not found.fits:
         lowered = False
+        coded = CodedPolicies.of(found.policies, stage.model.n)
         for i in sorted(found.policies):
-            policies = {j: p for j, p in found.policies.items() if j != i}
+            if i not in coded:
+                continue
+            policies = coded.without(i)
             if stage.peak(policies).total < found.peak.total:  # priced in full only when lower
-                found, lowered = stage.priced(policies), True
+                kept = {j: p for j, p in found.policies.items() if j != i}  # in the order chosen
+                found, lowered, coded = stage.priced(kept), True, policies
                 if found.fits:
                     break
     return found
@@ -273,7 +277,7 @@ class _Stage:
     host_bandwidth: float | None
     waiting: Waiting
 
-    def peak(self, policies: dict[int, Policy]) -> StagePeak:
+    def peak(self, policies: Mapping[int, Policy]) -> StagePeak:
         return self.model.peak(self.lo, self.hi, self.in_flight, policies, self.weight_versions, self.waiting)
 
     def priced(self, policies: dict[int, Policy]) -> StageOptimum:

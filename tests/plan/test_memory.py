@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_pipe.plan.memory import CostModel, predict_peaks
+from lightning_pipe.plan.memory import CodedPolicies, CostModel, predict_peaks
 from lightning_pipe.plan.profile import NodeProfile, Profile
 
 
@@ -253,3 +253,18 @@ def test_a_stage_ends_its_forward_with_its_whole_stash_and_what_leaves_it():
              node(2, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
     assert model._live(1, 2, {}).forward == (64, 32)
+
+
+def test_coded_policies_price_as_the_policies_they_code():
+    """The descent's one-change variants: a coded copy without a node prices as the dictionary
+    without it, on random profiles with recompute and swap mixed."""
+    rnd = random.Random(3)
+    for seed in range(5):
+        model = CostModel(random_profile(30, seed), schedule="1f1b", chunks=4)
+        policies = {i: rnd.choice(["recompute", "swap"]) for i in rnd.sample(range(30), 12)}
+        coded = CodedPolicies.of(policies, model.n)
+        assert dict(coded) == dict(sorted(policies.items()))
+        for i in list(policies)[:4]:
+            fewer = {j: p for j, p in policies.items() if j != i}
+            assert dict(coded.without(i)) == dict(sorted(fewer.items())) and i not in coded.without(i)
+            assert model.peak(5, 25, 3, coded.without(i)) == model.peak(5, 25, 3, fewer)
