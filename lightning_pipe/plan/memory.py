@@ -545,6 +545,8 @@ class _NodeArrays:
         self.consumer = array([u for u, _ in edges])
         self.producer = array([j for _, j in edges])
         self.gradient = array([_edge_gradient(nodes, u, j) for u, j in edges])
+        # per node, the gradients its backward hands the values it reads
+        self.handed = np.bincount(self.consumer, weights=self.gradient, minlength=len(nodes)).astype(np.int64)
 
 
 _CODES = {"keep": 0, "recompute": 1, "swap": 2}
@@ -636,10 +638,13 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     f = int(np.argmax(forward))
     common = kept[1:] + model._gradients(lo, hi) + a.backward[lo:hi] + back
     # a fresh gradient of the node's parameters, to add to theirs; under the local GPipe, whose
-    # one backward sums the micro-batches' gradients before the parameter takes them, the sum
-    # of the two besides (a linear layer's gradient is a transposed view, not summed in place)
-    fresh = 2 if model.merges and model.chunks > 1 and not model.carry else 1
-    backward = common + fresh * a.grads[lo:hi]
+    # one backward sums the micro-batches' gradients before the parameter takes them, a new
+    # tensor, their sum: made once the node's backward has returned, its workspace freed, with
+    # what it hands its inputs and the two summed alive
+    grads = a.grads[lo:hi]
+    backward = common + grads
+    if model.merges and model.chunks > 1 and not model.carry:
+        backward += np.maximum(0, grads - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
     b = int(np.argmax(backward))
     first = common + np.cumsum(a.grads[lo:hi][::-1])[::-1]  # the parameter gradients made so far
     g = int(np.argmax(first))
