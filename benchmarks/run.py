@@ -11,6 +11,7 @@ CPU, so device statistics cannot tell them apart); capacities are enforced by th
 import argparse
 import contextlib
 import datetime
+import functools
 import io
 import json
 import logging
@@ -166,14 +167,16 @@ class Config:
         return min(above, key=lambda p: p.microbatch).error if above else ""
 
 
-def run_probe(bench: Bench, config: Config, microbatch: int, profile: Profile) -> Probe:
-    """One training step at ``microbatch``; out of memory or no feasible plan = does not fit."""
+def run_probe(bench: Bench, config: Config, microbatch: int, profile_at: Callable[[int], Profile]) -> Probe:
+    """One training step at ``microbatch``; out of memory or no feasible plan = does not fit.
+    ``profile_at``: the strategy's profile at a micro-batch size (memopt off plans from it as
+    the strategy would, from a profile at the size it trains, not one scaled to it)."""
     try:
         if config.memopt:
             strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=config.planner,
                                           memory_limit=config.capacity, measure_memory=True)
         else:  # the planner's split with every activation kept, planned as the strategy plans
-            plan = make_plan(profile.scaled(microbatch), targets(config), config.planner, config.schedule, CHUNKS,
+            plan = make_plan(profile_at(microbatch), targets(config), config.planner, config.schedule, CHUNKS,
                              optimise_memory=False)
             strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=None,
                                           balance=plan.balance, memory_limit=config.capacity, measure_memory=True)
@@ -211,11 +214,13 @@ def search(fits: Callable[[int], bool], guess: int, limit: int) -> tuple[int, bo
     return lo, hi is not None and hi - lo == 1
 
 
-def memory_config(bench: Bench, config: Config, profile: Profile, guess: int, limit: int) -> Config:
+def memory_config(
+    bench: Bench, config: Config, profile_at: Callable[[int], Profile], guess: int, limit: int
+) -> Config:
     """Fill ``config`` with its largest trainable micro-batch and every probe's peaks."""
 
     def fits(microbatch: int) -> bool:
-        config.probes.append(run_probe(bench, config, microbatch, profile))
+        config.probes.append(run_probe(bench, config, microbatch, profile_at))
         return config.probes[-1].fits
 
     config.max_microbatch, config.exact = search(fits, guess, limit)
@@ -247,12 +252,13 @@ def memory_benchmark(benches: dict[str, Bench], settings: Settings, profiles: di
     for name, stages in settings.memory_runs:
         bench = benches[name]
         capacity = reference_capacity(bench, stages)
+        profile_at = functools.cache(functools.partial(sample_profile, bench))
         for schedule, memopt in variants:
             for planner in PARTITIONERS:
                 config = Config(name, stages, planner, schedule, memopt, capacity)
                 config.predicted_max = predicted_max(profiles[name], config)
                 guess = config.predicted_max or 1
-                configs.append(memory_config(bench, config, profiles[name], guess, settings.max_probes))
+                configs.append(memory_config(bench, config, profile_at, guess, settings.max_probes))
                 print(f"  {name} x{stages} {schedule:<5} {planner:<9} memopt={'on ' if memopt else 'off'} "
                       f"max micro-batch {config.max_microbatch}{'' if config.exact else '+'} "
                       f"({len(config.probes)} runs)", flush=True)
@@ -472,9 +478,11 @@ def markdown(results: dict[str, Any]) -> str:
         f"capacity of {CAPACITY_SHARE:.0%} of the largest metered stage peak of the unplanned even split at "
         f"micro-batch {REFERENCE_MICROBATCH}; a run that raises `StageOutOfMemoryError` or `InfeasiblePlanError` "
         f"does not fit. *memopt off*: the partitioner's split planned with every activation kept "
-        f"(`make_plan(..., optimise_memory=False)`). `+`: the probe cap "
+        f"(`make_plan(..., optimise_memory=False)`), from the strategy's profile at that micro-batch, as the "
+        f"strategy plans. `+`: the probe cap "
         f"({results['settings']['max_probes']}) was reached before the answer was bracketed. "
-        f"*predicted*: the planner's own `max_microbatch`. *capacity use*: the fullest stage's metered peak over "
+        f"*predicted*: the planner's own `max_microbatch`, from the profile at micro-batch {REFERENCE_MICROBATCH} "
+        f"scaled (`Profile.scaled`). *capacity use*: the fullest stage's metered peak over "
         f"the capacity at the max micro-batch. *next size up*: what stopped the smallest size that did not fit "
         f"(`InfeasiblePlanError`: the planner refused it; `StageOutOfMemoryError`: the run went over).",
         table(["model", "stages", "schedule", "memopt", "capacity", "planner", "max micro-batch", "predicted",

@@ -1,6 +1,7 @@
 """Smoke tests of the benchmarks' smallest pieces, so ``benchmarks/run.py`` and
 ``benchmarks/hf_capture.py`` cannot silently rot."""
 
+import functools
 import json
 from dataclasses import replace
 
@@ -38,7 +39,7 @@ def test_max_microbatch_search_trains_at_the_size_it_finds():
     bench = Bench("gpt", _tiny_gpt, lambda n: TokenDataset(n, context=16))
     capacity = reference_capacity(bench, stages=2)
     config = Config("gpt", 2, "time", "1f1b", memopt=True, capacity=capacity)
-    memory_config(bench, config, sample_profile(bench, 2), guess=2, limit=3)
+    memory_config(bench, config, functools.partial(sample_profile, bench), guess=2, limit=3)
 
     assert 1 <= len(config.probes) <= 3
     assert config.max_microbatch >= 1
