@@ -691,6 +691,7 @@ def _drop_stashes(
     first, last = _recomputed_regions(a, lo, hi, codes, runs)
     if not first.size:
         return _NO_REGION_INPUTS
+    back[last - 1 - lo] += _recomputing(a, lo, first, last, made_again)
     totals, storages, since = _regions_inputs(model, lo, hi, first, last, codes)
     stash[first - lo] += totals
     return storages, since
@@ -711,6 +712,43 @@ def _runs(code: _Codes) -> _Runs:
     new[1:] = code[1:] != code[:-1]
     starts = np.flatnonzero(new)
     return _Runs(starts, np.append(starts[1:], code.size), np.cumsum(new) - 1)
+
+
+def _recomputing(a: _NodeArrays, lo: int, starts: _Array, stops: _Array, made_again: _Array) -> _Array:
+    """Per recomputed region ``[starts[k], stops[k])`` of a stage from ``lo``, what its forward
+    run again, before its last node's backward, holds beyond what that backward is priced at
+    (its stash back whole, its workspace and fresh parameter gradients): at each node the stash
+    made again so far, the values of earlier nodes of the region still to be read in it (one
+    read only after the region is not kept: the first run's is), and what the node makes and
+    its workspace (an attention's scores, read and freed in the region)."""
+    size = int(stops[-1]) - lo
+    start, stop = starts - lo, stops - lo
+    inside = np.zeros(size + 1, dtype=np.int64)
+    np.add.at(inside, start, 1)
+    np.add.at(inside, stop, -1)
+    region = np.cumsum(inside)[:size] > 0
+    at = np.cumsum(np.isin(np.arange(size), start)) - 1  # the region of each position
+    rebuilt = np.concatenate(([0], np.cumsum(made_again[:size])))
+    k = np.flatnonzero(region)
+    # run again, a value lives until its last reader in the region, or the node saving it
+    last = np.arange(size)
+    begin, end = np.searchsorted(a.reader, [starts[0], stops[-1]])
+    reader, read = a.reader[begin:end] - lo, a.read[begin:end] - lo
+    same = (read >= 0) & region[np.maximum(read, 0)] & (at[np.maximum(read, 0)] == at[reader]) & region[reader]
+    np.maximum.at(last, read[same], reader[same])
+    saver = a.held_by[k + lo] - lo
+    ends = np.where((saver > k) & (saver < stop[at[k]]), saver, last[k])
+    held = np.zeros(size + 1, dtype=np.int64)
+    alive = ends > k
+    np.add.at(held, k[alive] + 1, a.held[k[alive] + lo])
+    np.add.at(held, ends[alive] + 1, -a.held[k[alive] + lo])
+    running = np.where(region, rebuilt[:-1] - rebuilt[start[np.maximum(at, 0)]] + np.cumsum(held)[:size]
+                       + a.made[lo:lo + size] + a.workspace[lo:lo + size], 0)
+    peak = np.maximum.reduceat(running, start)
+    last = stops - 1
+    priced = rebuilt[stop] - rebuilt[start] + a.backward[last] + a.grads[last]
+    extra: _Array = np.maximum(0, peak - priced)
+    return extra
 
 
 def _recomputed_regions(a: _NodeArrays, lo: int, hi: int, codes: _Codes, runs: _Runs) -> tuple[_Array, _Array]:
