@@ -646,7 +646,7 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     if model.merges and model.chunks > 1 and not model.carry:
         backward += np.maximum(0, grads - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
     b = int(np.argmax(backward))
-    first = common + np.cumsum(a.grads[lo:hi][::-1])[::-1]  # the parameter gradients made so far
+    first = common + np.cumsum(grads[::-1])[::-1]  # the parameter gradients made so far
     g = int(np.argmax(first))
     return _Live(
         stashed=int(kept[-1]),
@@ -723,15 +723,13 @@ def _recomputing(a: _NodeArrays, lo: int, starts: _Array, stops: _Array, made_ag
     its workspace (an attention's scores, read and freed in the region)."""
     size = int(stops[-1]) - lo
     start, stop = starts - lo, stops - lo
-    inside = np.zeros(size + 1, dtype=np.int64)
-    np.add.at(inside, start, 1)
-    np.add.at(inside, stop, -1)
-    region = np.cumsum(inside)[:size] > 0
-    at = np.cumsum(np.isin(np.arange(size), start)) - 1  # the region of each position
+    position = np.arange(size)
+    at = np.searchsorted(start, position, side="right") - 1  # the region of each position, if any
+    region = (at >= 0) & (position < stop[np.maximum(at, 0)])
     rebuilt = np.concatenate(([0], np.cumsum(made_again[:size])))
     k = np.flatnonzero(region)
     # run again, a value lives until its last reader in the region, or the node saving it
-    last = np.arange(size)
+    last = position.copy()
     begin, end = np.searchsorted(a.reader, [starts[0], stops[-1]])
     reader, read = a.reader[begin:end] - lo, a.read[begin:end] - lo
     same = (read >= 0) & region[np.maximum(read, 0)] & (at[np.maximum(read, 0)] == at[reader]) & region[reader]
@@ -745,8 +743,8 @@ def _recomputing(a: _NodeArrays, lo: int, starts: _Array, stops: _Array, made_ag
     running = np.where(region, rebuilt[:-1] - rebuilt[start[np.maximum(at, 0)]] + np.cumsum(held)[:size]
                        + a.made[lo:lo + size] + a.workspace[lo:lo + size], 0)
     peak = np.maximum.reduceat(running, start)
-    last = stops - 1
-    priced = rebuilt[stop] - rebuilt[start] + a.backward[last] + a.grads[last]
+    final = stops - 1  # whose backward the region is run again for
+    priced = rebuilt[stop] - rebuilt[start] + a.backward[final] + a.grads[final]
     extra: _Array = np.maximum(0, peak - priced)
     return extra
 
