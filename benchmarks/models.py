@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from examples.models import (
     GPT,
@@ -25,6 +26,11 @@ from examples.models import (
     UNet,
     _Trainable,
 )
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.lightning.check import fake_peaks
+from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.plan.plan import Plan
 
 
 class BidirectionalAttention(nn.Module):
@@ -111,6 +117,18 @@ class Bench:
     name: str
     model: Callable[[], LightningModule]
     data: Callable[[int], Dataset]
+
+    def check(self, plan: Plan) -> list[int]:
+        """Each stage's peak when ``plan`` trains a new model, as the strategy checks a plan:
+        a fake training step. One real step on a micro-batch of the plan's size goes first,
+        under a meter: it is what shows each operator's workspace, which a fake call cannot."""
+        model = self.model()
+        data = self.data(plan.microbatch_size * plan.chunks)
+        batch = default_collate([data[i] for i in range(len(data))])  # type: ignore[arg-type]
+        with MemoryMeter(1):
+            model.loss(scatter(batch, plan.chunks)[0]).backward()  # type: ignore[operator]
+        model.zero_grad(set_to_none=True)
+        return fake_peaks(model, capture(model), batch, 0, model.configure_optimizers(), Precision(), plan)
 
 
 def suite(full: bool = False) -> dict[str, Bench]:

@@ -41,9 +41,10 @@ from benchmarks.planner_speed import transformer_like
 from examples.models import loader
 from lightning_pipe.lightning.strategy import MemoryPipeStrategy
 from lightning_pipe.measure.meter import StageOutOfMemoryError
+from lightning_pipe.plan.headroom import checked, checked_max_microbatch
 from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.partitioners import BASELINES, PARTITIONERS, partition
-from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, make_plan, max_microbatch
+from lightning_pipe.plan.plan import InfeasiblePlanError, make_plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import in_flight
 
@@ -175,9 +176,10 @@ def run_probe(bench: Bench, config: Config, microbatch: int, profile_at: Callabl
         if config.memopt:
             strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=config.planner,
                                           memory_limit=config.capacity, measure_memory=True)
-        else:  # the planner's split with every activation kept, planned as the strategy plans
-            plan = make_plan(profile_at(microbatch), targets(config), config.planner, config.schedule, CHUNKS,
-                             optimise_memory=False)
+        else:  # the planner's split with every activation kept, planned and checked as the strategy plans
+            profile = profile_at(microbatch)
+            plan = checked(lambda t: make_plan(profile, t, config.planner, config.schedule, CHUNKS,
+                                               optimise_memory=False), limits(config), bench.check)
             strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=None,
                                           balance=plan.balance, memory_limit=config.capacity, measure_memory=True)
         fit(bench.model(), bench.data(microbatch * CHUNKS * STEPS), microbatch * CHUNKS, strategy, config.stages, STEPS)
@@ -187,9 +189,9 @@ def run_probe(bench: Bench, config: Config, microbatch: int, profile_at: Callabl
     return Probe(microbatch, True, "", predicted, strategy.meter.peaks())
 
 
-def targets(config: Config) -> list[int]:
-    """Per-stage planning targets, as the strategy makes them from the capacity."""
-    return [int(config.capacity * PLANNING_HEADROOM)] * config.stages
+def limits(config: Config) -> list[int]:
+    """Per-stage memory limits: the capacity."""
+    return [config.capacity] * config.stages
 
 
 def search(fits: Callable[[int], bool], guess: int, limit: int) -> tuple[int, bool]:
@@ -227,11 +229,12 @@ def memory_config(
     return config
 
 
-def predicted_max(profile: Profile, config: Config) -> int | None:
-    """The planner's own prediction of the largest micro-batch (``None``: not even one)."""
+def predicted_max(bench: Bench, profile: Profile, config: Config) -> int | None:
+    """The planner's own prediction of the largest micro-batch, each plan checked by a fake
+    training step as the strategy checks its own (``None``: not even one)."""
     try:
-        return max_microbatch(profile, targets(config), config.planner, config.schedule, CHUNKS,
-                              optimise_memory=config.memopt)
+        return checked_max_microbatch(profile, limits(config), bench.check, config.planner, config.schedule, CHUNKS,
+                                      optimise_memory=config.memopt)
     except InfeasiblePlanError:
         return None
 
@@ -256,7 +259,7 @@ def memory_benchmark(benches: dict[str, Bench], settings: Settings, profiles: di
         for schedule, memopt in variants:
             for planner in PARTITIONERS:
                 config = Config(name, stages, planner, schedule, memopt, capacity)
-                config.predicted_max = predicted_max(profiles[name], config)
+                config.predicted_max = predicted_max(bench, profiles[name], config)
                 guess = config.predicted_max or 1
                 configs.append(memory_config(bench, config, profile_at, guess, settings.max_probes))
                 print(f"  {name} x{stages} {schedule:<5} {planner:<9} memopt={'on ' if memopt else 'off'} "
@@ -289,11 +292,11 @@ def capacity_use(config: Config) -> float | None:
 
 
 def planned_oom(configs: list[Config]) -> list[str]:
-    """Runs at a micro-batch the planner accepted that still went over a stage's capacity."""
+    """Runs of a plan the planner accepted (every run: a refused plan does not run) that
+    still went over a stage's capacity."""
     return [f"{c.model} x{c.stages} {c.schedule} {c.planner} memopt {'on' if c.memopt else 'off'} "
             f"micro-batch {p.microbatch}"
-            for c in configs for p in c.probes
-            if p.error == "StageOutOfMemoryError" and c.predicted_max is not None and p.microbatch <= c.predicted_max]
+            for c in configs for p in c.probes if p.error == "StageOutOfMemoryError"]
 
 
 def ratios(configs: list[Config]) -> list[dict[str, Any]]:
@@ -323,7 +326,7 @@ def simulated(profiles: dict[str, Profile], configs: list[Config]) -> list[dict[
         key = (name, stages, schedule)
         sizes = [c.max_microbatch for c in configs if c.memopt and (c.model, c.stages, c.schedule) == key]
         microbatch = max(1, min(sizes))
-        capacities = [int(capacity * PLANNING_HEADROOM)] * stages
+        capacities = [capacity] * stages
         for planner in PARTITIONERS:
             row = {"model": name, "stages": stages, "schedule": schedule, "microbatch": microbatch, "planner": planner}
             try:
@@ -477,14 +480,18 @@ def markdown(results: dict[str, Any]) -> str:
         f"forward runs before any gradient or optimizer state exists) under a per-stage "
         f"capacity of {CAPACITY_SHARE:.0%} of the largest metered stage peak of the unplanned even split at "
         f"micro-batch {REFERENCE_MICROBATCH}; a run that raises `StageOutOfMemoryError` or `InfeasiblePlanError` "
-        f"does not fit. *memopt off*: the partitioner's split planned with every activation kept "
-        f"(`make_plan(..., optimise_memory=False)`), from the strategy's profile at that micro-batch, as the "
-        f"strategy plans. `+`: the probe cap "
+        f"does not fit. Plans are made as the strategy makes them: to the capacity, and where a plan comes "
+        f"within 10% of it, checked by a training step on fake tensors and, if that goes over, made again "
+        f"below the capacity by the error it measured. *memopt off*: the partitioner's split planned with every "
+        f"activation kept (`make_plan(..., optimise_memory=False)`), from the strategy's profile at that "
+        f"micro-batch, checked the same way. `+`: the probe cap "
         f"({results['settings']['max_probes']}) was reached before the answer was bracketed. "
-        f"*predicted*: the planner's own `max_microbatch`, from the profile at micro-batch {REFERENCE_MICROBATCH} "
-        f"scaled (`Profile.scaled`). *capacity use*: the fullest stage's metered peak over "
-        f"the capacity at the max micro-batch. *next size up*: what stopped the smallest size that did not fit "
-        f"(`InfeasiblePlanError`: the planner refused it; `StageOutOfMemoryError`: the run went over).",
+        f"*predicted*: the planner's own largest micro-batch, from the profile at micro-batch "
+        f"{REFERENCE_MICROBATCH} scaled (`Profile.scaled`), its plans checked on fake tensors "
+        f"(`checked_max_microbatch`, as `lightning-pipe plan` reports it). *capacity use*: the fullest stage's "
+        f"metered peak over the capacity at the max micro-batch. *next size up*: what stopped the smallest size "
+        f"that did not fit (`InfeasiblePlanError`: the planner refused it; `StageOutOfMemoryError`: the run went "
+        f"over).",
         table(["model", "stages", "schedule", "memopt", "capacity", "planner", "max micro-batch", "predicted",
                "capacity use", "next size up", "runs"],
               [[c.model, c.stages, c.schedule, "on" if c.memopt else "off", _mib(c.capacity), c.planner,
@@ -535,7 +542,7 @@ def _fill_section(configs: list[Config]) -> str:
         "### Capacity use and planned runs that ran out of memory",
         f"dawnpiper's capacity use at its max micro-batch over {len(uses)} rows: median "
         f"{statistics.median(uses):.0%}, lowest {uses[0]:.0%}, {sum(u >= 0.9 for u in uses)} rows at 90% or more. "
-        f"Planned runs (a micro-batch at or below the planner's `max_microbatch`) that raised "
+        f"Runs of an accepted plan (every run: a refused plan does not run) that raised "
         f"`StageOutOfMemoryError`: {len(oom)}{': ' + '; '.join(oom) if oom else ''}.",
     ])
 

@@ -1,7 +1,8 @@
 """``lightning-pipe plan``: profile a model on the CPU and print each partitioner's plan for a
 device spec such as ``4x16GiB`` or ``8xA100-40GB``, with the largest micro-batch that fits: a
-dry run before renting GPUs. Stages are planned, as in training, to a planning target below
-each device's memory limit. For a named GPU the profile is made on fake tensors, its times
+dry run before renting GPUs. Stages are planned as in training: to each device's memory
+limit, less the memory model's error where a training step of the plan on fake tensors
+measures one. For a named GPU the profile is made on fake tensors, its times
 estimated for that GPU, and its memory, host link and link between stages come from its
 datasheet."""
 
@@ -14,21 +15,26 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_pipe.graph.capture import CaptureError, capture
+from lightning_pipe.graph.capture import Captured, CaptureError, capture
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.measure.profiler import FAKE_DEVICE, profile_graph
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec, parse_devices
+from lightning_pipe.plan.headroom import Check, checked, checked_max_microbatch
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
-from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, Plan, make_plan, max_microbatch
+from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.runtime.build import Policy
+from lightning_pipe.runtime.fake import fake_training, meta_copy
 from lightning_pipe.units import format_bytes, parse_bytes
 
 __all__ = ["main"]
@@ -91,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         captured = capture(setup.model.train(), setup.leaf_modules, example_inputs=(sample_args, sample_kwargs))
     except (ValueError, CaptureError) as err:
         plan.error(str(err))
-    targets = [int(limit * PLANNING_HEADROOM) for limit in setup.limits]
     with _progress_bar() as bar:
         profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
                                 fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
@@ -99,15 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         advance = _tracker(bar, "planning", len(PARTITIONERS))
         results = []
         for done, name in enumerate(PARTITIONERS, 1):
-            results.append((name, _plan(profile, targets, name, setup)))
+            results.append((name, _plan(profile, name, setup, partial(_fake_peaks, setup, captured))))
             advance(done, len(PARTITIONERS))
     where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
     print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
           f"{profile.microbatch_size}; "
-          f"{len(targets)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
-          f"memory limit {_sizes(setup.limits)}, planning target {_sizes(targets)} "
-          f"({PLANNING_HEADROOM:.0%} of the limit); host link {_rate(setup.host_bandwidth)}, link between stages "
-          f"{_rate(setup.link_bandwidth)}\n")
+          f"{len(setup.limits)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
+          f"memory limit {_sizes(setup.limits)}, each plan checked by a training step on fake tensors (its "
+          f"outputs' sum the loss) and planned below the limit by the error that measures; host link "
+          f"{_rate(setup.host_bandwidth)}, link between stages {_rate(setup.link_bandwidth)}\n")
     for name, result in results:
         if isinstance(result, InfeasiblePlanError):
             print(f"== {name}: does not fit: {result}\n")
@@ -294,15 +299,37 @@ def _config_limits(path: str, devices: Any, limit: Any) -> list[int]:
         raise ValueError(f"trainer.strategy.init_args.memory_limit in {path}: {err}") from None
 
 
-def _plan(
-    profile: Profile, targets: list[int], name: Partitioner, setup: _Setup
-) -> tuple[Plan, int] | InfeasiblePlanError:
-    """The partitioner's plan and its largest micro-batch, or why nothing fits."""
+def _plan(profile: Profile, name: Partitioner, setup: _Setup, check: Check) -> tuple[Plan, int] | InfeasiblePlanError:
+    """The partitioner's plan and its largest micro-batch, each checked as the strategy checks
+    its plan, or why nothing fits."""
     settings = (setup.schedule, setup.chunks, setup.host_bandwidth, setup.link_bandwidth)
     try:
-        return make_plan(profile, targets, name, *settings), max_microbatch(profile, targets, name, *settings)
+        plan = checked(lambda targets: make_plan(profile, targets, name, *settings), setup.limits, check)
+        return plan, checked_max_microbatch(profile, setup.limits, check, name, *settings)
     except InfeasiblePlanError as err:
         return err
+
+
+def _fake_peaks(setup: _Setup, captured: Captured, plan: Plan) -> list[int]:
+    """Each stage's peak when ``plan`` trains, from a fake training step of a copy of the
+    model on batches of the plan's size. The loss is the sum of the outputs: the command has
+    the forward's inputs, not the batches ``training_step`` takes."""
+    model, graph = meta_copy(setup.model, captured)
+    optimizer = _optimizer(model) or torch.optim.SGD(model.parameters(), lr=0.0)
+    size = plan.microbatch_size * plan.chunks
+    batch = tree_map(lambda t: torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta")
+                     if isinstance(t, torch.Tensor) else t, setup.inputs)
+    policies = {n.name: cast(Policy, p) for n, p in zip(graph.nodes, plan.policies) if p != "keep"}
+    meter = fake_training(model, graph, batch, _output_sum, optimizer, plan.balance, policies,
+                          schedule=cast(Schedule, plan.schedule), chunks=plan.chunks)
+    return meter.peaks()
+
+
+def _output_sum(forward: Callable[..., Any], inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> torch.Tensor:
+    """A loss for a model without a training batch: the sum of its floating outputs."""
+    outputs = [t for t in tree_flatten(forward(*inputs[0], **inputs[1]))[0]
+               if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return torch.stack([t.float().sum() for t in outputs]).sum()
 
 
 def _progress_bar() -> Progress:

@@ -32,6 +32,7 @@ from lightning_pipe.graph.capture import Captured, NeedsExampleInputs
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.graph.shapes import Shapes, batch_shapes, grown, largest, show, tile
 from lightning_pipe.graph.variants import Variants, follow_balance
+from lightning_pipe.lightning.check import fake_peaks
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.microlog import LossReduction, silenced
 from lightning_pipe.lightning.steps import ScheduledStep
@@ -40,8 +41,9 @@ from lightning_pipe.measure.meter import MemoryMeter, not_charged
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan import report
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
+from lightning_pipe.plan.headroom import checked, flat
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
-from lightning_pipe.plan.plan import PLANNING_HEADROOM, Plan, make_plan
+from lightning_pipe.plan.plan import PREDICTION_ERROR, Plan, make_plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Schedule
 from lightning_pipe.runtime.batchnorm import DeferredBatchNorm, batch_norm_layers
@@ -430,15 +432,16 @@ class MemoryPipeStrategy(ParallelStrategy):
         # A copy, as the merged output is: the probe meters how long the loss keeps it.
         return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, output[0])
 
-    def _plan(self) -> None:
-        """Plan from the profile, and re-split to the plan."""
+    def _plan(self, batch: Any, batch_idx: int) -> None:
+        """Plan from the profile, checked by a fake training step on ``batch``'s shapes, and
+        re-split to the plan."""
         assert self.planner is not None and self.parallel_devices and self._captured and self.profile
         devices = list(self.parallel_devices)
         capacities = self._capacities() or _device_capacities(devices)
-        # Plan below the limit: the memory model's workspace and boundary terms are estimates.
-        targets = [int(c * PLANNING_HEADROOM) for c in capacities]
-        self.plan = make_plan(
-            self.profile, targets, self.planner, self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth
+        settings = (self.planner, self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth)
+        profile = self.profile
+        self.plan = checked(
+            lambda targets: make_plan(profile, targets, *settings), capacities, partial(self._check, batch, batch_idx)
         )
         self.plan.input_shapes = {path: list(shape) for path, shape in self._shapes_to_plan.items()}
         self._install(self._captured, self.plan.balance, _policies(self._captured, self.plan))
@@ -448,6 +451,24 @@ class MemoryPipeStrategy(ParallelStrategy):
         logger = self._module.trainer.logger if self._module._trainer else None
         if logger is not None and logger.log_dir is not None:
             report.save(self.plan, logger.log_dir)
+
+    def _check(self, batch: Any, batch_idx: int, plan: Plan) -> list[int]:
+        """Each stage's peak when ``plan`` trains, from a fake training step; for a step that
+        cannot run on fake tensors (manual optimization steps the optimizers itself; a step
+        reading a value), what the flat headroom assumes."""
+        module = self._module
+        assert self._captured is not None
+        if module.automatic_optimization:
+            optimizer = self.optimizers[0] if self.optimizers else None
+            try:
+                return fake_peaks(module, self._captured, batch, batch_idx, optimizer, self.precision_plugin, plan)
+            except Exception as error:
+                rank_zero_warn(
+                    f"MemoryPipeStrategy could not check its plan by a training step on fake tensors "
+                    f"({type(error).__name__}: {error}); it plans {PREDICTION_ERROR:.0%} below the memory limit "
+                    f"instead, a margin measured on other models."
+                )
+        return flat(plan)
 
     def _own_memory(self) -> None:
         """Charge parameters, buffers and 2BW's stale weights to the stage owning them."""
@@ -596,7 +617,7 @@ class MemoryPipeStrategy(ParallelStrategy):
             self.profile.batch_bytes = _tensor_bytes(sample)
             self.profile.loss_bytes, self.profile.loss_backward_bytes = forward_peak, meter.stages[0].peak
             self.profile.loss_kept_bytes = loss.untyped_storage().nbytes() if isinstance(loss, Tensor) else 0
-            self._plan()
+            self._plan(batch, batch_idx)
         if self._needs_plan or (self.schedule != "gpipe" and self._scheduled is None):
             raise RuntimeError(
                 "training_step never called the module's forward, which the pipeline runs: call "

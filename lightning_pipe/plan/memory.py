@@ -139,6 +139,7 @@ class CostModel:
         self.batch = chunks * (profile.batch_bytes or profile.input_bytes)  # the training batch, on the last stage
         self._arrays = _NodeArrays(profile)
         self._kept: dict[tuple[int, int], _Live] = {}
+        self._priced: dict[tuple[int, int, bytes], _Live] = {}  # with policies; a search prices many twice
         self._range_gradients: tuple[tuple[int, int], _Array] = ((0, 0), np.zeros(0, dtype=np.int64))
         self.forward_ms, self.backward_ms = _pooled_times(profile)
         self.saved = [n.saved_bytes for n in nodes]
@@ -479,7 +480,13 @@ class CostModel:
         """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
         (cached when every node is kept)."""
         if policies.codes[lo:hi].any() if isinstance(policies, CodedPolicies) else any(lo <= i < hi for i in policies):
-            return _live(self, lo, hi, _policy_codes(policies, self.n))
+            codes = _policy_codes(policies, self.n)
+            key = (lo, hi, codes.tobytes())
+            if key not in self._priced:
+                if len(self._priced) * self.n > _PRICED_BYTES:
+                    self._priced.clear()
+                self._priced[key] = _live(self, lo, hi, codes)
+            return self._priced[key]
         if (lo, hi) not in self._kept:
             self._kept[lo, hi] = _live(self, lo, hi, None)
         return self._kept[lo, hi]
@@ -550,6 +557,8 @@ class _NodeArrays:
 
 
 _CODES = {"keep": 0, "recompute": 1, "swap": 2}
+# The policy codes a cost model keeps as keys of what it priced, at most (then it starts over).
+_PRICED_BYTES = 1 << 26
 
 
 def _edge_gradient(nodes: Sequence[NodeProfile], reader: int, read: int) -> int:

@@ -20,8 +20,10 @@ showed, none if none ran), and a real kernel returning a tensor in a storage lar
 (the CPU's ``mse_loss``): a fake storage is its tensor's size.
 """
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
+from copy import deepcopy
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -40,7 +42,7 @@ from lightning_pipe.runtime.gpipe import Pipeline
 from lightning_pipe.runtime.scheduled import ScheduledPipeline
 from lightning_pipe.runtime.versions import WeightVersions
 
-__all__ = ["TrainingStep", "fake_training"]
+__all__ = ["TrainingStep", "fake_training", "meta_copy"]
 
 #: ``training_step(forward, batch)``: the loss of ``batch`` (a whole batch under GPipe, a
 #: micro-batch under 1F1B and 2BW), calling the pipelined ``forward`` as ``self(...)`` would.
@@ -108,6 +110,23 @@ def fake_training(
         finally:
             meter.close()
     return meter
+
+
+def meta_copy(root: nn.Module, captured: Captured, shared: Iterable[object] = ()) -> tuple[nn.Module, Captured]:
+    """A copy of ``root`` and of its captured graph, sharing submodules as they do, whose
+    parameters and buffers are ``meta`` tensors (tied ones tied): what :func:`fake_training`
+    runs without touching ``root``. ``shared``: objects ``root`` refers to that the copy
+    shares rather than copies (a Trainer)."""
+    memo: dict[int, Any] = {id(o): o for o in shared}
+    for t in [*root.parameters(), *root.buffers()]:
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    copy = deepcopy(root, memo)
+    graph_module = deepcopy(captured.graph_module, memo)
+    names = {n.name for n in captured.nodes}
+    nodes = [n for n in graph_module.graph.nodes if n.name in names]
+    return copy, replace(captured, graph_module=graph_module, nodes=nodes)
 
 
 def _gpipe_step(

@@ -1,0 +1,74 @@
+"""A plan's check before it trains: the module's own ``training_step``, run on fake tensors.
+
+:func:`~lightning_pipe.plan.headroom.checked` plans to the memory limit and asks what each
+stage of the plan would peak at. The answer is a fake training step
+(:func:`~lightning_pipe.runtime.fake.fake_training`) of a copy of the module whose weights are
+``meta`` tensors: the user's step, loss and optimizer as they will train, using no memory,
+and leaving the module, its metrics and its logs as they were.
+"""
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from lightning_pipe.graph.capture import Captured
+from lightning_pipe.lightning.microlog import silenced
+from lightning_pipe.plan.plan import Plan
+from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.runtime.build import Policy
+from lightning_pipe.runtime.fake import fake_training, meta_copy
+
+__all__ = ["fake_peaks"]
+
+
+def fake_peaks(
+    module: LightningModule,
+    captured: Captured,
+    batch: Any,
+    batch_idx: int,
+    optimizer: torch.optim.Optimizer | None,
+    precision: Precision,
+    plan: Plan,
+) -> list[int]:
+    """Each stage's metered peak when ``plan`` trains ``module`` on batches shaped as
+    ``batch``, with an optimizer of ``optimizer``'s kind and settings (none: no state)."""
+    replica, graph = _replica(module, captured)
+    params = list(replica.parameters())
+    twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(params, lr=0.0)
+    policies = {n.name: cast(Policy, p) for n, p in zip(graph.nodes, plan.policies) if p != "keep"}
+
+    def step(forward: Any, microbatch: Any) -> Tensor:
+        replica.forward = forward  # type: ignore[method-assign]
+        with precision.train_step_context():
+            returned = replica.training_step(microbatch, batch_idx)
+        return cast(Tensor, returned["loss"] if isinstance(returned, Mapping) else returned)
+
+    shapes = tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x, batch)
+    with silenced(replica), torch.random.fork_rng(devices=[]):
+        meter = fake_training(replica, graph, shapes, step, twin, plan.balance, policies,
+                              schedule=cast(Schedule, plan.schedule), chunks=plan.chunks)
+    return meter.peaks()
+
+
+def _replica(module: LightningModule, captured: Captured) -> tuple[LightningModule, Captured]:
+    """:func:`~lightning_pipe.runtime.fake.meta_copy` of ``module``, sharing its Trainer; the
+    strategy's ``forward`` is not copied."""
+    forward = vars(module).pop("forward", None)
+    try:
+        replica, graph = meta_copy(module, captured, [module._trainer] if module._trainer is not None else [])
+    finally:
+        if forward is not None:
+            module.forward = forward  # type: ignore[method-assign]
+    return cast(LightningModule, replica), graph
+
+
+def _twin(optimizer: torch.optim.Optimizer, module: nn.Module, replica: nn.Module) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s kind and settings over ``replica``'s parameters."""
+    copies = dict(zip(map(id, module.parameters()), replica.parameters()))
+    groups = [{**g, "params": [copies[id(p)] for p in g["params"] if id(p) in copies]} for g in optimizer.param_groups]
+    return type(optimizer)(groups, **optimizer.defaults)

@@ -1,0 +1,111 @@
+"""The planning headroom, measured on the model: plan to the memory limit, check the plan by
+running it (on fake tensors: :func:`lightning_pipe.runtime.fake.fake_training`), and where a
+stage goes over, plan again below the limit by the error the check saw.
+
+The memory model's error is the model's own: exact on one, some percent under on the next. A
+flat margin wastes capacity on the first and may be too thin for the second; measured, it is as
+wide as this model needs. A first plan whose every stage is predicted within the flat
+:data:`~lightning_pipe.plan.plan.PLANNING_HEADROOM` of its limit is not checked: that margin
+covers the worst error measured over four model families. Once a check has measured this
+model's error, every plan is checked.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+
+from lightning_pipe.plan.partitioners import Partitioner
+from lightning_pipe.plan.plan import (
+    PLANNING_HEADROOM,
+    PREDICTION_ERROR,
+    InfeasiblePlanError,
+    Plan,
+    make_plan,
+    max_microbatch,
+)
+from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.schedule import Schedule
+
+__all__ = ["Check", "checked", "checked_max_microbatch", "flat"]
+
+#: Each stage's peak (bytes) when a plan trains, as a fake training step of it meters them.
+Check = Callable[[Plan], list[int]]
+
+#: Plans made before giving up.
+ROUNDS = 6
+_STEP = 1e-4
+
+
+def checked(plan_for: Callable[[list[int]], Plan], limits: Sequence[int], check: Check) -> Plan:
+    """The plan ``plan_for(targets)`` makes for the first targets whose plan fits ``limits``
+    (bytes per stage) when ``check`` runs it: the limits themselves, then the limits less the
+    largest under-prediction seen so far; where no plan fits those, less half as much
+    (the error was one plan's: another split may be predicted better). A first plan within
+    the flat headroom is taken unchecked.
+
+    Raises:
+        InfeasiblePlanError: ``plan_for`` finds no plan at the limits, or none of
+            :data:`ROUNDS` plans fits.
+    """
+    went_over = error = 0.0  # the largest error at which a plan went over; the error to plan at
+    peaks: list[int] = []
+    for _ in range(ROUNDS):
+        try:
+            plan = plan_for(_targets(limits, 1 / (1 + error)))
+        except InfeasiblePlanError:
+            if not peaks:
+                raise
+            error = (went_over + error) / 2
+            continue
+        predicted = [s.peak.total for s in plan.stages]
+        if not peaks and all(p <= limit * PLANNING_HEADROOM for p, limit in zip(predicted, limits)):
+            return plan  # the flat headroom covers it, and no error of this model says otherwise
+        peaks = check(plan)
+        if all(p <= limit for p, limit in zip(peaks, limits)):
+            return plan
+        # a step past the error seen, so that a plan just at it is not made again
+        went_over, error = error, max(error, *(m / p - 1 for m, p in zip(peaks, predicted))) + _STEP
+    stage = max(range(len(limits)), key=lambda s: peaks[s] / limits[s])
+    raise InfeasiblePlanError(
+        f"no plan fits the memory limits {list(limits)} when run: of {ROUNDS} plans, each planned below the "
+        f"limits by the memory model's error measured so far (up to {error:.1%}), a fake training step of each "
+        f"went over, or none was found that far below; stage {stage} of the last that ran peaked at "
+        f"{peaks[stage]} bytes. Lower the micro-batch size, add stages or device memory.",
+        peaks[stage], stage,
+    )
+
+
+def checked_max_microbatch(
+    profile: Profile,
+    limits: Sequence[int],
+    check: Check,
+    partitioner: Partitioner = "dawnpiper",
+    schedule: Schedule = "1f1b",
+    chunks: int = 1,
+    host_bandwidth: float | None = None,
+    link_bandwidth: float | None = None,
+    *,
+    optimise_memory: bool = True,
+) -> int:
+    """The largest micro-batch size whose plan fits ``limits`` as :func:`checked` measures it.
+
+    Raises:
+        InfeasiblePlanError: not even a micro-batch of one fits.
+    """
+    settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
+
+    def largest(targets: list[int]) -> Plan:
+        size = max_microbatch(profile, targets, *settings, optimise_memory=optimise_memory)
+        return make_plan(profile.scaled(size), targets, *settings, optimise_memory=optimise_memory)
+
+    return checked(largest, limits, check).microbatch_size
+
+
+def flat(plan: Plan) -> list[int]:
+    """The check of a training step that cannot run on fake tensors: each stage's prediction
+    plus the memory model's worst under-prediction measured over the model families
+    (:data:`~lightning_pipe.plan.plan.PREDICTION_ERROR`), which plans to the flat headroom."""
+    return [math.ceil(s.peak.total * (1 + PREDICTION_ERROR)) for s in plan.stages]
+
+
+def _targets(limits: Sequence[int], share: float) -> list[int]:
+    return [int(limit * share) for limit in limits]

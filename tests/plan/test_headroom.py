@@ -1,0 +1,105 @@
+import math
+
+import pytest
+
+from lightning_pipe.plan.headroom import ROUNDS, checked, checked_max_microbatch, flat
+from lightning_pipe.plan.plan import PLANNING_HEADROOM, PREDICTION_ERROR, InfeasiblePlanError, make_plan, max_microbatch
+from tests.plan.test_plan import CAP, cnn_like
+
+STAGES = 3
+
+
+def _planner(profile):
+    """``plan_for`` over ``profile``, recording the targets asked for."""
+    asked = []
+
+    def plan_for(targets):
+        asked.append(targets)
+        return make_plan(profile, targets, "dawnpiper", "1f1b", 4)
+
+    return plan_for, asked
+
+
+def _under(error):
+    """A check that finds every stage ``error`` over its prediction."""
+    return lambda plan: [math.ceil(s.peak.total * (1 + error)) for s in plan.stages]
+
+
+def _tight(profile):
+    """Limits the plan for unbounded memory is predicted to fill to 98%."""
+    unbounded = make_plan(profile, [1 << 40] * STAGES, "dawnpiper", "1f1b", 4)
+    return [int(max(s.peak.total for s in unbounded.stages) / 0.98)] * STAGES
+
+
+def test_a_plan_far_below_the_limits_is_not_checked():
+    profile = cnn_like()
+    plan_for, asked = _planner(profile)
+
+    def never(plan):
+        raise AssertionError("checked")
+
+    plan = checked(plan_for, [10 * CAP] * STAGES, never)
+    assert asked == [[10 * CAP] * STAGES] and plan.targets == [10 * CAP] * STAGES
+
+
+def test_a_plan_within_its_error_is_kept_at_the_limits():
+    limits = _tight(cnn_like())
+    plan_for, asked = _planner(cnn_like())
+    plan = checked(plan_for, limits, _under(0.01))  # 1% under: the 98% plan still fits
+    assert asked == [limits] and plan.targets == limits
+
+
+def test_a_plan_that_goes_over_is_planned_again_below_the_limits_by_the_error_seen():
+    limits = _tight(cnn_like())
+    plan_for, asked = _planner(cnn_like())
+    plan = checked(plan_for, limits, _under(0.05))
+    assert len(asked) == 2 and asked[0] == limits
+    assert all(t <= limit / 1.05 for t, limit in zip(asked[1], limits))
+    assert all(t > limit * PLANNING_HEADROOM for t, limit in zip(asked[1], limits))  # less room than the flat 10%
+    assert all(math.ceil(s.peak.total * 1.05) <= limit for s, limit in zip(plan.stages, limits))
+
+
+def test_where_nothing_fits_that_far_below_half_the_error_is_tried():
+    profile = cnn_like()
+    limits = _tight(profile)
+    plan_for, asked = _planner(profile)
+
+    def refusing(targets):
+        if min(targets) < min(limits) / 1.5:
+            asked.append(targets)
+            raise InfeasiblePlanError("nothing that low", 0, 0)
+        return plan_for(targets)
+
+    # the first plan goes 90% over; a plan 90% below the limits does not exist
+    plan = checked(refusing, limits, lambda p: _under(0.9 if p.targets == limits else 0.0)(p))
+    assert asked[0] == limits and min(asked[1]) < min(limits) / 1.5  # planned 90% below: refused
+    assert asked[2] == [int(limit / (1 + (0.9 + 1e-4) / 2)) for limit in limits]  # then half as far
+    assert plan.targets == asked[2]
+
+
+def test_plans_that_keep_going_over_end_in_a_clear_error():
+    limits = _tight(cnn_like())
+    plan_for, asked = _planner(cnn_like())
+    always_over = lambda plan: [limit + 1 for limit in limits]  # noqa: E731
+    with pytest.raises(InfeasiblePlanError, match=r"no plan fits the memory limits .* when run") as error:
+        checked(plan_for, limits, always_over)
+    assert len(asked) == ROUNDS and error.value.min_peak == limits[0] + 1
+
+
+def test_flat_assumes_the_worst_measured_error():
+    plan = make_plan(cnn_like(), [CAP] * STAGES, "dawnpiper", "1f1b", 4)
+    assert flat(plan) == [math.ceil(s.peak.total * (1 + PREDICTION_ERROR)) for s in plan.stages]
+    # as a check, it plans to the flat headroom: what the strategy falls back to
+    limits = _tight(cnn_like())
+    plan_for, _ = _planner(cnn_like())
+    fallback = checked(plan_for, limits, flat)
+    assert all(s.peak.total <= limit * PLANNING_HEADROOM for s, limit in zip(fallback.stages, limits))
+
+
+def test_the_largest_microbatch_is_the_largest_whose_checked_plan_fits():
+    profile = cnn_like()
+    limits = [CAP] * STAGES
+    exact = checked_max_microbatch(profile, limits, _under(0.0), "dawnpiper", "1f1b", 4)
+    assert exact == max_microbatch(profile, limits, "dawnpiper", "1f1b", 4)  # predicted exactly: to the limit
+    under = checked_max_microbatch(profile, limits, _under(0.2), "dawnpiper", "1f1b", 4)
+    assert under == max_microbatch(profile, [int(c / 1.2001) for c in limits], "dawnpiper", "1f1b", 4) < exact
