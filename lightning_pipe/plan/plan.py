@@ -29,17 +29,16 @@ __all__ = [
     "make_plan", "max_microbatch", "planning_stages",
 ]
 
-#: How far the memory model may under-predict a stage. Measured: over every stage of
-#: ``tests/lightning/test_planned_fits.py``'s 50 random cases (four families, 2-4 stages, three
-#: schedules, each trained at the largest micro-batch the planner accepts) 4.0%, over
-#: ``python -m benchmarks.accuracy``'s 36 configurations 1.6%, over
-#: ``tests/lightning/test_prediction.py``'s runs none; both tests fail past this. Planning to
-#: 5% instead put one of those random cases out of memory (its plans are fuller, and there the
-#: model under-predicts more), so the headroom stays at 10%.
+#: How far the memory model may under-predict a stage, over models it was not checked on.
+#: Measured: over every stage of ``tests/lightning/test_planned_fits.py``'s 50 random cases
+#: (four families, 2-4 stages, three schedules) 4.0%, over ``python -m benchmarks.accuracy``'s
+#: 36 configurations 1.6%, over ``tests/lightning/test_prediction.py``'s runs none; both tests
+#: fail past this.
 PREDICTION_ERROR = 0.10
 
-#: A stage's planning target is its device's memory limit times this: room for the memory
-#: model's worst measured under-prediction, so that a plan it accepts fits.
+#: A plan predicted within this share of every stage's memory limit fits without a check
+#: (:mod:`lightning_pipe.plan.headroom`): room for :data:`PREDICTION_ERROR`. Where a plan cannot
+#: be checked, its planning targets are the limits times this.
 PLANNING_HEADROOM = 1 / (1 + PREDICTION_ERROR)
 
 # max_microbatch stops doubling here: a profile whose bytes do not grow with the micro-batch.
