@@ -67,6 +67,7 @@ class Stages:
     _placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict, repr=False)
     _steps: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)
     _replay: Replay | None = field(default=None, repr=False)
+    _floor: list[int] | None = field(default=None, repr=False)
 
     @property
     def count(self) -> int:
@@ -85,7 +86,18 @@ class Stages:
 
     def kept(self) -> "Stages":
         """These stages with no memory optimisation."""
-        return replace(self, optimise_memory=False, _optima={}, _placed={}, _steps={})
+        return replace(self, optimise_memory=False, _optima={}, _placed={}, _steps={}, _floor=None)
+
+    def searched_further(self) -> "Stages":
+        """These stages with each asked for its lowest peak searched further (``thorough``)."""
+        return replace(self, thorough=True, _optima={}, _placed={}, _steps={}, _floor=None)
+
+    def floor(self) -> list[int]:
+        """:func:`lowest_peak_balance` of these stages searched further: the split any plan
+        comes closest to fitting with (cached: the search and the error that reports it ask)."""
+        if self._floor is None:
+            self._floor = lowest_peak_balance(self.searched_further())
+        return self._floor
 
     def lowest(self, lo: int, hi: int, s: int) -> int:
         """The lowest peak memory optimisation reaches for nodes ``[lo, hi)`` as stage ``s``: its
@@ -306,15 +318,19 @@ def _dawnpiper(stages: Stages) -> list[int]:
     """The fastest split that fits (up to timing noise: :func:`_steadiest`) among the bisection's
     and every baseline's, so dawnpiper is never worse than another partitioner; the bisection
     also runs without memory optimisation, so optimising never loses a split that fits without
-    it. When none fits, a search for any split that fits; when nothing fits at all, the split
-    with the lowest peak."""
+    it. When none fits, a search for any split that fits, then the split with the lowest peak
+    (:meth:`Stages.floor`, the split :class:`~lightning_pipe.plan.plan.InfeasiblePlanError`
+    reports: so a plan is refused only when that split does not fit either); when nothing
+    fits at all, that split."""
     searches = [stages, stages.kept()] if stages.optimise_memory else [stages]
     candidates = [_bisection(m) for m in searches] + [split(name, stages) for name in BASELINES]
     fitting = [list(b) for b in dict.fromkeys(map(tuple, candidates)) if stages.fits(b)]
     for m in searches:
         if not fitting and (found := _fill_fitting(m)):
             fitting = [found]
-    return _steadiest(stages, fitting) if fitting else lowest_peak_balance(stages)
+    if not fitting and stages.fits(stages.floor()):
+        fitting = [stages.floor()]
+    return _steadiest(stages, fitting) if fitting else stages.floor()
 
 
 def _steadiest(stages: Stages, fitting: list[list[int]]) -> list[int]:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum
-from lightning_pipe.plan.partitioners import Partitioner, Stages, lowest_peak_balance, split
+from lightning_pipe.plan.partitioners import Partitioner, Stages, split
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import (
     Schedule,
@@ -312,9 +312,8 @@ def _infeasible(
 ) -> InfeasiblePlanError:
     """Explain what does not fit and what to change, with the lowest peak any plan reaches."""
     # optimised as far as they go, whatever the targets, searched further than a split's search can afford
-    lowest = replace(stages, thorough=True, _optima={}, _placed={}, _steps={})
-    floor = lowest_peak_balance(lowest)
-    unbounded = replace(lowest, capacities=[0] * stages.count, _optima={}, _placed={}, _steps={})
+    floor = stages.floor()
+    unbounded = replace(stages.searched_further(), capacities=[0] * stages.count)
     bad = next(s for s, o in enumerate(optima) if not o.fits)
     optimised = "with memory optimisation" if stages.optimise_memory else "without memory optimisation"
     fitting = split("dawnpiper", stages) if partitioner != "dawnpiper" else balance
