@@ -26,7 +26,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
@@ -86,11 +86,15 @@ class Stages:
 
     def kept(self) -> "Stages":
         """These stages with no memory optimisation."""
-        return replace(self, optimise_memory=False, _optima={}, _placed={}, _steps={}, _floor=None)
+        return self._varied(optimise_memory=False)
 
     def searched_further(self) -> "Stages":
         """These stages with each asked for its lowest peak searched further (``thorough``)."""
-        return replace(self, thorough=True, _optima={}, _placed={}, _steps={}, _floor=None)
+        return self._varied(thorough=True)
+
+    def _varied(self, **changes: Any) -> "Stages":
+        """These stages with ``changes``, and none of what was found for these (cached) kept."""
+        return replace(self, **changes, _optima={}, _placed={}, _steps={}, _floor=None)
 
     def floor(self) -> list[int]:
         """:func:`lowest_peak_balance` of these stages searched further: the split any plan
