@@ -345,6 +345,16 @@ class CostModel:
         codes = _policy_codes(policies, self.n)
         return int(_regions_inputs(self, lo, hi, np.array([a]), np.array([b]), codes)[0][0])
 
+    def kept_before(self, lo: int, hi: int) -> list[int]:
+        """Nodes before ``lo`` keeping first a storage that nodes ``[lo, hi)`` read: whether
+        such a node drops what it keeps (its policy) decides whether a recomputed region of
+        ``[lo, hi)`` reading it keeps it instead (:func:`_regions_inputs`)."""
+        a = self._arrays
+        begin, end = np.searchsorted(a.reader, [lo, hi])
+        storages = a.read_base[begin:end][a.read[begin:end] < lo]
+        keepers = a.held_by[storages]
+        return np.unique(keepers[(keepers >= 0) & (keepers < lo)]).tolist()
+
     def peak(
         self,
         lo: int,

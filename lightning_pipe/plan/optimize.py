@@ -84,15 +84,18 @@ def optimize_stage(
     optimise: bool = True,
     thorough: bool = False,
     waiting: Waiting = (0, ()),
+    earlier: Mapping[int, Policy] = {},
 ) -> StageOptimum:
     """Cheapest policies (by the greedy above) bringing stage ``[lo, hi)`` under ``capacity``;
     with ``optimise`` false, every node keeps its activations. A stage left near its capacity
     is searched further (:func:`_descended`); with ``thorough``, so is one asked for its lowest
     peak (``capacity`` 0), which costs a planner's search too much to do for every range.
-    ``waiting``: what waits at the stage for others (:meth:`CostModel.waiting`), once known.
-    Choices the stage turns out to fit without stay (:func:`prune_stage` drops them, at one
+    ``waiting``: what waits at the stage for others (:meth:`CostModel.waiting`), once known;
+    ``earlier``: the policies of earlier stages' nodes keeping values the stage reads
+    (:meth:`CostModel.kept_before`), once chosen: a value such a node drops, a recomputed
+    region of the stage keeps. Choices the stage turns out to fit without stay (:func:`prune_stage` drops them, at one
     pricing per choice: a search prunes only the split it chooses)."""
-    stage = _Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting)
+    stage = _Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier)
     base = stage.priced({}).peak
     if base.total <= capacity or not optimise:
         return StageOptimum(peak=base, fits=base.total <= capacity)
@@ -189,10 +192,12 @@ def prune_stage(
     weight_versions: int = 1,
     host_bandwidth: float | None = None,
     waiting: Waiting = (0, ()),
+    earlier: Mapping[int, Policy] = {},
 ) -> StageOptimum:
     """``found`` (an :func:`optimize_stage` result) without the choices the stage fits
     without."""
-    return _pruned(_Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting), found)
+    return _pruned(_Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier),
+                   found)
 
 
 def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
@@ -202,7 +207,7 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     lowered = True
     while lowered and not found.fits:
         lowered = False
-        coded = CodedPolicies.of(found.policies, stage.model.n)
+        coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
         for i in sorted(found.policies):
             if i not in coded:
                 continue
@@ -266,7 +271,8 @@ def _better(a: StageOptimum, b: StageOptimum) -> bool:
 @dataclass(frozen=True)
 class _Stage:
     """What :func:`optimize_stage` prices policies for: nodes ``[lo, hi)`` of ``model`` as a
-    stage holding ``in_flight`` micro-batches under ``capacity``, and what waits at it."""
+    stage holding ``in_flight`` micro-batches under ``capacity``, what waits at it, and the
+    policies of the earlier nodes keeping what it reads (priced with its own)."""
 
     model: CostModel
     lo: int
@@ -276,8 +282,13 @@ class _Stage:
     weight_versions: int
     host_bandwidth: float | None
     waiting: Waiting
+    earlier: Mapping[int, Policy]
 
     def peak(self, policies: Mapping[int, Policy]) -> StagePeak:
+        """The stage's peak under ``policies``: its own, or with ``earlier``'s already
+        (:class:`CodedPolicies`)."""
+        if self.earlier and not isinstance(policies, CodedPolicies):
+            policies = {**self.earlier, **policies}
         return self.model.peak(self.lo, self.hi, self.in_flight, policies, self.weight_versions, self.waiting)
 
     def priced(self, policies: dict[int, Policy]) -> StageOptimum:

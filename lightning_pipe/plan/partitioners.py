@@ -24,12 +24,12 @@ Capacities are per stage device and may differ (heterogeneous devices).
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
-from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
+from lightning_pipe.plan.memory import CostModel, Policy, Waiting, stage_ranges
 from lightning_pipe.plan.optimize import NOISE, StageOptimum, optimize_stage, prune_stage
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Action, BackwardState
@@ -73,16 +73,27 @@ class Stages:
     def count(self) -> int:
         return len(self.capacities)
 
-    def optimum(self, lo: int, hi: int, s: int, reserved: int = 0, waiting: Waiting = (0, ())) -> StageOptimum:
+    def optimum(
+        self, lo: int, hi: int, s: int, reserved: int = 0, waiting: Waiting = (0, ()), chosen: Mapping[int, Policy] = {}
+    ) -> StageOptimum:
         """Memory optimisation of nodes ``[lo, hi)`` as stage ``s`` with ``reserved`` bytes of
-        its capacity taken by something else and ``waiting`` at it (cached)."""
-        key = (lo, hi, s, reserved, waiting[0], tuple(waiting[1]))
+        its capacity taken by something else, ``waiting`` at it and the earlier stages'
+        policies ``chosen`` (cached)."""
+        earlier = self.earlier(lo, hi, chosen)
+        key = (lo, hi, s, reserved, waiting[0], tuple(waiting[1]), tuple(earlier.items()))
         if key not in self._optima:
             self._optima[key] = optimize_stage(
                 self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
-                self.host_bandwidth, self.optimise_memory, self.thorough, waiting,
+                self.host_bandwidth, self.optimise_memory, self.thorough, waiting, earlier,
             )
         return self._optima[key]
+
+    def earlier(self, lo: int, hi: int, chosen: Mapping[int, Policy]) -> dict[int, Policy]:
+        """Of the policies ``chosen`` for earlier stages, those a stage on ``[lo, hi)`` is
+        priced with (:meth:`CostModel.kept_before`)."""
+        if not chosen:
+            return {}
+        return {i: chosen[i] for i in self.model.kept_before(lo, hi) if i in chosen}
 
     def kept(self) -> "Stages":
         """These stages with no memory optimisation."""
@@ -117,7 +128,11 @@ class Stages:
         key = tuple(balance)
         if key not in self._placed:
             waits = self.model.waiting(balance, self.waits, self.backward_states)
-            optima = [self.optimum(r.start, r.stop, s, waiting=waits[s]) for s, r in enumerate(stage_ranges(balance))]
+            optima: list[StageOptimum] = []
+            chosen: dict[int, Policy] = {}
+            for s, r in enumerate(stage_ranges(balance)):  # in order: a stage is priced with the earlier ones' choices
+                optima.append(self.optimum(r.start, r.stop, s, waiting=waits[s], chosen=chosen))
+                chosen.update(optima[-1].policies)
             placed = self._priced(balance, optima)
             if all(o.fits for o in optima) and not all(o.fits for o in placed):
                 placed = self._pruned(balance, optima)
@@ -140,7 +155,7 @@ class Stages:
         waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
         return self._priced(balance, [
             prune_stage(self.model, r.start, r.stop, self.in_flight[s], self.capacities[s], o, self.weight_versions,
-                        self.host_bandwidth, waits[s])
+                        self.host_bandwidth, waits[s], self.earlier(r.start, r.stop, chosen))
             for s, (r, o) in enumerate(zip(stage_ranges(balance), optima))
         ])
 
@@ -412,6 +427,7 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] |
     ``tries`` times the stage count such starts. ``None``: nothing found."""
     model, count, n = stages.model, stages.count, stages.model.n
     cuts: list[int] = []
+    chosen: list[dict[int, Policy]] = []  # the placed stages' policies
     failed: set[tuple[int, ...]] = set()  # (stage, its start, the previous stage's start)
     budget = [tries * count]
 
@@ -420,10 +436,15 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] |
         known = _balance(cuts + [hi] if hi < n else cuts, n)
         return model.waiting(known, stages.waits, stages.backward_states)[s]
 
-    def fits(lo: int, hi: int, s: int) -> bool:
+    def placed(lo: int, hi: int, s: int) -> StageOptimum | None:
+        """Stage ``s`` on ``[lo, hi)`` optimised after the stages placed so far; ``None``: it does not fit."""
         if model.static(lo, hi, stages.weight_versions) + model.transient(lo, hi) > stages.capacities[s]:
-            return False  # what no memory optimisation takes off
-        return stages.optimum(lo, hi, s, waiting=waiting(hi, s)).fits
+            return None  # what no memory optimisation takes off
+        found = stages.optimum(lo, hi, s, waiting=waiting(hi, s), chosen={i: p for c in chosen for i, p in c.items()})
+        return found if found.fits else None
+
+    def fits(lo: int, hi: int, s: int) -> bool:
+        return placed(lo, hi, s) is not None
 
     def fill(lo: int, s: int) -> bool:
         if s == count - 1:  # what waits at each stage while it runs its backwards: the whole split's
@@ -441,11 +462,13 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] |
         thinnest = min((model.crossing[c] for c in range(lo + 1, a + 1)), default=0)
         narrow = [c for c in range(a - slack - 1, lo, -1) if model.crossing[c] <= thinnest]
         for hi in [*window, *narrow]:
-            if fits(lo, hi, s):
+            if found := placed(lo, hi, s):
                 cuts.append(hi)
+                chosen.append(found.policies)
                 if fill(hi, s + 1):
                     return True
                 cuts.pop()
+                chosen.pop()
         failed.add(state)
         return False
 
