@@ -353,7 +353,8 @@ class CostModel:
         begin, end = np.searchsorted(a.reader, [lo, hi])
         storages = a.read_base[begin:end][a.read[begin:end] < lo]
         keepers = a.held_by[storages]
-        return np.unique(keepers[(keepers >= 0) & (keepers < lo)]).tolist()
+        found: list[int] = np.unique(keepers[(keepers >= 0) & (keepers < lo)]).tolist()
+        return found
 
     def peak(
         self,
