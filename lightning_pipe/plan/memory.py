@@ -393,6 +393,11 @@ class CostModel:
         step = StagePeak(static, 0, self.step(lo, hi), self.batch if hi == self.n else 0)
         return max([p.waiting(waiting[0]) for p in forward] + backward + [step], key=lambda p: p.total)
 
+    def backward_peaks_at(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> tuple[int, int]:
+        """The nodes of ``[lo, hi)`` at whose backward one micro-batch's backward peaks, with
+        every parameter gradient made and with those made so far (what :meth:`peak` prices)."""
+        return self._live(lo, hi, policies).peaks_at
+
     def merged(self, lo: int, hi: int) -> int:
         """Bytes of one micro-batch's values nodes ``[lo, hi)`` make that are part of the
         graph's output: GPipe's merge reads them once every micro-batch's forward is done."""
@@ -521,6 +526,7 @@ class _Live:
     forward: tuple[int, int]
     backward: tuple[int, int]  # with every parameter gradient made earlier (counted as static)
     first_backward: tuple[int, int]  # with the parameter gradients of the nodes done so far
+    peaks_at: tuple[int, int] = (0, 0)  # the nodes whose backwards reach the two above
 
 
 class _NodeArrays:
@@ -674,6 +680,7 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
         forward=(int(kept[f]), int(forward[f] - kept[f])),
         backward=(int(kept[b + 1]), int(backward[b] - kept[b + 1])),
         first_backward=(int(kept[g + 1]), int(first[g] - kept[g + 1])),
+        peaks_at=(lo + b, lo + g),
     )
 
 

@@ -201,22 +201,21 @@ def prune_stage(
 
 
 def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
-    """``found`` with its choices dropped one at a time, in node order, while each drop lowers
-    the peak, until it fits or no drop lowers it: recomputing everything is seldom the lowest
-    (a node kept between two regions can keep less than the merged region would)."""
-    lowered = True
-    while lowered and not found.fits:
-        lowered = False
+    """``found`` with its choices dropped one at a time while each drop lowers the peak, until
+    it fits or no drop lowers it: recomputing everything is seldom the lowest (a node kept
+    between two regions can keep less than the merged region would). Each round drops the
+    choice lowering the peak most among the runs where the backward peaks (a region's stash
+    comes back there); when none there lowers it, the first in node order that does."""
+    while not found.fits:
         coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
-        for i in sorted(found.policies):
-            if i not in coded:
-                continue
-            policies = coded.without(i)
-            if stage.peak(policies).total < found.peak.total:  # priced in full only when lower
-                kept = {j: p for j, p in found.policies.items() if j != i}  # in the order chosen
-                found, lowered, coded = stage.priced(kept), True, policies
-                if found.fits:
-                    break
+        lowest = min(((stage.peak(coded.without(i)).total, i) for i in stage.peak_runs(coded, found.policies)),
+                     default=None)
+        if lowest is None or lowest[0] >= found.peak.total:
+            lowest = next(((total, i) for i in sorted(found.policies)
+                           if (total := stage.peak(coded.without(i)).total) < found.peak.total), None)
+        if lowest is None:
+            break
+        found = stage.priced({j: p for j, p in found.policies.items() if j != lowest[1]})  # in the order chosen
     return found
 
 
@@ -290,6 +289,22 @@ class _Stage:
         if self.earlier and not isinstance(policies, CodedPolicies):
             policies = {**self.earlier, **policies}
         return self.model.peak(self.lo, self.hi, self.in_flight, policies, self.weight_versions, self.waiting)
+
+    def peak_runs(self, coded: CodedPolicies, own: Mapping[int, Policy]) -> list[int]:
+        """The nodes of ``own`` in the runs of one policy holding the nodes where the stage's
+        backward peaks under ``coded``, and in the runs before those, in node order."""
+        codes, found = coded.codes, set()
+        for at in self.model.backward_peaks_at(self.lo, self.hi, coded):
+            for start in (at, at - 1):
+                if not self.lo <= start < self.hi or not codes[start]:
+                    continue
+                a = b = start
+                while a > self.lo and codes[a - 1] == codes[start]:
+                    a -= 1
+                while b + 1 < self.hi and codes[b + 1] == codes[start]:
+                    b += 1
+                found.update(range(a, b + 1))
+        return sorted(found & own.keys())
 
     def priced(self, policies: dict[int, Policy]) -> StageOptimum:
         peak = self.peak(policies)
