@@ -293,7 +293,7 @@ class _Stage:
     def peak_runs(self, coded: CodedPolicies, own: Mapping[int, Policy]) -> list[int]:
         """The nodes of ``own`` in the runs of one policy holding the nodes where the stage's
         backward peaks under ``coded``, and in the runs before those, in node order."""
-        codes, found = coded.codes, set()
+        codes, found = coded.codes, set[int]()
         for at in self.model.backward_peaks_at(self.lo, self.hi, coded):
             for start in (at, at - 1):
                 if not self.lo <= start < self.hi or not codes[start]:
