@@ -37,6 +37,10 @@ from lightning_pipe.plan.simulate import Replay, StageTime
 
 __all__ = ["BASELINES", "NOISE", "PARTITIONERS", "Partitioner", "Stages", "lowest_peak_balance", "partition", "split"]
 
+# Stages.reachable's margin over the capacities: lowest peaks are not quite monotone in the range,
+# so a split fill-first misses at the capacities can still be under them.
+REACH = 1.05
+
 Partitioner = Literal["dawnpiper", "capslog", "time", "params", "uniform"]
 PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params", "uniform")
 BASELINES: tuple[Partitioner, ...] = ("time", "params", "uniform", "capslog")
@@ -68,6 +72,8 @@ class Stages:
     _steps: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)
     _replay: Replay | None = field(default=None, repr=False)
     _floor: list[int] | None = field(default=None, repr=False)
+    _further: "Stages | None" = field(default=None, repr=False)
+    _reachable: tuple[list[int] | None] | None = field(default=None, repr=False)
 
     @property
     def count(self) -> int:
@@ -105,14 +111,31 @@ class Stages:
 
     def _varied(self, **changes: Any) -> "Stages":
         """These stages with ``changes``, and none of what was found for these (cached) kept."""
-        return replace(self, **changes, _optima={}, _placed={}, _steps={}, _floor=None)
+        return replace(self, **changes, _optima={}, _placed={}, _steps={}, _floor=None, _further=None,
+                       _reachable=None)
 
     def floor(self) -> list[int]:
         """:func:`lowest_peak_balance` of these stages searched further: the split any plan
         comes closest to fitting with (cached: the search and the error that reports it ask)."""
         if self._floor is None:
-            self._floor = lowest_peak_balance(self.searched_further())
+            self._floor = lowest_peak_balance(self._searched(), self.reachable())
         return self._floor
+
+    def reachable(self) -> list[int] | None:
+        """A split whose every stage, searched further, gets within :data:`REACH` of its
+        capacity: fill-first on the lowest peaks, one step of :meth:`floor`'s search, in a
+        fraction of its time. ``None``: no split comes that close, so :meth:`floor`'s has a
+        stage over its capacity too (lowest peaks grow with the range, but for small steps)."""
+        if self._reachable is None:
+            limits = [REACH * c for c in self.capacities]
+            self._reachable = (_fill_first(self.model.n, limits, self._searched().lowest),)
+        return self._reachable[0]
+
+    def _searched(self) -> "Stages":
+        """:meth:`searched_further`, kept: :meth:`reachable` and :meth:`floor` share its optima."""
+        if self._further is None:
+            self._further = self.searched_further()
+        return self._further
 
     def lowest(self, lo: int, hi: int, s: int) -> int:
         """The lowest peak memory optimisation reaches for nodes ``[lo, hi)`` as stage ``s``: its
@@ -270,11 +293,11 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
     raise ValueError(f"unknown partitioner {name!r}; use one of {', '.join(PARTITIONERS)}.")
 
 
-def lowest_peak_balance(stages: Stages) -> list[int]:
+def lowest_peak_balance(stages: Stages, start: Sequence[int] | None = None) -> list[int]:
     """The balance whose stages, memory-optimised as far as they go, have the lowest peak
     relative to capacity: the most memory any plan can save (CAPSlog's search on the
-    optimised peaks)."""
-    return _min_max(stages.model.n, stages.capacities, stages.lowest, precision=1e-3)
+    optimised peaks; ``start``: a balance near it, where the search begins)."""
+    return _min_max(stages.model.n, stages.capacities, stages.lowest, precision=1e-2, start=start)
 
 
 Cost = Callable[[int, int, int], float]
@@ -302,14 +325,26 @@ def _fill_first(n: int, limits: Sequence[float], cost: Cost) -> list[int] | None
     return balance + [n - lo]
 
 
-def _min_max(n: int, scales: Sequence[float], cost: Cost, precision: float = 1e-12) -> list[int]:
+def _min_max(
+    n: int, scales: Sequence[float], cost: Cost, precision: float = 1e-12, start: Sequence[int] | None = None
+) -> list[int]:
     """Balance minimising ``max_s cost(stage s) / scales[s]``: binary search on the threshold,
-    fill-first at each, until the threshold is known to ``precision`` (relative)."""
+    fill-first at each, until the threshold is known to ``precision`` (relative). Given a
+    balance to ``start`` from, the search brackets the threshold just under that balance's
+    (within a twentieth, then a tenth, ...): a search near the answer prices fewer ranges."""
     count = len(scales)
-    high = max(cost(0, n, s) / scales[s] for s in range(count)) or 1.0
-    while (found := _fill_first(n, [high * c for c in scales], cost)) is None:
-        high *= 2
-    low = 0.0
+    if start is None:
+        high = max(cost(0, n, s) / scales[s] for s in range(count)) or 1.0
+        while (found := _fill_first(n, [high * c for c in scales], cost)) is None:
+            high *= 2
+        low = 0.0
+    else:
+        found = list(start)
+        high = max(cost(r.start, r.stop, s) / scales[s] for s, r in enumerate(stage_ranges(found)))
+        step = 0.05
+        while (attempt := _fill_first(n, [high * (1 - step) * c for c in scales], cost)) is not None and step < 0.5:
+            high, found, step = high * (1 - step), attempt, 2 * step
+        low = high * (1 - step) if attempt is None else 0.0
     while high - low > precision * high:
         mid = (low + high) / 2
         attempt = _fill_first(n, [mid * c for c in scales], cost)
@@ -337,19 +372,20 @@ def _dawnpiper(stages: Stages) -> list[int]:
     """The fastest split that fits (up to timing noise: :func:`_steadiest`) among the bisection's
     and every baseline's, so dawnpiper is never worse than another partitioner; the bisection
     also runs without memory optimisation, so optimising never loses a split that fits without
-    it. When none fits, a search for any split that fits, then the split with the lowest peak
-    (:meth:`Stages.floor`, the split :class:`~lightning_pipe.plan.plan.InfeasiblePlanError`
-    reports: so a plan is refused only when that split does not fit either); when nothing
-    fits at all, that split."""
+    it. When none fits, a search for any split that fits, then, unless no split comes near
+    fitting (:meth:`Stages.reachable`), the split with the lowest peak (:meth:`Stages.floor`,
+    the split :class:`~lightning_pipe.plan.plan.InfeasiblePlanError` reports: so a plan is
+    refused only when that split does not fit either); when nothing fits at all, the
+    bisection's split."""
     searches = [stages, stages.kept()] if stages.optimise_memory else [stages]
     candidates = [_bisection(m) for m in searches] + [split(name, stages) for name in BASELINES]
     fitting = [list(b) for b in dict.fromkeys(map(tuple, candidates)) if stages.fits(b)]
     for m in searches:
         if not fitting and (found := _fill_fitting(m)):
             fitting = [found]
-    if not fitting and stages.fits(stages.floor()):
+    if not fitting and stages.reachable() is not None and stages.fits(stages.floor()):
         fitting = [stages.floor()]
-    return _steadiest(stages, fitting) if fitting else stages.floor()
+    return _steadiest(stages, fitting) if fitting else candidates[0]
 
 
 def _steadiest(stages: Stages, fitting: list[list[int]]) -> list[int]:
@@ -416,7 +452,7 @@ def _balance(cuts: Sequence[int], n: int) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, n])]
 
 
-def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 8) -> list[int] | None:
+def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] | None:
     """Fill-first on fitting: each stage in turn takes the longest run of nodes that fits it,
     memory-optimised and with the gradients that will wait at it (known once the earlier cuts
     are), leaving a node for every later stage; the last stage takes the rest. What crosses a
