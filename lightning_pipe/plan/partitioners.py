@@ -372,19 +372,19 @@ def _dawnpiper(stages: Stages) -> list[int]:
     """The fastest split that fits (up to timing noise: :func:`_steadiest`) among the bisection's
     and every baseline's, so dawnpiper is never worse than another partitioner; the bisection
     also runs without memory optimisation, so optimising never loses a split that fits without
-    it. When none fits, a search for any split that fits, then, unless no split comes near
-    fitting (:meth:`Stages.reachable`), the split with the lowest peak (:meth:`Stages.floor`,
-    the split :class:`~lightning_pipe.plan.plan.InfeasiblePlanError` reports: so a plan is
-    refused only when that split does not fit either); when nothing fits at all, the
-    bisection's split."""
+    it. When none fits, unless no split comes near fitting (:meth:`Stages.reachable`), a search
+    for any split that fits, then the split with the lowest peak (:meth:`Stages.floor`, the
+    split :class:`~lightning_pipe.plan.plan.InfeasiblePlanError` reports: so a plan is refused
+    only when that split does not fit either); when nothing fits at all, the bisection's split."""
     searches = [stages, stages.kept()] if stages.optimise_memory else [stages]
     candidates = [_bisection(m) for m in searches] + [split(name, stages) for name in BASELINES]
     fitting = [list(b) for b in dict.fromkeys(map(tuple, candidates)) if stages.fits(b)]
-    for m in searches:
-        if not fitting and (found := _fill_fitting(m)):
-            fitting = [found]
-    if not fitting and stages.reachable() is not None and stages.fits(stages.floor()):
-        fitting = [stages.floor()]
+    if not fitting and stages.reachable() is not None:  # else no split comes near fitting
+        for m in searches:
+            if not fitting and (found := _fill_fitting(m)):
+                fitting = [found]
+        if not fitting and stages.fits(stages.floor()):
+            fitting = [stages.floor()]
     return _steadiest(stages, fitting) if fitting else candidates[0]
 
 
