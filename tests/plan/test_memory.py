@@ -268,3 +268,17 @@ def test_coded_policies_price_as_the_policies_they_code():
             fewer = {j: p for j, p in policies.items() if j != i}
             assert dict(coded.without(i)) == dict(sorted(fewer.items())) and i not in coded.without(i)
             assert model.peak(5, 25, 3, coded.without(i)) == model.peak(5, 25, 3, fewer)
+
+
+def test_a_recomputed_region_keeps_what_an_earlier_stage_drops():
+    # node 0's 100 bytes are kept first by node 1 (stage 0) and read again by node 2 (stage 1).
+    # Recomputing node 2 alone keeps nothing of them; once stage 0 recomputes node 1, node 2's
+    # region keeps them itself, one copy per micro-batch in flight
+    nodes = [replace(node(0, 0, held=100, until=2, users=[1, 2], out=100), held_by=1),
+             replace(node(1, 100, made=10, held=10, until=2, users=[2]), saved_inputs_bytes=100, saved_inputs_from=0),
+             node(2, 50, users=[3]), node(3, 20, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=2)
+    assert model.kept_before(2, 4) == [1]
+    assert model.kept_before(1, 4) == []
+    alone = model.peak(2, 4, 2, {2: "recompute"}).total
+    assert model.peak(2, 4, 2, {1: "recompute", 2: "recompute"}).total == alone + 2 * 100

@@ -1,8 +1,12 @@
 import math
+from dataclasses import replace
+
+import pytest
 
 from lightning_pipe.plan.memory import CostModel
 from lightning_pipe.plan.optimize import optimize_stage, policy_time
 from lightning_pipe.plan.profile import NodeProfile, Profile
+from tests.plan.test_memory import node, random_profile
 
 
 def stage(specs):
@@ -69,3 +73,30 @@ def test_impossible_capacity_reports_the_lowest_peak_found():
     found = optimize_stage(model, 0, 4, 4, capacity=10)
     assert not found.fits
     assert 10 < found.peak.total < base  # optimisation still lowered it
+
+
+def test_a_stage_is_optimised_with_what_earlier_stages_drop():
+    # the profile of test_a_recomputed_region_keeps_what_an_earlier_stage_drops: stage [2, 4)
+    # fits one byte under its kept peak by recomputing node 2, unless stage 0 recomputes node 1
+    nodes = [replace(node(0, 0, held=100, until=2, users=[1, 2], out=100), held_by=1),
+             replace(node(1, 100, made=10, held=10, until=2, users=[2]), saved_inputs_bytes=100, saved_inputs_from=0),
+             node(2, 50, users=[3]), node(3, 20, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=2)
+    capacity = model.peak(2, 4, 2).total - 1
+    alone = optimize_stage(model, 2, 4, 2, capacity)
+    assert alone.fits and alone.policies == {2: "recompute"}
+    after = optimize_stage(model, 2, 4, 2, capacity, earlier={1: "recompute"})
+    assert not after.fits
+    assert after.peak.total == model.peak(2, 4, 2, {1: "recompute", **after.policies}).total
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_stage_searched_for_its_lowest_peak_ends_where_no_single_drop_lowers_it(seed):
+    # the descent tries the runs where the backward peaks first; it stops only once no choice
+    # anywhere lowers the peak when dropped
+    model = CostModel(random_profile(40, seed), schedule="gpipe", chunks=3)
+    found = optimize_stage(model, 0, 40, 3, capacity=0, thorough=True)
+    assert found.policies
+    for i in found.policies:
+        dropped = {j: p for j, p in found.policies.items() if j != i}
+        assert model.peak(0, 40, 3, dropped).total >= found.peak.total
