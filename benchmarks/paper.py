@@ -292,10 +292,12 @@ def _paper_task(task: tuple[str, int, Settings, DeviceSpec]) -> list[Row]:
     return measure_stages(paper_models()[name], stages, settings, device)
 
 
-def run(workloads: Sequence[Workload], settings: Settings, device: DeviceSpec = DEVICE, jobs: int = 1) -> list[Row]:
+def run(workloads: Sequence[Workload], settings: Settings, device: DeviceSpec = DEVICE, jobs: int = 1,
+        finished_task: Callable[[list[Row]], object] = lambda rows: None) -> list[Row]:
     """Every configuration of ``settings`` for each workload, with a progress bar. With
     ``jobs`` above one, the paper's workloads run ``jobs`` (model, stage count) tasks at a time,
-    each in a process of its own: a fake run keeps one core busy."""
+    each in a process of its own: a fake run keeps one core busy. ``finished_task`` is called
+    with every row so far as each task ends (a run cut short keeps what it measured)."""
     tasks = [(w, s) for w in workloads for s in settings.stages]
     per_task = len(settings.schedules) * len(settings.memopt) * len(settings.partitioners)
     done: dict[tuple[str, int], list[Row]] = {}
@@ -316,6 +318,7 @@ def run(workloads: Sequence[Workload], settings: Settings, device: DeviceSpec = 
                                       f"max {r.max_microbatch}{'' if r.exact else '+'} predicted {r.predicted} "
                                       f"({r.fake_runs} fake runs, {r.seconds:.0f} s)")
                 bar.advance(progress, len(rows))
+                finished_task([r for part in done.values() for r in part])
     finally:
         if pool is not None:
             pool.close()
@@ -660,19 +663,24 @@ def main(
     settings = Settings(args.models or base.models, args.stages or base.stages, base.schedules, base.partitioners)
     chosen = list(workloads) if workloads is not None else [paper_models()[n] for n in settings.models]
     start, ran_on = time.perf_counter(), machine()  # the commit that runs, should HEAD move meanwhile
-    rows = run(chosen, settings, device, args.jobs if workloads is None else 1)
     command = "paper" + (" --full" if args.full else "") + "".join(
         f" --{name} {' '.join(map(str, given))}" for name, given in (("models", args.models), ("stages", args.stages))
         if given)
-    this = {"command": command, "machine": ran_on, "settings": asdict(settings), "configurations": len(rows),
-            "seconds": time.perf_counter() - start, "cpu_seconds": _cpu_seconds()}
     path = args.out / "benchmarks" / "paper_results.json"
-    results = merged(json.loads(path.read_text()) if path.exists() else None, this, device,
-                     {w.name: w.label for w in chosen}, rows)
-    for target, text in ((path, json.dumps(results, indent=1)), (args.out / "docs" / "paper-scale.md",
-                                                                  markdown(results))):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
+    earlier = json.loads(path.read_text()) if path.exists() else None
+
+    def save(rows: list[Row]) -> dict[str, Any]:
+        """The results file and page with ``rows`` (so far) merged in."""
+        this = {"command": command, "machine": ran_on, "settings": asdict(settings), "configurations": len(rows),
+                "seconds": time.perf_counter() - start, "cpu_seconds": _cpu_seconds()}
+        results = merged(earlier, this, device, {w.name: w.label for w in chosen}, rows)
+        for target, text in ((path, json.dumps(results, indent=1)), (args.out / "docs" / "paper-scale.md",
+                                                                      markdown(results))):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+        return results
+
+    results = save(run(chosen, settings, device, args.jobs if workloads is None else 1, save))
     print(summary(results))
     return results
 

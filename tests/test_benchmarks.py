@@ -82,6 +82,27 @@ def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(t
     assert json.loads((tmp_path / "benchmarks" / "paper_results.json").read_text())["rows"] == rows
 
 
+@pytest.mark.slow
+def test_a_paper_run_cut_short_keeps_the_tasks_it_finished(tmp_path, monkeypatch):
+    # a task (model, stage count) is written out as it ends: the run of 2 then 3 stages fails
+    # in its second task, and the first task's rows are on file and on the page
+    paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
+    measure = paper.measure_stages
+
+    def failing(workload, stages, settings, device):
+        if stages == 3:
+            raise KeyboardInterrupt
+        return measure(workload, stages, settings, device)
+
+    monkeypatch.setattr(paper, "measure_stages", failing)
+    with pytest.raises(KeyboardInterrupt):
+        paper.main(["--stages", "2", "3", "--out", str(tmp_path)], workloads=[tiny], device=small)
+    results = json.loads((tmp_path / "benchmarks" / "paper_results.json").read_text())
+    assert {r["stages"] for r in results["rows"]} == {2} and len(results["rows"]) == 8
+    assert results["runs"][-1]["configurations"] == 8
+    assert "| tiny GPT-2 |" in (tmp_path / "docs" / "paper-scale.md").read_text()
+
+
 def test_paper_results_keep_the_configurations_a_later_run_did_not_measure():
     from benchmarks import paper
 
