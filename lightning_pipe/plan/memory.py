@@ -393,10 +393,16 @@ class CostModel:
         step = StagePeak(static, 0, self.step(lo, hi), self.batch if hi == self.n else 0)
         return max([p.waiting(waiting[0]) for p in forward] + backward + [step], key=lambda p: p.total)
 
-    def backward_peaks_at(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> tuple[int, int]:
-        """The nodes of ``[lo, hi)`` at whose backward one micro-batch's backward peaks, with
-        every parameter gradient made and with those made so far (what :meth:`peak` prices)."""
-        return self._live(lo, hi, policies).peaks_at
+    def backward_peak_runs(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> list[int]:
+        """The nodes of ``[lo, hi)`` in the runs of one policy (kept runs aside) holding a node
+        at whose backward one micro-batch's backward peaks (with every parameter gradient made,
+        or with those made so far: what :meth:`peak` prices), or the node before it (a
+        region's stash comes back at its last node's backward), in node order."""
+        codes = _policy_codes(policies, self.n)[lo:hi]
+        runs = _runs(codes)
+        found = {int(at - lo) for peak in self._live(lo, hi, policies).peaks_at for at in (peak, peak - 1)}
+        chosen = {int(runs.of[k]) for k in found if 0 <= k < hi - lo and codes[k]}
+        return [lo + k for run in sorted(chosen) for k in range(int(runs.starts[run]), int(runs.stops[run]))]
 
     def merged(self, lo: int, hi: int) -> int:
         """Bytes of one micro-batch's values nodes ``[lo, hi)`` make that are part of the

@@ -93,8 +93,9 @@ def optimize_stage(
     ``waiting``: what waits at the stage for others (:meth:`CostModel.waiting`), once known;
     ``earlier``: the policies of earlier stages' nodes keeping values the stage reads
     (:meth:`CostModel.kept_before`), once chosen: a value such a node drops, a recomputed
-    region of the stage keeps. Choices the stage turns out to fit without stay (:func:`prune_stage` drops them, at one
-    pricing per choice: a search prunes only the split it chooses)."""
+    region of the stage keeps. Choices the stage turns out to fit without stay
+    (:func:`prune_stage` drops them, at one pricing per choice: a search prunes only the split
+    it chooses)."""
     stage = _Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier)
     base = stage.priced({}).peak
     if base.total <= capacity or not optimise:
@@ -208,8 +209,8 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     comes back there); when none there lowers it, the first in node order that does."""
     while not found.fits:
         coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
-        lowest = min(((stage.peak(coded.without(i)).total, i) for i in stage.peak_runs(coded, found.policies)),
-                     default=None)
+        peaking = stage.model.backward_peak_runs(stage.lo, stage.hi, coded)
+        lowest = min(((stage.peak(coded.without(i)).total, i) for i in peaking if i in found.policies), default=None)
         if lowest is None or lowest[0] >= found.peak.total:
             lowest = next(((total, i) for i in sorted(found.policies)
                            if (total := stage.peak(coded.without(i)).total) < found.peak.total), None)
@@ -289,22 +290,6 @@ class _Stage:
         if self.earlier and not isinstance(policies, CodedPolicies):
             policies = {**self.earlier, **policies}
         return self.model.peak(self.lo, self.hi, self.in_flight, policies, self.weight_versions, self.waiting)
-
-    def peak_runs(self, coded: CodedPolicies, own: Mapping[int, Policy]) -> list[int]:
-        """The nodes of ``own`` in the runs of one policy holding the nodes where the stage's
-        backward peaks under ``coded``, and in the runs before those, in node order."""
-        codes, found = coded.codes, set[int]()
-        for at in self.model.backward_peaks_at(self.lo, self.hi, coded):
-            for start in (at, at - 1):
-                if not self.lo <= start < self.hi or not codes[start]:
-                    continue
-                a = b = start
-                while a > self.lo and codes[a - 1] == codes[start]:
-                    a -= 1
-                while b + 1 < self.hi and codes[b + 1] == codes[start]:
-                    b += 1
-                found.update(range(a, b + 1))
-        return sorted(found & own.keys())
 
     def priced(self, policies: dict[int, Policy]) -> StageOptimum:
         peak = self.peak(policies)

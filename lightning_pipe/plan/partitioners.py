@@ -26,6 +26,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
@@ -73,7 +74,6 @@ class Stages:
     _replay: Replay | None = field(default=None, repr=False)
     _floor: list[int] | None = field(default=None, repr=False)
     _further: "Stages | None" = field(default=None, repr=False)
-    _reachable: tuple[list[int] | None] | None = field(default=None, repr=False)
 
     @property
     def count(self) -> int:
@@ -111,25 +111,23 @@ class Stages:
 
     def _varied(self, **changes: Any) -> "Stages":
         """These stages with ``changes``, and none of what was found for these (cached) kept."""
-        return replace(self, **changes, _optima={}, _placed={}, _steps={}, _floor=None, _further=None,
-                       _reachable=None)
+        return replace(self, **changes, _optima={}, _placed={}, _steps={}, _floor=None, _further=None)
 
     def floor(self) -> list[int]:
         """:func:`lowest_peak_balance` of these stages searched further: the split any plan
         comes closest to fitting with (cached: the search and the error that reports it ask)."""
         if self._floor is None:
-            self._floor = lowest_peak_balance(self._searched(), self.reachable())
+            self._floor = lowest_peak_balance(self._searched(), self.reachable)
         return self._floor
 
+    @cached_property
     def reachable(self) -> list[int] | None:
         """A split whose every stage, searched further, gets within :data:`REACH` of its
         capacity: fill-first on the lowest peaks, one step of :meth:`floor`'s search, in a
         fraction of its time. ``None``: no split comes that close, so :meth:`floor`'s has a
         stage over its capacity too (lowest peaks grow with the range, but for small steps)."""
-        if self._reachable is None:
-            limits = [REACH * c for c in self.capacities]
-            self._reachable = (_fill_first(self.model.n, limits, self._searched().lowest),)
-        return self._reachable[0]
+        limits = [REACH * c for c in self.capacities]
+        return _fill_first(self.model.n, limits, self._searched().lowest)
 
     def _searched(self) -> "Stages":
         """:meth:`searched_further`, kept: :meth:`reachable` and :meth:`floor` share its optima."""
@@ -379,7 +377,7 @@ def _dawnpiper(stages: Stages) -> list[int]:
     searches = [stages, stages.kept()] if stages.optimise_memory else [stages]
     candidates = [_bisection(m) for m in searches] + [split(name, stages) for name in BASELINES]
     fitting = [list(b) for b in dict.fromkeys(map(tuple, candidates)) if stages.fits(b)]
-    if not fitting and stages.reachable() is not None:  # else no split comes near fitting
+    if not fitting and stages.reachable is not None:  # else no split comes near fitting
         for m in searches:
             if not fitting and (found := _fill_fitting(m)):
                 fitting = [found]
@@ -463,7 +461,7 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] |
     ``tries`` times the stage count such starts. ``None``: nothing found."""
     model, count, n = stages.model, stages.count, stages.model.n
     cuts: list[int] = []
-    chosen: list[dict[int, Policy]] = []  # the placed stages' policies
+    chosen: dict[int, Policy] = {}  # the placed stages' policies (their nodes' ranges do not overlap)
     failed: set[tuple[int, ...]] = set()  # (stage, its start, the previous stage's start)
     budget = [tries * count]
 
@@ -476,7 +474,7 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] |
         """Stage ``s`` on ``[lo, hi)`` optimised after the stages placed so far; ``None``: it does not fit."""
         if model.static(lo, hi, stages.weight_versions) + model.transient(lo, hi) > stages.capacities[s]:
             return None  # what no memory optimisation takes off
-        found = stages.optimum(lo, hi, s, waiting=waiting(hi, s), chosen={i: p for c in chosen for i, p in c.items()})
+        found = stages.optimum(lo, hi, s, waiting=waiting(hi, s), chosen=chosen)
         return found if found.fits else None
 
     def fits(lo: int, hi: int, s: int) -> bool:
@@ -500,11 +498,12 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] |
         for hi in [*window, *narrow]:
             if found := placed(lo, hi, s):
                 cuts.append(hi)
-                chosen.append(found.policies)
+                chosen.update(found.policies)
                 if fill(hi, s + 1):
                     return True
                 cuts.pop()
-                chosen.pop()
+                for i in found.policies:
+                    del chosen[i]
         failed.add(state)
         return False
 

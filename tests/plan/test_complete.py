@@ -166,7 +166,7 @@ def test_no_split_within_reach_means_the_lowest_peak_split_does_not_fit(block):
     for seed in range(2000 + 60 * block, 2060 + 60 * block):
         n = random.Random(seed).randint(8, 24)
         stages = planning_stages(*setting(seed, n))
-        reached.append(stages.reachable() is not None)
+        reached.append(stages.reachable is not None)
         if not reached[-1]:
             assert not stages.fits(stages.floor()), seed
     assert 0.1 < sum(reached) / len(reached) < 0.9  # both kinds of case are exercised
