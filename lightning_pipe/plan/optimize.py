@@ -206,14 +206,19 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     it fits or no drop lowers it: recomputing everything is seldom the lowest (a node kept
     between two regions can keep less than the merged region would). Each round drops the
     choice lowering the peak most among the runs where the backward peaks (a region's stash
-    comes back there); when none there lowers it, the first in node order that does."""
+    comes back there); when none there lowers it, the first that does in node order from the
+    last such drop on, wrapping round (started over from the first node every time, the scans
+    of a long stage price it many times over)."""
+    scanned = stage.lo  # where the scan in node order goes on from
     while not found.fits:
         coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
         peaking = stage.model.backward_peak_runs(stage.lo, stage.hi, coded)
         lowest = min(((stage.peak(coded.without(i)).total, i) for i in peaking if i in found.policies), default=None)
         if lowest is None or lowest[0] >= found.peak.total:
-            lowest = next(((total, i) for i in sorted(found.policies)
+            order = sorted(found.policies, key=lambda i: (i < scanned, i))
+            lowest = next(((total, i) for i in order
                            if (total := stage.peak(coded.without(i)).total) < found.peak.total), None)
+            scanned = lowest[1] if lowest else scanned
         if lowest is None:
             break
         found = stage.priced({j: p for j, p in found.policies.items() if j != lowest[1]})  # in the order chosen
@@ -225,13 +230,16 @@ def _pruned(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     the link hides costs nothing, a recompute always costs its forward), each kind those
     keeping the fewest bytes first (bytes, unlike times, do not vary between profiles): a node
     chosen early can turn out to free nothing once its neighbours are chosen (a recomputed
-    region keeps its inputs, so what one node keeps may be the region's input)."""
+    region keeps its inputs, so what one node keeps may be the region's input). Dropping a
+    choice never adds time (:func:`policy_time` sums over the choices), so only peaks are
+    priced."""
+    policies = dict(found.policies)  # in the order chosen
+    coded = CodedPolicies.of({**stage.earlier, **policies}, stage.model.n)
     for i in sorted(found.policies, key=lambda i: (found.policies[i] == "swap", stage.model.saved[i], i)):
-        policies = {j: p for j, p in found.policies.items() if j != i}
-        fewer = stage.priced(policies)
-        if fewer.fits and fewer.added_ms <= found.added_ms:
-            found = fewer
-    return found
+        if stage.peak(fewer := coded.without(i)).total <= stage.capacity:
+            coded = fewer
+            del policies[i]
+    return stage.priced(policies) if len(policies) < len(found.policies) else found
 
 
 def _join_swaps(model: CostModel, lo: int, hi: int, i: int, policies: dict[int, Policy]) -> None:
