@@ -172,7 +172,6 @@ class Bench:
             self.profile: Profile = profile_graph(self.captured, args, kwargs, optimizer=self._optimizer(), fake=True,
                                                   device=device)
         self._runs: dict[tuple[Any, ...], list[int]] = {}
-        self._plans: dict[tuple[Any, ...], Plan | None] = {}
 
     def _optimizer(self) -> torch.optim.Optimizer:
         """Adam as a GPU runs it: ``foreach``, its default there (fake tensors are on the CPU,
@@ -180,37 +179,20 @@ class Bench:
         return torch.optim.Adam(self.model.parameters(), foreach=True)
 
     def plan(self, stages: int, schedule: str, memopt: bool, partitioner: str, microbatch: int) -> Plan | None:
-        """The strategy's plan at ``microbatch``, or ``None`` where the planner refuses (each
-        made once: the search for the largest size and its fake run ask for the same)."""
-        key = (stages, schedule, memopt, partitioner, microbatch)
-        if key not in self._plans:
-            self._plans[key] = fitting_plan(self.profile.scaled(microbatch), self._targets(stages), partitioner,
-                                            schedule, stages, self.device.host_bandwidth, self.device.link_bandwidth,
-                                            optimise_memory=memopt)
-        return self._plans[key]
+        """The strategy's plan at ``microbatch``, or ``None`` where the planner refuses."""
+        return fitting_plan(self.profile.scaled(microbatch), self._targets(stages), partitioner, schedule, stages,
+                            self.device.host_bandwidth, self.device.link_bandwidth, optimise_memory=memopt)
 
     def predicted(self, stages: int, schedule: str, memopt: bool, partitioner: str, at_least: int = 0) -> int:
-        """The planner's largest micro-batch (0: none fits): ``max_microbatch``, or, given
-        ``at_least``, a size known to fit (dawnpiper fits whatever another partitioner's plan
-        fits), the same search started there: doubling, then bisection."""
-        if not at_least:
-            try:
-                return max_microbatch(self.profile, self._targets(stages), partitioner, schedule,
-                                      stages, self.device.host_bandwidth, self.device.link_bandwidth,
-                                      optimise_memory=memopt)
-            except InfeasiblePlanError:
-                return 0
-
-        def fits(size: int) -> bool:
-            return self.plan(stages, schedule, memopt, partitioner, size) is not None
-
-        low, high = at_least, 2 * at_least
-        while fits(high):
-            low, high = high, 2 * high
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (mid, high) if fits(mid) else (low, mid)
-        return low
+        """The planner's largest micro-batch (0: none fits), the search started from
+        ``at_least`` where given: a size known to fit (dawnpiper fits whatever another
+        partitioner's plan fits)."""
+        try:
+            return max_microbatch(self.profile, self._targets(stages), partitioner, schedule, stages,
+                                  self.device.host_bandwidth, self.device.link_bandwidth, optimise_memory=memopt,
+                                  at_least=max(at_least, 1))
+        except InfeasiblePlanError:
+            return 0
 
     def run(self, plan: Plan, schedule: str) -> list[int]:
         """Each stage's metered peak in a fake execution of ``plan``. The meter runs without

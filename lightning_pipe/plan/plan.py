@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum
-from lightning_pipe.plan.partitioners import Partitioner, Stages, split
+from lightning_pipe.plan.partitioners import Partitioner, Stages, fitting_split, split
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import (
     Schedule,
@@ -26,7 +26,7 @@ from lightning_pipe.units import format_bytes
 
 __all__ = [
     "PLANNING_HEADROOM", "PREDICTION_ERROR", "InfeasiblePlanError", "Plan", "StageReport", "fitting_plan",
-    "make_plan", "max_microbatch", "planning_stages",
+    "make_plan", "max_microbatch", "plan_fits", "planning_stages",
 ]
 
 #: How far the memory model may under-predict a stage, over models it was not checked on.
@@ -187,6 +187,23 @@ def fitting_plan(
     return _plan(stages, partitioner, schedule, balance, optima) if all(o.fits for o in optima) else None
 
 
+def plan_fits(
+    profile: Profile,
+    capacities: list[int],
+    partitioner: Partitioner = "dawnpiper",
+    schedule: Schedule = "1f1b",
+    chunks: int = 1,
+    host_bandwidth: float | None = None,
+    link_bandwidth: float | None = None,
+    *,
+    optimise_memory: bool = True,
+) -> bool:
+    """Whether :func:`fitting_plan` finds a plan, found without choosing among the splits that
+    fit (:func:`~lightning_pipe.plan.partitioners.fitting_split`): what a search over sizes asks."""
+    stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory)
+    return fitting_split(partitioner, stages) is not None
+
+
 def _plan(stages: Stages, partitioner: Partitioner, schedule: Schedule, balance: list[int],
           optima: list[StageOptimum]) -> Plan:
     """The plan of a split whose stages fit, with what it predicts."""
@@ -242,9 +259,12 @@ def max_microbatch(
     link_bandwidth: float | None = None,
     *,
     optimise_memory: bool = True,
+    at_least: int = 1,
 ) -> int:
     """The largest micro-batch size whose plan fits, predicting other sizes with
-    :meth:`Profile.scaled` (doubling, then binary search).
+    :meth:`Profile.scaled` (doubling from ``at_least``, then binary search). ``at_least``
+    above one: a size known to fit (another partitioner's answer, where this is dawnpiper,
+    which fits whatever another fits), so that the search starts near the answer.
 
     Raises:
         InfeasiblePlanError: not even a micro-batch of one fits.
@@ -252,11 +272,13 @@ def max_microbatch(
     settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
 
     def fits(size: int) -> bool:
-        return fitting_plan(profile.scaled(size), capacities, *settings, optimise_memory=optimise_memory) is not None
+        return plan_fits(profile.scaled(size), capacities, *settings, optimise_memory=optimise_memory)
 
-    if not fits(1):
+    if at_least < 1:
+        raise ValueError(f"at_least={at_least} is not a micro-batch size; give 1 or a size known to fit.")
+    if at_least == 1 and not fits(1):
         make_plan(profile.scaled(1), capacities, *settings, optimise_memory=optimise_memory)  # raises
-    low, high = 1, 2
+    low, high = at_least, 2 * at_least
     while high <= _MAX_MICROBATCH and fits(high):
         low, high = high, high * 2
     while high - low > 1:

@@ -7,7 +7,14 @@ import pytest
 
 from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.partitioners import BASELINES, NOISE, PARTITIONERS, _fill_fitting, split
-from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, max_microbatch, planning_stages
+from lightning_pipe.plan.plan import (
+    PLANNING_HEADROOM,
+    InfeasiblePlanError,
+    fitting_plan,
+    max_microbatch,
+    plan_fits,
+    planning_stages,
+)
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.schedule import Schedule, in_flight, weight_versions
 from tests.plan.test_partitioners import balances
@@ -62,6 +69,23 @@ def test_dawnpiper_fits_whenever_any_balance_fits(block):
             any_fits = any(stages.fits(b) for b in balances(n, len(capacities)))
             assert stages.fits(split("dawnpiper", stages)) == any_fits, (seed, optimise)
             outcomes.append(any_fits)
+    assert 0.2 < sum(outcomes) / len(outcomes) < 0.9  # both kinds of case are exercised
+
+
+@pytest.mark.parametrize("block", range(2))
+def test_plan_fits_answers_as_fitting_plan_does(block):
+    # the search over sizes asks plan_fits, which stops at dawnpiper's first split that fits:
+    # were it to differ from the plan the strategy makes, the largest size found would not plan
+    outcomes = []
+    for seed in range(500 + 40 * block, 540 + 40 * block):
+        n = random.Random(seed).randint(8, 20)
+        profile, capacities, schedule, chunks, host_bandwidth = setting(seed, n)
+        for name in PARTITIONERS:
+            for optimise in (True, False):
+                settings = (profile, capacities, name, schedule, chunks, host_bandwidth)
+                planned = fitting_plan(*settings, optimise_memory=optimise) is not None
+                assert plan_fits(*settings, optimise_memory=optimise) == planned, (seed, name, optimise)
+                outcomes.append(planned)
     assert 0.2 < sum(outcomes) / len(outcomes) < 0.9  # both kinds of case are exercised
 
 

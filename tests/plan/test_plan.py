@@ -79,6 +79,14 @@ def test_when_dawnpiper_fails_no_plan_fits_and_no_partitioner_is_recommended():
         assert "use partitioner" not in str(err.value)
 
 
+def test_the_largest_microbatch_searched_from_a_size_that_fits_is_the_same():
+    largest = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
+    for start in (1, 2, largest // 3, largest):
+        assert max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, at_least=start) == largest
+    with pytest.raises(ValueError, match="at_least=0 is not a micro-batch size"):
+        max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, at_least=0)
+
+
 def test_without_memory_optimisation_nothing_is_recomputed_and_less_fits():
     on = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
     off = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, optimise_memory=False)
