@@ -178,9 +178,10 @@ def fitting_plan(
     *,
     optimise_memory: bool = True,
 ) -> Plan | None:
-    """:func:`make_plan`'s plan, or ``None`` where it does not fit: what a search over sizes
-    asks, without the search for the lowest peak that :class:`InfeasiblePlanError` reports
-    (on a large model it costs more than the plan)."""
+    """:func:`make_plan`'s plan, or ``None`` where it does not fit, without the search for the
+    lowest peak that :class:`InfeasiblePlanError` reports (on a large model it costs more than
+    the plan): for a caller trying sizes that needs no reason (:func:`plan_fits` where it
+    needs no plan either)."""
     stages, balance, optima = _attempt(
         profile, capacities, partitioner, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory
     )
