@@ -210,8 +210,8 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     last such drop on, wrapping round (started over from the first node every time, the scans
     of a long stage price it many times over)."""
     scanned = stage.lo  # where the scan in node order goes on from
+    coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
     while not found.fits:
-        coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
         peaking = stage.model.backward_peak_runs(stage.lo, stage.hi, coded)
         lowest = min(((stage.peak(coded.without(i)).total, i) for i in peaking if i in found.policies), default=None)
         if lowest is None or lowest[0] >= found.peak.total:
@@ -222,6 +222,7 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
         if lowest is None:
             break
         found = stage.priced({j: p for j, p in found.policies.items() if j != lowest[1]})  # in the order chosen
+        coded = coded.without(lowest[1])
     return found
 
 

@@ -124,6 +124,12 @@ class Stages:
         return self._floor
 
     @cached_property
+    def bisected(self) -> list[int]:
+        """DawnPiper's binary partition of these stages (:func:`_bisection`; cached: dawnpiper's
+        first candidate, and its split when none fits)."""
+        return _bisection(self)
+
+    @cached_property
     def reachable(self) -> list[int] | None:
         """A split whose every stage, searched further, gets within :data:`REACH` of its
         capacity: fill-first on the lowest peaks, one step of :meth:`floor`'s search, in a
@@ -383,7 +389,7 @@ def _dawnpiper(stages: Stages) -> list[int]:
     """The fastest split that fits (up to timing noise: :func:`_steadiest`) of
     :func:`_dawnpiper_fitting`'s; when none fits, the bisection's split."""
     fitting = list(_dawnpiper_fitting(stages))
-    return _steadiest(stages, fitting) if fitting else _bisection(stages)
+    return _steadiest(stages, fitting) if fitting else stages.bisected
 
 
 def _dawnpiper_fitting(stages: Stages) -> Iterator[list[int]]:
@@ -396,7 +402,7 @@ def _dawnpiper_fitting(stages: Stages) -> Iterator[list[int]]:
     :class:`~lightning_pipe.plan.plan.InfeasiblePlanError` reports: so a plan is refused only
     when that split does not fit either)."""
     searches = [stages, stages.kept()] if stages.optimise_memory else [stages]
-    candidates = [_bisection(m) for m in searches] + [split(name, stages) for name in BASELINES]
+    candidates = [m.bisected for m in searches] + [split(name, stages) for name in BASELINES]
     found = False
     for balance in dict.fromkeys(map(tuple, candidates)):
         if stages.fits(balance):
