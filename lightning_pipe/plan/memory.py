@@ -50,6 +50,7 @@ __all__ = ["CodedPolicies", "CostModel", "Policy", "StagePeak", "predict_peaks",
 Policy = Literal["keep", "recompute", "swap"]
 _Array: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int64]]"
 _Codes: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int8]]"  # per node, 0 keep, 1 recompute, 2 swap
+_Codes2: TypeAlias = "np.ndarray[tuple[int, int], np.dtype[np.int8]]"  # rows of _Codes
 # bytes waiting at a stage while it runs forwards; at each of its backwards, (held, waiting)
 Waiting: TypeAlias = tuple[int, Sequence[tuple[float, int]]]
 
@@ -313,13 +314,13 @@ class CostModel:
         for s, r in enumerate(stage_ranges(balance)):
             if r.stop == self.n:
                 continue
-            codes = _policy_codes({i: p for i, p in policies.items() if i in r}, self.n)
-            runs = _runs(codes[r.start : r.stop])
-            first, last = _recomputed_regions(a, r.start, r.stop, codes, runs)
+            layout = _Layout.one(r.start, r.stop, _policy_codes({i: p for i, p in policies.items() if i in r}, self.n))
+            runs = _runs(layout)
+            first, last = _recomputed_regions(a, layout, runs)
             stashed = _NO_REGION_INPUTS
             if first.size:
-                stashed = _regions_inputs(self, r.start, r.stop, first, last, codes)[1:]
-            end = _held_end(a, r.start, r.stop, codes, runs, stashed)
+                stashed = _regions_inputs(self, layout, first, last)[1:]
+            end = _held_end(a, layout, runs, stashed)
             # (a value in the graph's output waits for the merge: see merged)
             for k in np.flatnonzero((end >= r.stop) & (end < self.n) & (a.held[r.start : r.stop] > 0)):
                 reader = bisect.bisect_right(cuts, min(int(end[k]), self.n - 1))
@@ -342,8 +343,8 @@ class CostModel:
         base's) that nothing else keeps as long."""
         if not self.stashed(a, b):
             return 0
-        codes = _policy_codes(policies, self.n)
-        return int(_regions_inputs(self, lo, hi, np.array([a]), np.array([b]), codes)[0][0])
+        layout = _Layout.one(lo, hi, _policy_codes(policies, self.n))
+        return int(_regions_inputs(self, layout, np.array([a - lo]), np.array([b - lo]))[0][0])
 
     def kept_before(self, lo: int, hi: int) -> list[int]:
         """Nodes before ``lo`` keeping first a storage that nodes ``[lo, hi)`` read: whether
@@ -372,7 +373,23 @@ class CostModel:
         that wait at the stage for other stages while it runs forwards, and at each of its
         backwards what it holds and the bytes waiting (:meth:`waiting`), known once a split
         is."""
-        live = self._live(lo, hi, policies)
+        return self._peak(lo, hi, in_flight, self._live(lo, hi, policies), weight_versions, waiting)
+
+    def peaks(
+        self,
+        lo: int,
+        hi: int,
+        in_flight: float,
+        variants: Sequence["CodedPolicies"],
+        weight_versions: int = 1,
+        waiting: Waiting = (0, ()),
+    ) -> list[StagePeak]:
+        """:meth:`peak` under each of ``variants``, priced at once (a search's candidates)."""
+        return [self._peak(lo, hi, in_flight, live, weight_versions, waiting) for live in self._lives(lo, hi, variants)]
+
+    def _peak(
+        self, lo: int, hi: int, in_flight: float, live: "_Live", weight_versions: int, waiting: Waiting
+    ) -> StagePeak:
         static = self.static(lo, hi, weight_versions)
         # stages as processes keep each micro-batch's outputs until its backward
         cached = live.leaving if self.carry and hi < self.n else 0
@@ -398,8 +415,8 @@ class CostModel:
         at whose backward one micro-batch's backward peaks (with every parameter gradient made,
         or with those made so far: what :meth:`peak` prices), or the node before it (a
         region's stash comes back at its last node's backward), in node order."""
-        codes = _policy_codes(policies, self.n)[lo:hi]
-        runs = _runs(codes)
+        layout = _Layout.one(lo, hi, _policy_codes(policies, self.n))
+        codes, runs = layout.code, _runs(layout)
         found = {int(at - lo) for peak in self._live(lo, hi, policies).peaks_at for at in (peak, peak - 1)}
         chosen = {int(runs.of[k]) for k in found if 0 <= k < hi - lo and codes[k]}
         return [lo + k for run in sorted(chosen) for k in range(int(runs.starts[run]), int(runs.stops[run]))]
@@ -502,16 +519,23 @@ class CostModel:
         """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
         (cached when every node is kept)."""
         if policies.codes[lo:hi].any() if isinstance(policies, CodedPolicies) else any(lo <= i < hi for i in policies):
-            codes = _policy_codes(policies, self.n)
-            key = (lo, hi, codes.tobytes())
-            if key not in self._priced:
-                if len(self._priced) * self.n > _PRICED_BYTES:
-                    self._priced.clear()
-                self._priced[key] = _live(self, lo, hi, codes)
-            return self._priced[key]
+            return self._lives(lo, hi, [CodedPolicies.of(policies, self.n)])[0]
         if (lo, hi) not in self._kept:
-            self._kept[lo, hi] = _live(self, lo, hi, None)
+            self._kept[lo, hi] = _live(self, lo, hi, None)[0]
         return self._kept[lo, hi]
+
+    def _lives(self, lo: int, hi: int, variants: Sequence["CodedPolicies"]) -> list["_Live"]:
+        """:meth:`_live` under each of ``variants`` (cached), those not priced yet at once."""
+        keys = [(lo, hi, v.codes.tobytes()) for v in variants]
+        new = {key: v.codes for key, v in zip(keys, variants) if key not in self._priced}
+        if (len(self._priced) + len(new)) * self.n > _PRICED_BYTES:
+            self._priced.clear()
+        batch = list(new.items())
+        rows = max(1, _BATCH_POSITIONS // (hi - lo))
+        for k in range(0, len(batch), rows):
+            part = batch[k : k + rows]
+            self._priced.update(zip((key for key, _ in part), _live(self, lo, hi, np.stack([c for _, c in part]))))
+        return [self._priced[key] for key in keys]
 
 
 def backward_waiting(states: Sequence[BackwardState], sent: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -582,6 +606,9 @@ class _NodeArrays:
 _CODES = {"keep": 0, "recompute": 1, "swap": 2}
 # The policy codes a cost model keeps as keys of what it priced, at most (then it starts over).
 _PRICED_BYTES = 1 << 26
+# The most node positions priced in one pass (:class:`_Layout`): past some 16k, arrays outgrow
+# the CPU's caches and a row costs more.
+_BATCH_POSITIONS = 1 << 14
 
 
 def _edge_gradient(nodes: Sequence[NodeProfile], reader: int, read: int) -> int:
@@ -606,7 +633,7 @@ class CodedPolicies(Mapping[int, Policy]):
 
     @classmethod
     def of(cls, policies: Mapping[int, Policy], n: int) -> "CodedPolicies":
-        return cls(_policy_codes(policies, n))
+        return policies if isinstance(policies, CodedPolicies) else cls(_policy_codes(policies, n))
 
     def without(self, i: int) -> "CodedPolicies":
         """These policies with node ``i`` kept."""
@@ -639,36 +666,77 @@ def _policy_codes(policies: Mapping[int, Policy], n: int) -> _Codes:
     return codes
 
 
-def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
-    """See :meth:`CostModel._live`; ``codes`` are every node's policy (:func:`_policy_codes`;
-    ``None``: all kept). Positions are nodes ``lo..hi-1``; a swapped or recomputed run drops
-    the stash it alone keeps, a recomputed region keeps its inputs instead, and both bring
-    their stash back for their backward (:func:`_drop_stashes`)."""
+class _Layout:
+    """Rows of policies for one stage ``[lo, hi)``, priced at once: laid end to end, position
+    ``p`` is node ``lo + p % size`` of row ``p // size``. A search prices hundreds of variants
+    of one stage's policies; one vectorised pass over many costs about what a pass over one
+    does, which is mostly NumPy's per-call overhead."""
+
+    def __init__(self, lo: int, hi: int, codes: _Codes2) -> None:
+        self.lo, self.hi, self.size = lo, hi, hi - lo
+        self.codes = codes  # (rows, every node): a row's policies, other stages' too
+        self.rows = codes.shape[0]
+        self.row, local = np.divmod(np.arange(self.rows * self.size), self.size)
+        self.node = local + lo
+        self.code = codes[:, lo:hi].ravel()
+        self._reads: tuple[_Array, _Array, _Array] | None = None
+
+    @classmethod
+    def one(cls, lo: int, hi: int, codes: _Codes) -> "_Layout":
+        return cls(lo, hi, codes[None])
+
+    def reads(self, a: _NodeArrays) -> tuple[_Array, _Array, _Array]:
+        """Every read by a node of the stage, in each row, in position order: the reader's
+        position, the node read and that node's storage (:attr:`_NodeArrays.read_base`;
+        kept: the regions' pricing asks twice)."""
+        if self._reads is None:
+            begin, end = np.searchsorted(a.reader, [self.lo, self.hi])
+            shift = (np.arange(self.rows) * self.size)[:, None]
+            reader = (a.reader[begin:end] - self.lo + shift).ravel()
+            self._reads = reader, np.tile(a.read[begin:end], self.rows), np.tile(a.read_base[begin:end], self.rows)
+        return self._reads
+
+    def regions(self, starts: _Array, stops: _Array) -> tuple[_Array, _Array]:
+        """Per position, the index of the last of the regions ``[starts[k], stops[k])`` (in
+        order) starting at or before it (-1: none), and whether it lies in that region."""
+        at = np.full(self.code.size, -1)
+        at[starts[0] :] = np.repeat(np.arange(starts.size), np.diff(np.append(starts, self.code.size)))
+        return at, (at >= 0) & (np.arange(at.size) < stops[at])
+
+
+def _live(model: CostModel, lo: int, hi: int, codes: "_Codes2 | None") -> list[_Live]:
+    """See :meth:`CostModel._live`, for each row of ``codes`` (every node's policy,
+    :func:`_policy_codes`; ``None``: one row, all kept). Within a row, a swapped or recomputed
+    run drops the stash it alone keeps, a recomputed region keeps its inputs instead, and both
+    bring their stash back for their backward (:func:`_drop_stashes`)."""
     a = model._arrays
-    size = hi - lo
-    stash = a.saved[lo:hi].copy()
-    back = np.zeros(size, dtype=np.int64)
+    layout = _Layout(lo, hi, np.zeros((1, model.n), dtype=np.int8) if codes is None else codes)
+    rows, size, node = layout.rows, layout.size, layout.node
+    stash = a.saved[node]
+    back = np.zeros(stash.size, dtype=np.int64)
     stashed = _NO_REGION_INPUTS
     runs = None
     if codes is not None:
-        runs = _runs(codes[lo:hi])
-        if codes[lo:hi].any():
-            stashed = _drop_stashes(model, lo, hi, codes, runs, stash, back)
-    kept = np.concatenate(([0], np.cumsum(stash)))
+        runs = _runs(layout)
+        if layout.code.any():
+            stashed = _drop_stashes(model, layout, runs, stash, back)
+    kept = np.zeros((rows, size + 1), dtype=np.int64)
+    np.cumsum(stash.reshape(rows, size), axis=1, out=kept[:, 1:])
     # values a node makes and does not keep itself stay alive after it until kept, or read
-    end = _held_end(a, lo, hi, codes, runs, stashed)
-    held = np.zeros(size + 1, dtype=np.int64)
-    first = np.arange(1, size + 1)
-    last = np.minimum(end, hi - 1) - lo + 1
-    np.add.at(held, first, a.held[lo:hi])
-    np.add.at(held, np.maximum(first, last), -a.held[lo:hi])
-    held = np.cumsum(held)[:size]
-    leaving = int(a.held[lo:hi][end >= hi].sum())
+    end = _held_end(a, layout, runs, stashed)
+    values = a.held[node]
+    held = np.zeros((rows, size + 1), dtype=np.int64)
+    first = node - lo + 1 + layout.row * (size + 1)
+    np.add.at(held.ravel(), first, values)
+    np.add.at(held.ravel(), np.maximum(first, first + np.minimum(end, hi - 1) - node), -values)
+    held = np.cumsum(held, axis=1)[:, :size]
+    leaving = np.zeros(rows, dtype=np.int64)
+    np.add.at(leaving, layout.row, np.where(end >= hi, values, 0))
     # each node's forward, and the end of the stage's: its whole stash and what leaves it (a
     # node saving an input an earlier stage made takes it on only as it runs)
-    forward = np.append(kept[:-1] + held + a.made[lo:hi] + a.workspace[lo:hi], kept[-1] + leaving)
-    f = int(np.argmax(forward))
-    common = kept[1:] + model._gradients(lo, hi) + a.backward[lo:hi] + back
+    forward = np.concatenate((kept[:, :-1] + held + a.made[lo:hi] + a.workspace[lo:hi], (kept[:, -1] + leaving)[:, None]),
+                             axis=1)
+    common = kept[:, 1:] + model._gradients(lo, hi) + a.backward[lo:hi] + back.reshape(rows, size)
     # a fresh gradient of the node's parameters, to add to theirs; under the local GPipe, whose
     # one backward sums the micro-batches' gradients before the parameter takes them, a new
     # tensor, their sum: made once the node's backward has returned, its workspace freed, with
@@ -677,139 +745,145 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes | None") -> _Live:
     backward = common + grads
     if model.merges and model.chunks > 1 and not model.carry:
         backward += np.maximum(0, grads - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
-    b = int(np.argmax(backward))
-    first = common + np.cumsum(grads[::-1])[::-1]  # the parameter gradients made so far
-    g = int(np.argmax(first))
-    return _Live(
-        stashed=int(kept[-1]),
-        leaving=leaving,
-        forward=(int(kept[f]), int(forward[f] - kept[f])),
-        backward=(int(kept[b + 1]), int(backward[b] - kept[b + 1])),
-        first_backward=(int(kept[g + 1]), int(first[g] - kept[g + 1])),
-        peaks_at=(lo + b, lo + g),
-    )
+    first_backward = common + np.cumsum(grads[::-1])[::-1]  # the parameter gradients made so far
+    f, b, g = (np.argmax(x, axis=1) for x in (forward, backward, first_backward))
+    at = np.arange(rows)
+    columns = zip(*(x.tolist() for x in (
+        kept[:, -1], leaving, kept[at, f], forward[at, f] - kept[at, f], kept[at, b + 1],
+        backward[at, b] - kept[at, b + 1], kept[at, g + 1], first_backward[at, g] - kept[at, g + 1], b, g)))
+    return [_Live(stashed=s, leaving=out, forward=(fs, fr), backward=(bs, br), first_backward=(gs, gr),
+                  peaks_at=(lo + bk, lo + gk))
+            for s, out, fs, fr, bs, br, gs, gr, bk, gk in columns]
 
 
-def _drop_stashes(
-    model: CostModel, lo: int, hi: int, codes: _Codes, runs: "_Runs", stash: _Array, back: _Array
-) -> tuple[_Array, _Array]:
-    """Take off ``stash`` (per node of ``[lo, hi)``) what each swapped or recomputed run
+def _drop_stashes(model: CostModel, layout: _Layout, runs: "_Runs", stash: _Array, back: _Array) -> tuple[_Array, _Array]:
+    """Take off ``stash`` (per position of ``layout``) what each swapped or recomputed run
     drops, give a recomputed region its inputs, and add to ``back`` the bytes brought back
     during each node's backward. A run drops the stash its nodes alone keep (a swapped run
     keeps on the device what it saves of values made before it); the stash comes back whole
     (a swapped run's once the backward of the segment after it begins, a recomputed one's at
     its own last node) and leaves again as each node's backward takes its part. All runs
-    (``runs``) are priced at once: a stage may have hundreds. Returns the storages the
-    recomputed regions keep as inputs and the first node of the region keeping each
-    (:func:`_regions_inputs`)."""
+    (``runs``) are priced at once: a stage may have hundreds. Returns the positions of the
+    storages the recomputed regions keep as inputs and the first node of the region keeping
+    each (:func:`_regions_inputs`)."""
     a = model._arrays
-    code = codes[lo:hi]
+    code, node = layout.code, layout.node
     starts, segment = runs.starts, runs.of
-    start, stop = starts[segment] + lo, runs.stops[segment] + lo
-    freed = np.where((code != 0) & (a.last_saver[lo:hi] < stop), a.saved[lo:hi], 0)
-    inputs_from = a.saved_inputs_from[lo:hi]
+    start, stop = node[starts][segment], runs.stop_nodes(layout)[segment]
+    freed = np.where((code != 0) & (a.last_saver[node] < stop), a.saved[node], 0)
+    inputs_from = a.saved_inputs_from[node]
     before = (inputs_from >= 0) & (inputs_from < start)  # saves inputs made before its segment
-    freed = np.maximum(0, freed - np.where((code == 2) & before, a.saved_inputs[lo:hi], 0))
+    freed = np.maximum(0, freed - np.where((code == 2) & before, a.saved_inputs[node], 0))
     stash -= freed
     # what comes back: a recomputed region's inputs stay (the region keeps them), not made again
-    made_again = np.maximum(0, freed - np.where((code == 1) & before, a.saved_inputs[lo:hi], 0))
+    made_again = np.maximum(0, freed - np.where((code == 1) & before, a.saved_inputs[node], 0))
     total = np.cumsum(made_again)
     back += total - np.concatenate(([0], total))[starts][segment]
     kind = code[starts]
     dropped = np.add.reduceat(freed, starts)
-    after = np.zeros(starts.size, dtype=np.int64)  # a swapped run's stash, back for the segment after it
-    swapped = np.flatnonzero(kind[:-1] == 2)
+    after = np.zeros(starts.size, dtype=np.int64)  # a swapped run's stash, back for the segment after it (its row's)
+    swapped = np.flatnonzero((kind[:-1] == 2) & (starts[1:] % layout.size != 0))
     after[swapped + 1] = dropped[swapped]
     back += after[segment]
-    first, last = _recomputed_regions(a, lo, hi, codes, runs)
+    first, last = _recomputed_regions(a, layout, runs)
     if not first.size:
         return _NO_REGION_INPUTS
-    back[last - 1 - lo] += _recomputing(a, lo, first, last, made_again)
-    totals, storages, since = _regions_inputs(model, lo, hi, first, last, codes)
-    stash[first - lo] += totals
+    at = layout.regions(first, last)
+    back[last - 1] += _recomputing(a, layout, first, last, at, made_again)
+    totals, storages, since = _regions_inputs(model, layout, first, last, at)
+    stash[first] += totals
     return storages, since
 
 
 @dataclass
 class _Runs:
-    """Maximal runs of one policy over a stage's nodes (kept ones too), by position: their
-    starts and stops, and the run of each position."""
+    """Maximal runs of one policy over a layout's positions (kept ones too; a row starts a
+    run): their starts and stops, and the run of each position."""
 
     starts: _Array
     stops: _Array
     of: _Array
 
+    def stop_nodes(self, layout: _Layout) -> _Array:
+        """Per run, the node after its last."""
+        return layout.node[self.stops - 1] + 1
 
-def _runs(code: _Codes) -> _Runs:
+
+def _runs(layout: _Layout) -> _Runs:
+    code = layout.code
     new = np.ones(code.size, dtype=bool)
     new[1:] = code[1:] != code[:-1]
+    new[:: layout.size] = True
     starts = np.flatnonzero(new)
     return _Runs(starts, np.append(starts[1:], code.size), np.cumsum(new) - 1)
 
 
-def _recomputing(a: _NodeArrays, lo: int, starts: _Array, stops: _Array, made_again: _Array) -> _Array:
-    """Per recomputed region ``[starts[k], stops[k])`` of a stage from ``lo``, what its forward
-    run again, before its last node's backward, holds beyond what that backward is priced at
-    (its stash back whole, its workspace and fresh parameter gradients): at each node the stash
-    made again so far, the values of earlier nodes of the region still to be read in it (one
-    read only after the region is not kept: the first run's is), and what the node makes and
-    its workspace (an attention's scores, read and freed in the region)."""
-    size = int(stops[-1]) - lo
-    start, stop = starts - lo, stops - lo
-    position = np.arange(size)
-    at = np.searchsorted(start, position, side="right") - 1  # the region of each position, if any
-    region = (at >= 0) & (position < stop[np.maximum(at, 0)])
-    rebuilt = np.concatenate(([0], np.cumsum(made_again[:size])))
+def _recomputing(
+    a: _NodeArrays, layout: _Layout, starts: _Array, stops: _Array, at: tuple[_Array, _Array], made_again: _Array
+) -> _Array:
+    """Per recomputed region (positions ``[starts[k], stops[k])`` of ``layout``; ``at``: its
+    :meth:`_Layout.regions`), what its forward run again, before its last node's backward,
+    holds beyond what that backward is priced at (its stash back whole, its workspace and
+    fresh parameter gradients): at each node the stash made again so far, the values of
+    earlier nodes of the region still to be read in it (one read only after the region is not
+    kept: the first run's is), and what the node makes and its workspace (an attention's
+    scores, read and freed in the region)."""
+    node = layout.node
+    at, region = at
+    position = np.arange(node.size)
+    rebuilt = np.concatenate(([0], np.cumsum(made_again)))
     k = np.flatnonzero(region)
     # run again, a value lives until its last reader in the region, or the node saving it
     last = position.copy()
-    begin, end = np.searchsorted(a.reader, [starts[0], stops[-1]])
-    reader, read = a.reader[begin:end] - lo, a.read[begin:end] - lo
+    reader, read, _ = layout.reads(a)
+    read = np.where(read >= layout.lo, reader - node[reader] + read, -1)  # its position, if in the stage
     same = (read >= 0) & region[np.maximum(read, 0)] & (at[np.maximum(read, 0)] == at[reader]) & region[reader]
     np.maximum.at(last, read[same], reader[same])
-    saver = a.held_by[k + lo] - lo
-    ends = np.where((saver > k) & (saver < stop[at[k]]), saver, last[k])
-    held = np.zeros(size + 1, dtype=np.int64)
+    saver = k + a.held_by[node[k]] - node[k]  # the position of the node keeping it (of its row)
+    ends = np.where((saver > k) & (saver < stops[at[k]]), saver, last[k])
+    held = np.zeros(node.size + 1, dtype=np.int64)
     alive = ends > k
-    np.add.at(held, k[alive] + 1, a.held[k[alive] + lo])
-    np.add.at(held, ends[alive] + 1, -a.held[k[alive] + lo])
-    running = np.where(region, rebuilt[:-1] - rebuilt[start[np.maximum(at, 0)]] + np.cumsum(held)[:size]
-                       + a.made[lo:lo + size] + a.workspace[lo:lo + size], 0)
-    peak = np.maximum.reduceat(running, start)
-    final = stops - 1  # whose backward the region is run again for
-    priced = rebuilt[stop] - rebuilt[start] + a.backward[final] + a.grads[final]
+    np.add.at(held, k[alive] + 1, a.held[node[k[alive]]])
+    np.add.at(held, ends[alive] + 1, -a.held[node[k[alive]]])
+    running = np.where(region, rebuilt[:-1] - rebuilt[starts[np.maximum(at, 0)]] + np.cumsum(held)[:-1]
+                       + a.made[node] + a.workspace[node], 0)
+    peak = np.maximum.reduceat(running, starts)
+    final = layout.node[stops - 1]  # whose backward the region is run again for
+    priced = rebuilt[stops] - rebuilt[starts] + a.backward[final] + a.grads[final]
     extra: _Array = np.maximum(0, peak - priced)
     return extra
 
 
-def _recomputed_regions(a: _NodeArrays, lo: int, hi: int, codes: _Codes, runs: _Runs) -> tuple[_Array, _Array]:
-    """First and stop node of each recomputed region of ``[lo, hi)`` that saves something."""
-    region = (codes[lo:hi][runs.starts] == 1) & (np.add.reduceat(a.saved[lo:hi], runs.starts) > 0)
-    return runs.starts[region] + lo, runs.stops[region] + lo
+def _recomputed_regions(a: _NodeArrays, layout: _Layout, runs: _Runs) -> tuple[_Array, _Array]:
+    """Start and stop positions of each recomputed region of ``layout`` that saves something."""
+    region = (layout.code[runs.starts] == 1) & (np.add.reduceat(a.saved[layout.node], runs.starts) > 0)
+    return runs.starts[region], runs.stops[region]
 
 
 def _regions_inputs(
-    model: CostModel, lo: int, hi: int, starts: _Array, stops: _Array, codes: _Codes
+    model: CostModel, layout: _Layout, starts: _Array, stops: _Array, at: tuple[_Array, _Array] | None = None
 ) -> tuple[_Array, _Array, _Array]:
-    """Per recomputed region ``[starts[k], stops[k])`` of a stage on ``[lo, hi)`` (in node
-    order, each saving something), what it keeps: the storages of the values it reads from
-    outside itself that no other node keeps as long (see :meth:`CostModel.region_inputs`). A
-    storage counts at the first region reading it; the graph input never (a micro-batch is a
-    view of the training batch, which the last stage holds). Also the storages
-    (by the node making them) it keeps of the values their makers hold, and the first node of
-    the region keeping each: from there on they are its stash, no longer held."""
-    a = model._arrays
+    """Per recomputed region (positions ``[starts[k], stops[k])`` of ``layout``, in order,
+    each saving something; ``at``: their :meth:`_Layout.regions`), what it keeps: the storages of the values it reads from outside
+    itself that no other node keeps as long (see :meth:`CostModel.region_inputs`). A storage
+    counts at the first region of its row reading it; the graph input never (a micro-batch is
+    a view of the training batch, which the last stage holds). Also the positions of the
+    storages the stage makes that the regions keep of the values their makers hold, and the
+    first node of the region keeping each: from there on they are its stash, no longer held."""
+    a, lo, hi = model._arrays, layout.lo, layout.hi
     totals = np.zeros(starts.size, dtype=np.int64)
-    begin, end = np.searchsorted(a.reader, [starts[0], stops[-1]])
-    reader, read, storage = a.reader[begin:end], a.read[begin:end], a.read_base[begin:end]
-    region = np.searchsorted(starts, reader, side="right") - 1
-    outside = (region >= 0) & (reader < stops[region]) & (read < starts[region])
-    q, first = np.unique(storage[outside], return_index=True)  # reads are in reader order
-    region = region[outside][first]
-    start, stop = starts[region], stops[region]
+    reader, read, storage = layout.reads(a)
+    at, inside = layout.regions(starts, stops) if at is None else at
+    region = at[reader]
+    start, stop = layout.node[starts], layout.node[stops - 1] + 1
+    outside = inside[reader] & (read < start[region])
+    row = layout.row[reader[outside]]
+    _, first = np.unique(row * model.n + storage[outside], return_index=True)  # reads are in position order
+    q, row, region = storage[outside][first], row[first], region[outside][first]
+    start, stop = start[region], stop[region]
     keeper = a.held_by[q]
     known = keeper >= 0
-    keeper_code = np.where(known, codes[keeper], 0)
+    keeper_code = np.where(known, layout.codes[row, keeper], 0)
     keeper_stash = np.where(known, a.last_saver[keeper], -1)
     kept_anyway = np.where(
         ~known | (keeper >= hi), False,  # the region keeps it first
@@ -820,40 +894,42 @@ def _regions_inputs(
         ),
     )
     kept = np.where(kept_anyway, 0, a.held[q])
-    dropped = (codes[q] != 0) & (a.last_saver[q] < stop)  # its own output, dropped with its stash
+    dropped = (layout.codes[row, q] != 0) & (a.last_saver[q] < stop)  # its own output, dropped with its stash
     np.add.at(totals, region, kept + np.where(dropped, np.minimum(a.made[q] - a.held[q], a.output[q]), 0))
-    return totals, q[kept > 0], start[kept > 0]
+    ours = (kept > 0) & (q >= lo) & (q < hi)
+    return totals, row[ours] * layout.size + q[ours] - lo, start[ours]
 
 
 _NO_REGION_INPUTS: tuple[_Array, _Array] = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
 def _held_end(
-    a: _NodeArrays, lo: int, hi: int, codes: "_Codes | None", runs: _Runs | None,
-    stashed: tuple[_Array, _Array] = _NO_REGION_INPUTS,
+    a: _NodeArrays, layout: _Layout, runs: _Runs | None, stashed: tuple[_Array, _Array] = _NO_REGION_INPUTS
 ) -> _Array:
-    """Per node of ``[lo, hi)``, the last node before which what it holds is kept or freed:
-    the node keeping it first, unless that one's stash is recomputed or swapped and so
+    """Per position of ``layout``, the last node before which what its node holds is kept or
+    freed: the node keeping it first, unless that one's stash is recomputed or swapped and so
     dropped (a node of the stage drops it only if no later node of its run keeps it on);
     then the last node reading it, or the first of a recomputed region keeping it as an input
-    (``stashed``: storages and those nodes, from :func:`_regions_inputs`). A stage runs each
-    run of one policy (``runs``) as one call, which holds its arguments until it returns: a
-    value read by a later run lives until that run's last node."""
-    end = a.held_end[lo:hi]
-    if codes is None or runs is None:
+    (``stashed``: positions of storages and those nodes, from :func:`_regions_inputs`). A
+    stage runs each run of one policy (``runs``; ``None``: all kept) as one call, which holds
+    its arguments until it returns: a value read by a later run lives until that run's last
+    node."""
+    node, hi = layout.node, layout.hi
+    end = a.held_end[node]
+    if runs is None:
         return end
-    by = a.held_by[lo:hi]
-    dropped = (by >= 0) & (codes[by] != 0)
-    inside = dropped & (by < hi)
-    dropped[inside] = a.last_saver[by[inside]] < runs.stops[runs.of[by[inside] - lo]] + lo
-    end = np.where(dropped, a.held_until[lo:hi], end)
+    by = a.held_by[node]
+    dropped = (by >= 0) & (layout.codes[layout.row, by] != 0)
+    inside = np.flatnonzero(dropped & (by < hi))
+    dropped[inside] = a.last_saver[by[inside]] < runs.stop_nodes(layout)[runs.of[inside + by[inside] - node[inside]]]
+    end = np.where(dropped, a.held_until[node], end)
     read = ((by < 0) | dropped) & (end < hi)  # freed once read, not stashed
-    run = runs.of[np.minimum(end, hi - 1) - lo]
+    position = np.arange(node.size)
+    run = runs.of[position + np.minimum(end, hi - 1) - node]
     later = read & (run != runs.of)
-    end = np.where(later, runs.stops[run] + lo - 1, end)
+    end = np.where(later, node[runs.stops[run] - 1], end)
     storages, since = stashed
-    inside = (storages >= lo) & (storages < hi)
-    np.minimum.at(end, storages[inside] - lo, since[inside])
+    np.minimum.at(end, storages, since)
     return end
 
 

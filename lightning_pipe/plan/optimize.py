@@ -212,18 +212,32 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     scanned = stage.lo  # where the scan in node order goes on from
     coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
     while not found.fits:
-        peaking = stage.model.backward_peak_runs(stage.lo, stage.hi, coded)
-        lowest = min(((stage.peak(coded.without(i)).total, i) for i in peaking if i in found.policies), default=None)
+        peaking = [i for i in stage.model.backward_peak_runs(stage.lo, stage.hi, coded) if i in found.policies]
+        lowest = min(zip(stage.totals(coded, peaking), peaking), default=None)
         if lowest is None or lowest[0] >= found.peak.total:
-            order = sorted(found.policies, key=lambda i: (i < scanned, i))
-            lowest = next(((total, i) for i in order
-                           if (total := stage.peak(coded.without(i)).total) < found.peak.total), None)
+            lowest = _first_lowering(stage, coded, sorted(found.policies, key=lambda i: (i < scanned, i)),
+                                     found.peak.total)
             scanned = lowest[1] if lowest else scanned
         if lowest is None:
             break
         found = stage.priced({j: p for j, p in found.policies.items() if j != lowest[1]})  # in the order chosen
         coded = coded.without(lowest[1])
     return found
+
+
+def _first_lowering(stage: "_Stage", coded: CodedPolicies, order: list[int], peak: int) -> tuple[int, int] | None:
+    """The first choice in ``order`` whose drop brings the stage's peak below ``peak``, with
+    the peak it brings: priced in batches, growing from a few (a drop near the start of
+    ``order`` often lowers the peak; else the whole order may be scanned)."""
+    size, start = 4, 0
+    while start < len(order):
+        batch = order[start : start + size]
+        found = next(((total, i) for total, i in zip(stage.totals(coded, batch), batch) if total < peak), None)
+        if found:
+            return found
+        start += size
+        size = min(2 * size, 64)
+    return None
 
 
 def _pruned(stage: "_Stage", found: StageOptimum) -> StageOptimum:
@@ -299,6 +313,12 @@ class _Stage:
         if self.earlier and not isinstance(policies, CodedPolicies):
             policies = {**self.earlier, **policies}
         return self.model.peak(self.lo, self.hi, self.in_flight, policies, self.weight_versions, self.waiting)
+
+    def totals(self, coded: CodedPolicies, drops: Sequence[int]) -> list[int]:
+        """The stage's peak total with each of ``drops`` kept in turn, priced at once."""
+        variants = [coded.without(i) for i in drops]
+        peaks = self.model.peaks(self.lo, self.hi, self.in_flight, variants, self.weight_versions, self.waiting)
+        return [p.total for p in peaks]
 
     def priced(self, policies: dict[int, Policy]) -> StageOptimum:
         peak = self.peak(policies)
