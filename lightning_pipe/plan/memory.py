@@ -37,7 +37,7 @@ import itertools
 import re
 import statistics
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, TypeAlias, TypeVar
 
 import numpy as np
@@ -70,7 +70,7 @@ class StagePeak:
 
     def waiting(self, gradients: int) -> "StagePeak":
         """This peak with ``gradients`` bytes of waiting gradients added to the boundary."""
-        return replace(self, boundary=self.boundary + gradients)
+        return StagePeak(self.static, self.activations, self.transient, self.boundary + gradients)
 
 
 def stage_ranges(balance: Sequence[int]) -> list[range]:
@@ -141,6 +141,7 @@ class CostModel:
         self._arrays = _NodeArrays(profile)
         self._kept: dict[tuple[int, int], _Live] = {}
         self._priced: dict[tuple[int, int, bytes], _Live] = {}  # with policies; a search prices many twice
+        self._borrowed: dict[tuple[int, int], int] = {}
         self._range_gradients: tuple[tuple[int, int], _Array] = ((0, 0), np.zeros(0, dtype=np.int64))
         self.forward_ms, self.backward_ms = _pooled_times(profile)
         self.saved = [n.saved_bytes for n in nodes]
@@ -154,6 +155,7 @@ class CostModel:
         self._state_per_param = self._state[-1] / self._params[-1] if self._params[-1] else 0.0
         self._grads_per_param = self._grads[-1] / self._params[-1] if self._params[-1] else 0.0
         self._saved = _prefix(self.saved)
+        self._to_graph_output = _prefix([n.output_bytes if -1 in n.users else 0 for n in nodes])
         # storages a node makes that end up in the graph's output and no later node keeps:
         # under GPipe they wait on its stage for the merge, every micro-batch's
         self._to_output = _prefix([n.held_bytes if n.held_until >= self.n and n.held_by < 0 else 0 for n in nodes])
@@ -238,7 +240,10 @@ class CostModel:
     def borrowed(self, lo: int, hi: int) -> int:
         """Bytes of the parameters nodes ``[lo, hi)`` read whose first user comes earlier:
         the stage keeps a copy of each."""
-        return sum(p.nbytes for p in self.profile.shared if p.users[0] < lo and any(lo <= u < hi for u in p.users))
+        if (lo, hi) not in self._borrowed:
+            self._borrowed[lo, hi] = sum(p.nbytes for p in self.profile.shared
+                                         if p.users[0] < lo and any(lo <= u < hi for u in p.users))
+        return self._borrowed[lo, hi]
 
     def waiting_gradients(self, balance: Sequence[int], waits: Sequence[Sequence[int]]) -> list[int]:
         """Per stage, bytes of gradients computed for earlier stages that wait there for their
@@ -506,7 +511,7 @@ class CostModel:
         return self.batch + 2 * out + self.chunks * self.profile.loss_kept_bytes
 
     def _final_outputs(self, lo: int) -> int:
-        return sum(self.output[i] for i in range(lo, self.n) if -1 in self.users[i])
+        return self._to_graph_output[self.n] - self._to_graph_output[lo]
 
     def _gradients(self, lo: int, hi: int) -> _Array:
         """:func:`_gradients` of ``[lo, hi)``, kept for the last range asked: a stage's
