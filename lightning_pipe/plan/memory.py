@@ -531,10 +531,10 @@ class CostModel:
 
     def _lives(self, lo: int, hi: int, variants: Sequence["CodedPolicies"]) -> list["_Live"]:
         """:meth:`_live` under each of ``variants`` (cached), those not priced yet at once."""
+        if (len(self._priced) + len(variants)) * self.n > _PRICED_BYTES:
+            self._priced.clear()
         keys = [(lo, hi, v.codes.tobytes()) for v in variants]
         new = {key: v.codes for key, v in zip(keys, variants) if key not in self._priced}
-        if (len(self._priced) + len(new)) * self.n > _PRICED_BYTES:
-            self._priced.clear()
         batch = list(new.items())
         rows = max(1, _BATCH_POSITIONS // (hi - lo))
         for k in range(0, len(batch), rows):

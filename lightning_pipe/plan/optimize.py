@@ -15,7 +15,7 @@ Times are per micro-batch, in milliseconds; ``host_bandwidth`` is bytes per seco
 device-host link (``None``: no swapping).
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_pipe.plan.memory import CodedPolicies, CostModel, Policy, StagePeak, Waiting
@@ -215,8 +215,10 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
         peaking = [i for i in stage.model.backward_peak_runs(stage.lo, stage.hi, coded) if i in found.policies]
         lowest = min(zip(stage.totals(coded, peaking), peaking), default=None)
         if lowest is None or lowest[0] >= found.peak.total:
-            lowest = _first_lowering(stage, coded, sorted(found.policies, key=lambda i: (i < scanned, i)),
-                                     found.peak.total)
+            order = sorted(found.policies, key=lambda i: (i < scanned, i))
+            peak = found.peak.total
+            first = _first_drop(stage, coded, order, lambda total: total < peak)  # noqa: B023 (used at once)
+            lowest = (first[1], order[first[0]]) if first else None
             scanned = lowest[1] if lowest else scanned
         if lowest is None:
             break
@@ -225,14 +227,16 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     return found
 
 
-def _first_lowering(stage: "_Stage", coded: CodedPolicies, order: list[int], peak: int) -> tuple[int, int] | None:
-    """The first choice in ``order`` whose drop brings the stage's peak below ``peak``, with
-    the peak it brings: priced in batches, growing from a few (a drop near the start of
-    ``order`` often lowers the peak; else the whole order may be scanned)."""
+def _first_drop(
+    stage: "_Stage", coded: CodedPolicies, order: Sequence[int], good: Callable[[int], bool]
+) -> tuple[int, int] | None:
+    """The position in ``order`` of the first choice whose drop leaves a peak total that is
+    ``good``, and that total: priced in batches, growing from a few (such a drop is often
+    near the start of ``order``; else the whole order may be priced)."""
     size, start = 4, 0
     while start < len(order):
         batch = order[start : start + size]
-        found = next(((total, i) for total, i in zip(stage.totals(coded, batch), batch) if total < peak), None)
+        found = next(((start + k, total) for k, total in enumerate(stage.totals(coded, batch)) if good(total)), None)
         if found:
             return found
         start += size
@@ -250,10 +254,12 @@ def _pruned(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     priced."""
     policies = dict(found.policies)  # in the order chosen
     coded = CodedPolicies.of({**stage.earlier, **policies}, stage.model.n)
-    for i in sorted(found.policies, key=lambda i: (found.policies[i] == "swap", stage.model.saved[i], i)):
-        if stage.peak(fewer := coded.without(i)).total <= stage.capacity:
-            coded = fewer
-            del policies[i]
+    order = sorted(found.policies, key=lambda i: (found.policies[i] == "swap", stage.model.saved[i], i))
+    while first := _first_drop(stage, coded, order, lambda total: total <= stage.capacity):
+        i = order[first[0]]
+        coded = coded.without(i)
+        del policies[i]
+        order = order[first[0] + 1 :]
     return stage.priced(policies) if len(policies) < len(found.policies) else found
 
 

@@ -270,6 +270,31 @@ def test_coded_policies_price_as_the_policies_they_code():
             assert model.peak(5, 25, 3, coded.without(i)) == model.peak(5, 25, 3, fewer)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "2bw"])
+def test_variants_priced_at_once_price_as_each_does_alone(schedule, monkeypatch):
+    """A search prices many variants of a stage's policies in one pass (rows laid end to end):
+    each row's peak is the one that variant gets priced alone by a fresh model, also when the
+    pass is cut into small batches and the cache of priced variants starts over in between.
+    Policies cover other stages too (what an earlier stage drops, a recomputed region keeps)."""
+    import lightning_pipe.plan.memory as memory
+
+    rnd = random.Random(11)
+    for seed in range(6):
+        profile = random_profile(40, seed)
+        base = {i: rnd.choice(["recompute", "swap"]) for i in rnd.sample(range(40), 25)}
+        coded = CodedPolicies.of(base, 40)
+        lo, hi = sorted(rnd.sample(range(41), 2))
+        variants = [coded] + [coded.without(i) for i in list(base)[:12]] + [CodedPolicies.of({}, 40)]
+        alone = [CostModel(profile, schedule=schedule, chunks=4).peak(lo, hi, 3, v, 2) for v in variants]
+        assert CostModel(profile, schedule=schedule, chunks=4).peaks(lo, hi, 3, variants, 2) == alone
+        with monkeypatch.context() as patch:
+            patch.setattr(memory, "_BATCH_POSITIONS", 2 * (hi - lo))  # two rows a pass
+            patch.setattr(memory, "_PRICED_BYTES", 40 * 5)  # five variants kept
+            model = CostModel(profile, schedule=schedule, chunks=4)
+            assert model.peaks(lo, hi, 3, variants[:7], 2) == alone[:7]
+            assert model.peaks(lo, hi, 3, variants, 2) == alone
+
+
 def test_a_recomputed_region_keeps_what_an_earlier_stage_drops():
     # node 0's 100 bytes are kept first by node 1 (stage 0) and read again by node 2 (stage 1).
     # Recomputing node 2 alone keeps nothing of them; once stage 0 recomputes node 1, node 2's
