@@ -255,57 +255,71 @@ def _next_size(low: int, high: int, peaks: dict[int, int], memory: int) -> int:
 # --- the run --------------------------------------------------------------------------------
 
 
+def measure_group(bench: Bench, stages: int, schedule: str, memopt: bool, partitioners: Sequence[str]) -> list[Row]:
+    """Every partitioner's row in one (stages, schedule, memopt) group, dawnpiper's last: its
+    search starts from the largest size another partitioner's plan fits."""
+    done: list[Row] = []
+    for partitioner in sorted(partitioners, key=lambda p: p == "dawnpiper"):
+        at_least = max((r.predicted for r in done), default=0) if partitioner == "dawnpiper" else 0
+        done.append(bench.measure(stages, schedule, memopt, partitioner, at_least))
+    return sorted(done, key=lambda r: list(partitioners).index(r.partitioner))
+
+
 def measure_stages(workload: Workload, stages: int, settings: Settings, device: DeviceSpec) -> list[Row]:
     """Every configuration of one workload over ``stages`` stages."""
     bench = Bench(workload, device)
-    rows = []
-    for schedule in settings.schedules:
-        for memopt in settings.memopt:
-            done: list[Row] = []
-            for partitioner in sorted(settings.partitioners, key=lambda p: p == "dawnpiper"):
-                at_least = max((r.predicted for r in done), default=0) if partitioner == "dawnpiper" else 0
-                done.append(bench.measure(stages, schedule, memopt, partitioner, at_least))
-            rows += sorted(done, key=lambda r: settings.partitioners.index(r.partitioner))
-    return rows
+    return [r for schedule in settings.schedules for memopt in settings.memopt
+            for r in measure_group(bench, stages, schedule, memopt, settings.partitioners)]
 
 
-def _paper_task(task: tuple[str, int, Settings, DeviceSpec]) -> list[Row]:
-    name, stages, settings, device = task
-    return measure_stages(paper_models()[name], stages, settings, device)
+_BENCHES: dict[str, Bench] = {}  # built before the workers fork, so each model is profiled once
+
+
+def _paper_task(task: tuple[str, int, str, bool, list[str]]) -> list[Row]:
+    name, stages, schedule, memopt, partitioners = task
+    return measure_group(_BENCHES[name], stages, schedule, memopt, partitioners)
 
 
 def run(workloads: Sequence[Workload], settings: Settings, device: DeviceSpec = DEVICE, jobs: int = 1,
         finished_task: Callable[[list[Row]], object] = lambda rows: None) -> list[Row]:
     """Every configuration of ``settings`` for each workload, with a progress bar. With
-    ``jobs`` above one, the paper's workloads run ``jobs`` (model, stage count) tasks at a time,
-    each in a process of its own: a fake run keeps one core busy. ``finished_task`` is called
-    with every row so far as each task ends (a run cut short keeps what it measured)."""
-    tasks = [(w, s) for w in workloads for s in settings.stages]
-    per_task = len(settings.schedules) * len(settings.memopt) * len(settings.partitioners)
-    done: dict[tuple[str, int], list[Row]] = {}
-    pool = multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else None
+    ``jobs`` above one, the paper's workloads are profiled here, then ``jobs`` groups (model,
+    stage count, schedule, memopt) run at a time, each in a worker process, the longest
+    first: a fake run keeps one core busy, and one model's searches with memory optimisation
+    take most of a run. ``finished_task`` is called with every row so far as each task (a
+    group, or inline a model and stage count) ends: a run cut short keeps what it measured."""
+    pool = None
+    if jobs > 1:
+        _BENCHES.update((w.name, Bench(w, device)) for w in workloads)
+        groups = [(w.name, s, schedule, memopt, settings.partitioners) for w in workloads for s in settings.stages
+                  for schedule in settings.schedules for memopt in settings.memopt]
+        groups.sort(key=lambda g: (not g[3], -g[1], ("t5", "gpt2", "bert", "cnn").index(g[0]), g[2] != "2bw"))
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        finished: Iterable[list[Row]] = pool.imap_unordered(_paper_task, groups)
+    else:
+        finished = (measure_stages(w, s, settings, device) for w in workloads for s in settings.stages)
+    rows: list[Row] = []
     try:
-        if pool is None:
-            finished: Iterable[list[Row]] = (measure_stages(w, s, settings, device) for w, s in tasks)
-        else:  # the longest first: more stages, then the models with more operators
-            order = sorted(tasks, key=lambda t: (-t[1], ("t5", "gpt2", "bert", "cnn").index(t[0].name)))
-            finished = pool.imap_unordered(_paper_task, [(w.name, s, settings, device) for w, s in order])
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn()) as bar:
-            progress = bar.add_task(f"paper-scale, {jobs} at a time", total=per_task * len(tasks))
-            for rows in finished:
-                done[rows[0].model, rows[0].stages] = rows
-                for r in rows:
+            total = len(workloads) * len(settings.stages) * len(settings.schedules) * len(settings.memopt)
+            progress = bar.add_task(f"paper-scale, {jobs} at a time", total=total * len(settings.partitioners))
+            for part in finished:
+                rows += part
+                for r in part:
                     bar.console.print(f"{r.model} x{r.stages} {r.schedule:<5} {_mo(r.memopt):<4} {r.partitioner:<9} "
                                       f"max {r.max_microbatch}{'' if r.exact else '+'} predicted {r.predicted} "
                                       f"({r.fake_runs} fake runs, {r.seconds:.0f} s)")
-                bar.advance(progress, len(rows))
-                finished_task([r for part in done.values() for r in part])
+                bar.advance(progress, len(part))
+                finished_task(list(rows))
     finally:
         if pool is not None:
             pool.close()
             pool.join()
-    return [r for w, s in tasks for r in done[w.name, s]]
+    names = [w.name for w in workloads]
+    return sorted(rows, key=lambda r: (names.index(r.model), settings.stages.index(r.stages),
+                                       settings.schedules.index(r.schedule), settings.memopt.index(r.memopt),
+                                       settings.partitioners.index(r.partitioner)))
 
 
 def ratios(rows: Sequence[Row]) -> list[dict[str, Any]]:

@@ -141,13 +141,15 @@ def test_paper_benchmark_guesses_the_next_size_from_the_measured_peaks():
 
 
 @pytest.mark.slow
-def test_paper_benchmark_rows_are_the_same_from_worker_processes(monkeypatch):
+def test_paper_benchmark_rows_are_the_same_from_worker_processes():
+    # the workers run one (stages, schedule, memopt) group each, on the profile made before they forked
     paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
-    monkeypatch.setattr(paper, "paper_models", lambda: {"gpt2": tiny})  # the forked workers see it too
-    settings = paper.Settings(["gpt2"], [2, 3], ["1f1b"], ["params"], [False])
+    settings = paper.Settings(["gpt2"], [2, 3], ["1f1b", "2bw"], ["params", "dawnpiper"], [False])
     pooled, inline = (paper.run([tiny], settings, small, jobs) for jobs in (2, 1))
-    assert [(r.stages, r.max_microbatch) for r in pooled] == [(r.stages, r.max_microbatch) for r in inline]
-    assert [r.stages for r in pooled] == [2, 3] and all(r.max_microbatch > 0 for r in pooled)
+    assert [(r.stages, r.schedule, r.partitioner, r.max_microbatch) for r in pooled] == [
+        (r.stages, r.schedule, r.partitioner, r.max_microbatch) for r in inline]
+    assert [(r.stages, r.schedule) for r in pooled[::2]] == [(2, "1f1b"), (2, "2bw"), (3, "1f1b"), (3, "2bw")]
+    assert all(r.max_microbatch > 0 for r in pooled)
 
 
 def test_distributed_benchmark_runs_every_runtime_and_matches_pipelinings_peaks():
