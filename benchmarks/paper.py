@@ -3,7 +3,7 @@ on 4 and 8 A100-40GB, by fake execution on this CPU.
 
     python -m benchmarks.paper           # the tables' settings (GPipe, 2BW; time and dawnpiper)
     python -m benchmarks.paper --full    # also 1F1B and the params, uniform and capslog partitioners (hours)
-    python -m benchmarks.paper --models bert cnn --stages 4   # what fits 20 minutes of a shared 2-core CPU
+    python -m benchmarks.paper --models bert cnn    # a part of the grid (minutes; the default run: about 35)
 
 BERT-large (seq 512), GPT-2 large (seq 1024) and T5-large (seq 512) are built from their
 ``transformers`` configs, and a U-Net of AmoebaNet-D's size (25M parameters, 224x224 images)
@@ -544,11 +544,15 @@ def _scope_section(results: dict[str, Any]) -> str:
     slowest = max(rows, key=lambda r: r.seconds)
     seconds = sum(r["seconds"] for r in results["runs"])
     cpu = sum(r["cpu_seconds"] for r in results["runs"])
+    total = sum(r.seconds for r in rows)
+    searched = sum(r.seconds for r in rows if r.memopt and r.partitioner == "dawnpiper")
     return (
         f"## Scope\n\n{held}\n\n"
         f"The runs took {seconds / 60:.0f} minutes with {cpu / 60:.0f} minutes of CPU time in all. The slowest "
         f"configuration, {slowest.model} x{slowest.stages} {slowest.schedule} {_mo(slowest.memopt)} "
-        f"{slowest.partitioner}, took {slowest.seconds:.0f} s. A fake run costs one Python dispatch per operator "
+        f"{slowest.partitioner}, took {slowest.seconds:.0f} s. Of the configurations' {total / 60:.0f} "
+        f"minutes, dawnpiper's with memory optimisation (its search over sizes, plan and fake run) took "
+        f"{searched / 60:.0f}, all others {(total - searched) / 60:.0f}. A fake run costs one Python dispatch per operator "
         "(about 0.4 ms each on this CPU): an 8-stage GPipe step of GPT-2 large, 40-50 s. The full grid (`--full`: "
         "1F1B and the params, uniform and capslog partitioners too) needs at least one fake run for each of its "
         f"{grid} configurations, more than an hour on two cores; the default run keeps the two schedules the "
