@@ -552,11 +552,11 @@ def _scope_section(results: dict[str, Any]) -> str:
         f"configuration, {slowest.model} x{slowest.stages} {slowest.schedule} {_mo(slowest.memopt)} "
         f"{slowest.partitioner}, took {slowest.seconds:.0f} s. Of the configurations' {total / 60:.0f} "
         f"minutes, dawnpiper's with memory optimisation (its search over sizes, plan and fake run) took "
-        f"{searched / 60:.0f}, all others {(total - searched) / 60:.0f}. A fake run costs one Python dispatch per operator "
-        "(about 0.4 ms each on this CPU): an 8-stage GPipe step of GPT-2 large, 40-50 s. The full grid (`--full`: "
-        "1F1B and the params, uniform and capslog partitioners too) needs at least one fake run for each of its "
-        f"{grid} configurations, more than an hour on two cores; the default run keeps the two schedules the "
-        "paper's tables use and the two partitioners its headline ratio compares."
+        f"{searched / 60:.0f}, all others {(total - searched) / 60:.0f}. A fake run costs one Python dispatch per "
+        "operator (about 0.4 ms each on this CPU): an 8-stage GPipe step of GPT-2 large, 40-50 s. The full grid "
+        "(`--full`: 1F1B and the params, uniform and capslog partitioners too) needs at least one fake run for "
+        f"each of its {grid} configurations, more than an hour on two cores; the default run keeps the two "
+        "schedules the paper's tables use and the two partitioners its headline ratio compares."
     )
 
 

@@ -522,7 +522,7 @@ class CostModel:
 
     def _live(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> "_Live":
         """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
-        (cached when every node is kept)."""
+        (cached)."""
         if policies.codes[lo:hi].any() if isinstance(policies, CodedPolicies) else any(lo <= i < hi for i in policies):
             return self._lives(lo, hi, [CodedPolicies.of(policies, self.n)])[0]
         if (lo, hi) not in self._kept:
@@ -739,8 +739,8 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes2 | None") -> list[_
     np.add.at(leaving, layout.row, np.where(end >= hi, values, 0))
     # each node's forward, and the end of the stage's: its whole stash and what leaves it (a
     # node saving an input an earlier stage made takes it on only as it runs)
-    forward = np.concatenate((kept[:, :-1] + held + a.made[lo:hi] + a.workspace[lo:hi], (kept[:, -1] + leaving)[:, None]),
-                             axis=1)
+    ends = (kept[:, -1] + leaving)[:, None]
+    forward = np.concatenate((kept[:, :-1] + held + a.made[lo:hi] + a.workspace[lo:hi], ends), axis=1)
     common = kept[:, 1:] + model._gradients(lo, hi) + a.backward[lo:hi] + back.reshape(rows, size)
     # a fresh gradient of the node's parameters, to add to theirs; under the local GPipe, whose
     # one backward sums the micro-batches' gradients before the parameter takes them, a new
@@ -761,7 +761,9 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes2 | None") -> list[_
             for s, out, fs, fr, bs, br, gs, gr, bk, gk in columns]
 
 
-def _drop_stashes(model: CostModel, layout: _Layout, runs: "_Runs", stash: _Array, back: _Array) -> tuple[_Array, _Array]:
+def _drop_stashes(
+    model: CostModel, layout: _Layout, runs: "_Runs", stash: _Array, back: _Array
+) -> tuple[_Array, _Array]:
     """Take off ``stash`` (per position of ``layout``) what each swapped or recomputed run
     drops, give a recomputed region its inputs, and add to ``back`` the bytes brought back
     during each node's backward. A run drops the stash its nodes alone keep (a swapped run
@@ -793,9 +795,9 @@ def _drop_stashes(model: CostModel, layout: _Layout, runs: "_Runs", stash: _Arra
     first, last = _recomputed_regions(a, layout, runs)
     if not first.size:
         return _NO_REGION_INPUTS
-    at = layout.regions(first, last)
-    back[last - 1] += _recomputing(a, layout, first, last, at, made_again)
-    totals, storages, since = _regions_inputs(model, layout, first, last, at)
+    regions = layout.regions(first, last)
+    back[last - 1] += _recomputing(a, layout, first, last, regions, made_again)
+    totals, storages, since = _regions_inputs(model, layout, first, last, regions)
     stash[first] += totals
     return storages, since
 
@@ -824,17 +826,18 @@ def _runs(layout: _Layout) -> _Runs:
 
 
 def _recomputing(
-    a: _NodeArrays, layout: _Layout, starts: _Array, stops: _Array, at: tuple[_Array, _Array], made_again: _Array
+    a: _NodeArrays, layout: _Layout, starts: _Array, stops: _Array, regions: tuple[_Array, _Array],
+    made_again: _Array,
 ) -> _Array:
-    """Per recomputed region (positions ``[starts[k], stops[k])`` of ``layout``; ``at``: its
-    :meth:`_Layout.regions`), what its forward run again, before its last node's backward,
+    """Per recomputed region (positions ``[starts[k], stops[k])`` of ``layout``; ``regions``:
+    their :meth:`_Layout.regions`), what its forward run again, before its last node's backward,
     holds beyond what that backward is priced at (its stash back whole, its workspace and
     fresh parameter gradients): at each node the stash made again so far, the values of
     earlier nodes of the region still to be read in it (one read only after the region is not
     kept: the first run's is), and what the node makes and its workspace (an attention's
     scores, read and freed in the region)."""
     node = layout.node
-    at, region = at
+    at, region = regions
     position = np.arange(node.size)
     rebuilt = np.concatenate(([0], np.cumsum(made_again)))
     k = np.flatnonzero(region)
@@ -866,19 +869,20 @@ def _recomputed_regions(a: _NodeArrays, layout: _Layout, runs: _Runs) -> tuple[_
 
 
 def _regions_inputs(
-    model: CostModel, layout: _Layout, starts: _Array, stops: _Array, at: tuple[_Array, _Array] | None = None
+    model: CostModel, layout: _Layout, starts: _Array, stops: _Array, regions: tuple[_Array, _Array] | None = None
 ) -> tuple[_Array, _Array, _Array]:
     """Per recomputed region (positions ``[starts[k], stops[k])`` of ``layout``, in order,
-    each saving something; ``at``: their :meth:`_Layout.regions`), what it keeps: the storages of the values it reads from outside
-    itself that no other node keeps as long (see :meth:`CostModel.region_inputs`). A storage
-    counts at the first region of its row reading it; the graph input never (a micro-batch is
-    a view of the training batch, which the last stage holds). Also the positions of the
+    each saving something; ``regions``: their :meth:`_Layout.regions`), what it keeps: the
+    storages of the values it reads from outside itself that no other node keeps as long (see
+    :meth:`CostModel.region_inputs`). A storage counts at the first region of its row reading
+    it; the graph input never (a micro-batch is a view of the training batch, which the last
+    stage holds). Also the positions of the
     storages the stage makes that the regions keep of the values their makers hold, and the
     first node of the region keeping each: from there on they are its stash, no longer held."""
     a, lo, hi = model._arrays, layout.lo, layout.hi
     totals = np.zeros(starts.size, dtype=np.int64)
     reader, read, storage = layout.reads(a)
-    at, inside = layout.regions(starts, stops) if at is None else at
+    at, inside = layout.regions(starts, stops) if regions is None else regions
     region = at[reader]
     start, stop = layout.node[starts], layout.node[stops - 1] + 1
     outside = inside[reader] & (read < start[region])
@@ -920,13 +924,14 @@ def _held_end(
     its arguments until it returns: a value read by a later run lives until that run's last
     node."""
     node, hi = layout.node, layout.hi
-    end = a.held_end[node]
+    end: _Array = a.held_end[node]
     if runs is None:
         return end
     by = a.held_by[node]
     dropped = (by >= 0) & (layout.codes[layout.row, by] != 0)
     inside = np.flatnonzero(dropped & (by < hi))
-    dropped[inside] = a.last_saver[by[inside]] < runs.stop_nodes(layout)[runs.of[inside + by[inside] - node[inside]]]
+    keeper = inside + by[inside] - node[inside]  # its position, in the row
+    dropped[inside] = a.last_saver[by[inside]] < runs.stop_nodes(layout)[runs.of[keeper]]
     end = np.where(dropped, a.held_until[node], end)
     read = ((by < 0) | dropped) & (end < hi)  # freed once read, not stashed
     position = np.arange(node.size)
