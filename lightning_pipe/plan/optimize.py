@@ -15,7 +15,7 @@ Times are per micro-batch, in milliseconds; ``host_bandwidth`` is bytes per seco
 device-host link (``None``: no swapping).
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_pipe.plan.memory import CodedPolicies, CostModel, Policy, StagePeak, Waiting
@@ -216,8 +216,7 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
         lowest = min(zip(stage.totals(coded, peaking), peaking), default=None)
         if lowest is None or lowest[0] >= found.peak.total:
             order = sorted(found.policies, key=lambda i: (i < scanned, i))
-            peak = found.peak.total
-            first = _first_drop(stage, coded, order, lambda total: total < peak)  # noqa: B023 (used at once)
+            first = _first_drop(stage, coded, order, found.peak.total - 1)  # totals are whole bytes
             lowest = (first[1], order[first[0]]) if first else None
             scanned = lowest[1] if lowest else scanned
         if lowest is None:
@@ -227,16 +226,15 @@ def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     return found
 
 
-def _first_drop(
-    stage: "_Stage", coded: CodedPolicies, order: Sequence[int], good: Callable[[int], bool]
-) -> tuple[int, int] | None:
-    """The position in ``order`` of the first choice whose drop leaves a peak total that is
-    ``good``, and that total: priced in batches, growing from a few (such a drop is often
+def _first_drop(stage: "_Stage", coded: CodedPolicies, order: Sequence[int], at_most: float) -> tuple[int, int] | None:
+    """The position in ``order`` of the first choice whose drop leaves a peak total of at most
+    ``at_most``, and that total: priced in batches, growing from a few (such a drop is often
     near the start of ``order``; else the whole order may be priced)."""
     size, start = 4, 0
     while start < len(order):
         batch = order[start : start + size]
-        found = next(((start + k, total) for k, total in enumerate(stage.totals(coded, batch)) if good(total)), None)
+        found = next(((start + k, total) for k, total in enumerate(stage.totals(coded, batch)) if total <= at_most),
+                     None)
         if found:
             return found
         start += size
@@ -255,7 +253,7 @@ def _pruned(stage: "_Stage", found: StageOptimum) -> StageOptimum:
     policies = dict(found.policies)  # in the order chosen
     coded = CodedPolicies.of({**stage.earlier, **policies}, stage.model.n)
     order = sorted(found.policies, key=lambda i: (found.policies[i] == "swap", stage.model.saved[i], i))
-    while first := _first_drop(stage, coded, order, lambda total: total <= stage.capacity):
+    while first := _first_drop(stage, coded, order, stage.capacity):
         i = order[first[0]]
         coded = coded.without(i)
         del policies[i]
