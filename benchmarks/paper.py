@@ -46,7 +46,7 @@ from lightning_pipe.graph.capture import Captured, capture
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec
 from lightning_pipe.plan.partitioners import PARTITIONERS
-from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, Plan, fitting_plan, max_microbatch
+from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, Plan, fitting_plan, largest_plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.runtime.fake import TrainingStep, fake_training
 
@@ -183,16 +183,16 @@ class Bench:
         return fitting_plan(self.profile.scaled(microbatch), self._targets(stages), partitioner, schedule, stages,
                             self.device.host_bandwidth, self.device.link_bandwidth, optimise_memory=memopt)
 
-    def predicted(self, stages: int, schedule: str, memopt: bool, partitioner: str, at_least: int = 0) -> int:
-        """The planner's largest micro-batch (0: none fits), the search started from
-        ``at_least`` where given: a size known to fit (dawnpiper fits whatever another
+    def largest(self, stages: int, schedule: str, memopt: bool, partitioner: str, at_least: int = 0) -> Plan | None:
+        """The planner's plan at its largest micro-batch (``None``: none fits), the search started
+        from ``at_least`` where given: a size known to fit (dawnpiper fits whatever another
         partitioner's plan fits)."""
         try:
-            return max_microbatch(self.profile, self._targets(stages), partitioner, schedule, stages,
-                                  self.device.host_bandwidth, self.device.link_bandwidth, optimise_memory=memopt,
-                                  at_least=max(at_least, 1))
+            return largest_plan(self.profile, self._targets(stages), partitioner, schedule, stages,
+                                self.device.host_bandwidth, self.device.link_bandwidth, optimise_memory=memopt,
+                                at_least=max(at_least, 1))
         except InfeasiblePlanError:
-            return 0
+            return None
 
     def run(self, plan: Plan, schedule: str) -> list[int]:
         """Each stage's metered peak in a fake execution of ``plan``. The meter runs without
@@ -217,13 +217,14 @@ class Bench:
         :data:`PROBES` runs are spent."""
         start = time.perf_counter()
         runs_before = len(self._runs)
-        predicted = self.predicted(stages, schedule, memopt, partitioner, at_least)
+        largest = self.largest(stages, schedule, memopt, partitioner, at_least)
+        predicted = largest.microbatch_size if largest else 0
         row = Row(self.workload.name, stages, schedule, memopt, partitioner, stages, 0, predicted)
         low, high = 0, predicted + 1  # low trains (0: none yet), high does not (the planner refuses it)
         peaks: dict[int, int] = {}  # size -> the fullest stage's metered peak
         size = predicted
         while high - low > 1 and len(peaks) < PROBES:
-            plan = self.plan(stages, schedule, memopt, partitioner, size)
+            plan = largest if size == predicted else self.plan(stages, schedule, memopt, partitioner, size)
             if plan is not None:
                 peaks[size] = max(self.run(plan, schedule))
             if plan is not None and peaks[size] <= self.device.memory:

@@ -73,6 +73,7 @@ class Stages:
     thorough: bool = False  # search stages asked for their lowest peak further (optimize_stage)
     _optima: dict[tuple[object, ...], StageOptimum] = field(default_factory=dict, repr=False)
     _placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict, repr=False)
+    _prunes: dict[tuple[object, ...], StageOptimum | None] = field(default_factory=dict, repr=False)
     _steps: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)
     _replay: Replay | None = field(default=None, repr=False)
     _floor: list[int] | None = field(default=None, repr=False)
@@ -114,7 +115,7 @@ class Stages:
 
     def _varied(self, **changes: Any) -> "Stages":
         """These stages with ``changes``, and none of what was found for these (cached) kept."""
-        return replace(self, **changes, _optima={}, _placed={}, _steps={}, _floor=None, _further=None)
+        return replace(self, **changes, _optima={}, _placed={}, _prunes={}, _steps={}, _floor=None, _further=None)
 
     def floor(self) -> list[int]:
         """:func:`lowest_peak_balance` of these stages searched further: the split any plan
@@ -184,10 +185,22 @@ class Stages:
         chosen = {i: p for o in optima for i, p in o.policies.items()}
         waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
         return self._priced(balance, [
-            prune_stage(self.model, r.start, r.stop, self.in_flight[s], self.capacities[s], o, self.weight_versions,
-                        self.host_bandwidth, waits[s], self.earlier(r.start, r.stop, chosen))
+            self._pruned_stage(r.start, r.stop, s, o, waits[s], chosen)
             for s, (r, o) in enumerate(zip(stage_ranges(balance), optima))
         ])
+
+    def _pruned_stage(
+        self, lo: int, hi: int, s: int, found: StageOptimum, waiting: Waiting, chosen: Mapping[int, Policy]
+    ) -> StageOptimum:
+        """:func:`~lightning_pipe.plan.optimize.prune_stage` of stage ``s`` on ``[lo, hi)`` (cached: a
+        search moving one cut prunes the whole split again, its other stages as before)."""
+        earlier = self.earlier(lo, hi, chosen)
+        key = (lo, hi, s, tuple(found.policies.items()), waiting[0], tuple(waiting[1]), tuple(earlier.items()))
+        if key not in self._prunes:
+            pruned = prune_stage(self.model, lo, hi, self.in_flight[s], self.capacities[s], found,
+                                 self.weight_versions, self.host_bandwidth, waiting, earlier)
+            self._prunes[key] = None if pruned is found else pruned  # None: nothing to drop
+        return self._prunes[key] or found
 
     def _priced(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
         """``optima`` with their peaks priced with every stage's policies and what waits."""

@@ -26,7 +26,7 @@ from lightning_pipe.units import format_bytes
 
 __all__ = [
     "PLANNING_HEADROOM", "PREDICTION_ERROR", "InfeasiblePlanError", "Plan", "StageReport", "fitting_plan",
-    "make_plan", "max_microbatch", "plan_fits", "planning_stages",
+    "largest_plan", "make_plan", "max_microbatch", "plan_fits", "planning_stages",
 ]
 
 #: How far the memory model may under-predict a stage, over models it was not checked on.
@@ -201,8 +201,20 @@ def plan_fits(
 ) -> bool:
     """Whether :func:`fitting_plan` finds a plan, found without choosing among the splits that
     fit (:func:`~lightning_pipe.plan.partitioners.fitting_split`): what a search over sizes asks."""
+    settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
+    return _probed(profile, capacities, settings, optimise_memory) is not None
+
+
+def _probed(
+    profile: Profile,
+    capacities: list[int],
+    settings: tuple[Partitioner, Schedule, int, float | None, float | None],
+    optimise_memory: bool,
+) -> Stages | None:
+    """:func:`plan_fits`' stages where a split fits, with what it found (``None``: none fits)."""
+    partitioner, schedule, chunks, host_bandwidth, link_bandwidth = settings
     stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory)
-    return fitting_split(partitioner, stages) is not None
+    return stages if fitting_split(partitioner, stages) is not None else None
 
 
 def _plan(stages: Stages, partitioner: Partitioner, schedule: Schedule, balance: list[int],
@@ -271,9 +283,57 @@ def max_microbatch(
         InfeasiblePlanError: not even a micro-batch of one fits.
     """
     settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
+    return _largest(profile, capacities, settings, optimise_memory, at_least)[0]
+
+
+def largest_plan(
+    profile: Profile,
+    capacities: list[int],
+    partitioner: Partitioner = "dawnpiper",
+    schedule: Schedule = "1f1b",
+    chunks: int = 1,
+    host_bandwidth: float | None = None,
+    link_bandwidth: float | None = None,
+    *,
+    optimise_memory: bool = True,
+    at_least: int = 1,
+) -> Plan:
+    """:func:`fitting_plan`'s plan at :func:`max_microbatch`'s size (``plan.microbatch_size``),
+    made on what the search's probe of that size found: choosing among the splits that fit
+    starts from the ones it priced.
+
+    Raises:
+        InfeasiblePlanError: not even a micro-batch of one fits.
+    """
+    settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
+    size, stages = _largest(profile, capacities, settings, optimise_memory, at_least)
+    if stages is None:  # at_least, never probed
+        stages = planning_stages(profile.scaled(size), capacities, schedule, chunks, host_bandwidth, link_bandwidth,
+                                 optimise_memory)
+    balance = split(partitioner, stages)
+    optima = stages.pruned(balance)
+    if not all(o.fits for o in optima):  # at_least did not fit after all
+        raise _infeasible(stages, partitioner, balance, optima)
+    return _plan(stages, partitioner, schedule, balance, optima)
+
+
+def _largest(
+    profile: Profile,
+    capacities: list[int],
+    settings: tuple[Partitioner, Schedule, int, float | None, float | None],
+    optimise_memory: bool,
+    at_least: int,
+) -> tuple[int, Stages | None]:
+    """:func:`max_microbatch`'s size, with the stages its probe of that size priced (``None``:
+    ``at_least``, taken as known to fit, was the answer)."""
+    fitting: dict[int, Stages] = {}  # the largest size found to fit so far -> its probe's stages
 
     def fits(size: int) -> bool:
-        return plan_fits(profile.scaled(size), capacities, *settings, optimise_memory=optimise_memory)
+        if (stages := _probed(profile.scaled(size), capacities, settings, optimise_memory)) is None:
+            return False
+        fitting.clear()
+        fitting[size] = stages
+        return True
 
     if at_least < 1:
         raise ValueError(f"at_least={at_least} is not a micro-batch size; give 1 or a size known to fit.")
@@ -285,7 +345,7 @@ def max_microbatch(
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    return low, fitting.get(low)
 
 
 def planning_stages(

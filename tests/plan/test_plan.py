@@ -3,7 +3,7 @@ import random
 import pytest
 
 from lightning_pipe.plan.memory import stage_ranges
-from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan, max_microbatch
+from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, fitting_plan, largest_plan, make_plan, max_microbatch
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.schedule import actions
 from lightning_pipe.plan.simulate import StageTime, simulate
@@ -85,6 +85,19 @@ def test_the_largest_microbatch_searched_from_a_size_that_fits_is_the_same():
         assert max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, at_least=start) == largest
     with pytest.raises(ValueError, match="at_least=0 is not a micro-batch size"):
         max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, at_least=0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "2bw"])
+def test_the_largest_plan_is_the_plan_made_afresh_at_the_largest_microbatch(schedule):
+    # largest_plan chooses among splits on the stages its search's last fitting probe priced
+    for name in ("dawnpiper", "capslog", "time"):
+        for start in (1, 3):
+            plan = largest_plan(cnn_like(), [CAP] * 4, name, schedule, 4, 1e6, at_least=start)
+            size = max_microbatch(cnn_like(), [CAP] * 4, name, schedule, 4, 1e6)
+            afresh = fitting_plan(cnn_like().scaled(size), [CAP] * 4, name, schedule, 4, 1e6)
+            assert plan.microbatch_size == size and plan == afresh, (name, start)
+    with pytest.raises(InfeasiblePlanError, match="no plan fits"):
+        largest_plan(cnn_like(), [5_000] * 4, "dawnpiper", schedule, 4)
 
 
 def test_without_memory_optimisation_nothing_is_recomputed_and_less_fits():
