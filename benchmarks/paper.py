@@ -48,7 +48,7 @@ from lightning_pipe.plan.devices import DEVICES, DeviceSpec
 from lightning_pipe.plan.partitioners import PARTITIONERS
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, Plan, fitting_plan, largest_plan
 from lightning_pipe.plan.profile import Profile
-from lightning_pipe.runtime.fake import TrainingStep, fake_training
+from lightning_pipe.runtime.fake import TrainingStep, fake_training, meta_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = DEVICES["A100-40GB"]
@@ -169,14 +169,15 @@ class Bench:
         args, kwargs = workload.inputs(workload.batch(PROFILED))
         with quiet():
             self.captured: Captured = capture(self.model, example_inputs=(args, kwargs))
-            self.profile: Profile = profile_graph(self.captured, args, kwargs, optimizer=self._optimizer(), fake=True,
-                                                  device=device)
+            self.profile: Profile = profile_graph(self.captured, args, kwargs, optimizer=self._optimizer(self.model),
+                                                  fake=True, device=device)
         self._runs: dict[tuple[Any, ...], list[int]] = {}
 
-    def _optimizer(self) -> torch.optim.Optimizer:
+    @staticmethod
+    def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
         """Adam as a GPU runs it: ``foreach``, its default there (fake tensors are on the CPU,
         where it steps parameter by parameter), whose temporaries are a stage's square roots."""
-        return torch.optim.Adam(self.model.parameters(), foreach=True)
+        return torch.optim.Adam(model.parameters(), foreach=True)
 
     def plan(self, stages: int, schedule: str, memopt: bool, partitioner: str, microbatch: int) -> Plan | None:
         """The strategy's plan at ``microbatch``, or ``None`` where the planner refuses."""
@@ -202,8 +203,9 @@ class Bench:
         if key not in self._runs:
             policies = {n.name: p for n, p in zip(self.captured.nodes, plan.policies) if p != "keep"}
             batch = self.workload.batch(plan.microbatch_size * plan.chunks)
-            meter = fake_training(self.model, self.captured, batch, self.workload.step, self._optimizer(),
-                                  plan.balance, policies, schedule=schedule, chunks=plan.chunks)
+            model, graph = meta_copy(self.model, self.captured)  # a model runs fake once
+            meter = fake_training(model, graph, batch, self.workload.step, self._optimizer(model), plan.balance,
+                                  policies, schedule=schedule, chunks=plan.chunks)
             self._runs[key] = meter.peaks()
         return self._runs[key]
 

@@ -211,7 +211,17 @@ class Stages:
         return [replace(o, peak=p, fits=o.fits and p.total <= c) for o, p, c in zip(optima, peaks, self.capacities)]
 
     def fits(self, balance: Sequence[int]) -> bool:
+        """Whether every stage of ``balance``, placed, fits (a stage :meth:`overfull` does not:
+        known before any optimisation)."""
+        if any(self.overfull(r.start, r.stop, s) for s, r in enumerate(stage_ranges(balance))):
+            return False
         return all(o.fits for o in self.placed(balance))
+
+    def overfull(self, lo: int, hi: int, s: int) -> bool:
+        """Whether stage ``s`` on ``[lo, hi)`` goes over its capacity with what no memory
+        optimisation takes off (parameters, their state, the largest workspace): a bound that
+        costs no optimisation."""
+        return self.model.static(lo, hi, self.weight_versions) + self.model.transient(lo, hi) > self.capacities[s]
 
     def times(self, balance: Sequence[int]) -> list[StageTime]:
         """Per stage of ``balance``, placed, its times per micro-batch."""
@@ -517,8 +527,8 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] |
 
     def placed(lo: int, hi: int, s: int) -> StageOptimum | None:
         """Stage ``s`` on ``[lo, hi)`` optimised after the stages placed so far; ``None``: it does not fit."""
-        if model.static(lo, hi, stages.weight_versions) + model.transient(lo, hi) > stages.capacities[s]:
-            return None  # what no memory optimisation takes off
+        if stages.overfull(lo, hi, s):
+            return None
         found = stages.optimum(lo, hi, s, waiting=waiting(hi, s), chosen=chosen)
         return found if found.fits else None
 

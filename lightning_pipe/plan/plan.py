@@ -310,8 +310,7 @@ def largest_plan(
     if stages is None:  # at_least, never probed
         stages = planning_stages(profile.scaled(size), capacities, schedule, chunks, host_bandwidth, link_bandwidth,
                                  optimise_memory)
-    balance = split(partitioner, stages)
-    optima = stages.pruned(balance)
+    balance, optima = _chosen(stages, partitioner)
     if not all(o.fits for o in optima):  # at_least did not fit after all
         raise _infeasible(stages, partitioner, balance, optima)
     return _plan(stages, partitioner, schedule, balance, optima)
@@ -386,8 +385,13 @@ def _attempt(
     stages = planning_stages(
         profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory, carry
     )
+    return stages, *_chosen(stages, partitioner)
+
+
+def _chosen(stages: Stages, partitioner: Partitioner) -> tuple[list[int], list[StageOptimum]]:
+    """``partitioner``'s split of ``stages`` and its stages optimised; the caller checks whether all fit."""
     balance = split(partitioner, stages)
-    return stages, balance, stages.pruned(balance)
+    return balance, stages.pruned(balance)
 
 
 def _infeasible(

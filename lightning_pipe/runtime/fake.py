@@ -69,17 +69,26 @@ def fake_training(
 
     ``root``'s parameters and buffers become fake in place (the objects stay, so the
     captured graph, tied weights and ``optimizer`` keep referring to them): a real or a
-    ``meta`` model goes in, and it can run fake again but not train. Every stage runs on the CPU; the
-    meter tells stages apart by itself. ``batch`` may be real or ``meta``: only its shapes
-    and dtypes are used. Two steps run: the first on one micro-batch, only to leave what a
-    step leaves (gradients, optimizer state: which parameters get them does not depend on
-    the batch), at a fraction of a whole step's operators; then the steady step on
-    ``batch``, whose forward runs while they are alive. Its peak is the run's: at every
-    moment it holds at least what a first whole step would.
+    ``meta`` model goes in, and it can neither train nor run fake again (run each time a
+    :func:`meta_copy`). Every stage runs on the CPU; the meter tells stages apart by itself.
+    ``batch`` may be real or ``meta``: only its shapes and dtypes are used. Two steps run:
+    the first on one micro-batch, only to leave what a step leaves (gradients, optimizer
+    state: which parameters get them does not depend on the batch), at a fraction of a whole
+    step's operators; then the steady step on ``batch``, whose forward runs while they are
+    alive. Its peak is the run's: at every moment it holds at least what a first whole step
+    would.
 
     Raises:
         StageOutOfMemoryError: a stage went over its entry of ``capacities``.
+        ValueError: ``root`` ran fake before.
     """
+    if any(isinstance(t, FakeTensor) for t in [*root.parameters(), *root.buffers()]):
+        # the fake storages of a run before are not all charged again (2BW's weight swap loses one)
+        raise ValueError(
+            "The model's parameters are fake tensors from an earlier fake run, which a second run does not "
+            "meter right. Run a fresh copy each time: model, graph = meta_copy(root, captured), with an "
+            "optimizer over the copy's parameters."
+        )
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # the graph's own constants stay real
     _fake_in_place(root, mode)
     for p in root.parameters():
@@ -179,7 +188,7 @@ def _fake_in_place(module: nn.Module, mode: FakeTensorMode) -> None:
     Python objects (``torch.utils.swap_tensors``): whatever refers to them sees the fake."""
     seen: set[int] = set()
     for t in [*module.parameters(), *module.buffers()]:
-        if id(t) in seen or isinstance(t, FakeTensor):
+        if id(t) in seen:
             continue
         seen.add(id(t))
         fake = _fake(t, mode)

@@ -307,3 +307,19 @@ def test_a_recomputed_region_keeps_what_an_earlier_stage_drops():
     assert model.kept_before(1, 4) == []
     alone = model.peak(2, 4, 2, {2: "recompute"}).total
     assert model.peak(2, 4, 2, {1: "recompute", 2: "recompute"}).total == alone + 2 * 100
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
+def test_no_policy_takes_a_stage_under_its_parameters_state_and_largest_workspace(schedule):
+    # Stages.overfull refuses a stage by this bound before optimising it: no choice of
+    # recompute and swap may price a stage lower
+    rnd = random.Random(5)
+    for seed in range(8):
+        profile = random_profile(40, seed)
+        model = CostModel(profile, schedule=schedule, chunks=4)
+        for _ in range(10):
+            lo, hi = sorted(rnd.sample(range(41), 2))
+            policies = {i: rnd.choice(["recompute", "swap"]) for i in range(lo, hi) if rnd.random() < 0.7}
+            versions = 2 if schedule == "2bw" else 1
+            floor = model.static(lo, hi, versions) + model.transient(lo, hi)
+            assert model.peak(lo, hi, rnd.choice([1, 3]), policies, versions).total >= floor, (seed, lo, hi)

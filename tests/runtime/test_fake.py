@@ -15,7 +15,7 @@ from lightning_pipe.measure.meter import StageOutOfMemoryError
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.plan import make_plan
 from lightning_pipe.runtime import swap
-from lightning_pipe.runtime.fake import fake_training
+from lightning_pipe.runtime.fake import fake_training, meta_copy
 from tests.helpers import trainer
 from tests.models import make
 
@@ -78,18 +78,42 @@ def test_fake_run_enforces_capacities_and_leaves_the_host_pool_alone(monkeypatch
     model, data = make("gpt")
     captured = capture(model)
     batch = default_collate([data[i] for i in range(BATCH)])
-    step = lambda forward, mb: model.criterion(forward(*model.inputs(mb)), mb)  # noqa: E731
-    optimizer = model.configure_optimizers()
     balance = [len(captured.nodes) // 2, len(captured.nodes) - len(captured.nodes) // 2]
     policies = {n.name: "swap" for n in captured.nodes[:10]}
-    peaks = fake_training(model, captured, batch, step, optimizer, balance, policies, chunks=2).peaks()
+
+    def run(**capped):  # a model runs fake once: each run on a copy
+        copy, graph = meta_copy(model, captured)
+        return fake_training(copy, graph, batch, lambda forward, mb: copy.criterion(forward(*copy.inputs(mb)), mb),
+                             copy.configure_optimizers(), balance, policies, chunks=2, **capped)
+
+    peaks = run().peaks()
     with pytest.raises(StageOutOfMemoryError) as error:
-        fake_training(model, captured, batch, step, optimizer, balance, policies, chunks=2,
-                      capacities=[peaks[0] - 1, None])
+        run(capacities=[peaks[0] - 1, None])
     assert error.value.stage == 0
-    fake_training(model, captured, batch, step, optimizer, balance, policies, chunks=2, capacities=peaks)
+    run(capacities=peaks)
     gc.collect()  # swapped fake tensors freed late give their buffers back to their own pool
     assert swap.pool is pool and pool.nbytes() == 0  # fake host buffers never enter the real pool
+
+
+def test_a_model_runs_fake_once_and_its_copies_meter_alike():
+    # a second run on a model already fake lost one of 2BW's weight versions from the meter:
+    # it is refused, and runs on fresh copies meter the same peaks, both weight versions in them
+    model, data = make("gpt")
+    captured = capture(model)
+    batch = default_collate([data[i] for i in range(BATCH)])
+    balance = [len(captured.nodes) // 2, len(captured.nodes) - len(captured.nodes) // 2]
+    params, buffers = (sum(t.nbytes for t in kind()) for kind in (model.parameters, model.buffers))
+
+    def run(root, graph):
+        meter = fake_training(root, graph, batch, lambda forward, mb: root.criterion(forward(*root.inputs(mb)), mb),
+                              root.configure_optimizers(), balance, schedule="2bw", chunks=2)
+        return meter.peaks(), [m.peak_by_kind["parameters"] for m in meter.stages]
+
+    first, second = run(*meta_copy(model, captured)), run(*meta_copy(model, captured))
+    assert first == second and sum(first[1]) == 2 * params + buffers  # at every stage's peak
+    run(model, captured)
+    with pytest.raises(ValueError, match=r"earlier fake run.*meta_copy"):
+        run(model, captured)
 
 
 def test_a_meta_model_runs_fake_at_sizes_that_would_not_fit_the_host():
