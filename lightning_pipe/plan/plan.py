@@ -325,14 +325,14 @@ def _largest(
 ) -> tuple[int, Stages | None]:
     """:func:`max_microbatch`'s size, with the stages its probe of that size priced (``None``:
     ``at_least``, taken as known to fit, was the answer)."""
-    fitting: dict[int, Stages] = {}  # the largest size found to fit so far -> its probe's stages
+    found: Stages | None = None  # the last probe that fit: each probe is above every size found to fit
 
     def fits(size: int) -> bool:
-        if (stages := _probed(profile.scaled(size), capacities, settings, optimise_memory)) is None:
-            return False
-        fitting.clear()
-        fitting[size] = stages
-        return True
+        nonlocal found
+        stages = _probed(profile.scaled(size), capacities, settings, optimise_memory)
+        if stages is not None:
+            found = stages
+        return stages is not None
 
     if at_least < 1:
         raise ValueError(f"at_least={at_least} is not a micro-batch size; give 1 or a size known to fit.")
@@ -344,7 +344,7 @@ def _largest(
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
-    return low, fitting.get(low)
+    return low, found
 
 
 def planning_stages(
