@@ -158,17 +158,22 @@ class Stages:
         with every stage pruned (:meth:`pruned`; cached)."""
         key = tuple(balance)
         if key not in self._placed:
-            waits = self.model.waiting(balance, self.waits, self.backward_states)
-            optima: list[StageOptimum] = []
-            chosen: dict[int, Policy] = {}
-            for s, r in enumerate(stage_ranges(balance)):  # in order: a stage is priced with the earlier ones' choices
-                optima.append(self.optimum(r.start, r.stop, s, waiting=waits[s], chosen=chosen))
-                chosen.update(optima[-1].policies)
+            optima = list(self._optimised(balance))
             placed = self._priced(balance, optima)
             if all(o.fits for o in optima) and not all(o.fits for o in placed):
                 placed = self._pruned(balance, optima)
             self._placed[key] = placed
         return self._placed[key]
+
+    def _optimised(self, balance: Sequence[int]) -> Iterator[StageOptimum]:
+        """Each stage of ``balance`` optimised under its capacity with what waits at it, in order:
+        a stage is priced with the earlier ones' choices (so :meth:`fits` can stop at one over)."""
+        waits = self.model.waiting(balance, self.waits, self.backward_states)
+        chosen: dict[int, Policy] = {}
+        for s, r in enumerate(stage_ranges(balance)):
+            found = self.optimum(r.start, r.stop, s, waiting=waits[s], chosen=chosen)
+            chosen.update(found.policies)
+            yield found
 
     def pruned(self, balance: Sequence[int]) -> list[StageOptimum]:
         """:meth:`placed`, each stage without the choices it fits without. The search leaves
@@ -212,8 +217,11 @@ class Stages:
 
     def fits(self, balance: Sequence[int]) -> bool:
         """Whether every stage of ``balance``, placed, fits (a stage :meth:`overfull` does not:
-        known before any optimisation)."""
+        known before any optimisation; nor does one that does not fit optimised, known before
+        the later stages are)."""
         if any(self.overfull(r.start, r.stop, s) for s, r in enumerate(stage_ranges(balance))):
+            return False
+        if tuple(balance) not in self._placed and not all(o.fits for o in self._optimised(balance)):
             return False
         return all(o.fits for o in self.placed(balance))
 
