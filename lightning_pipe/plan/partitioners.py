@@ -134,10 +134,13 @@ class Stages:
     def reachable(self) -> list[int] | None:
         """A split whose every stage, searched further, gets within :data:`REACH` of its
         capacity: fill-first on the lowest peaks, one step of :meth:`floor`'s search, in a
-        fraction of its time. ``None``: no split comes that close, so :meth:`floor`'s has a
+        fraction of its time, and where that finds none, fill-first from the last stage (lowest
+        peaks are not monotone in the range: a stage's stash holds what crosses its first cut,
+        so the first stage's greedy ends can leave a rest that fits nowhere, and the last
+        stage's not). ``None``: no split comes that close, so :meth:`floor`'s has a
         stage over its capacity too (lowest peaks grow with the range, but for small steps)."""
-        limits = [REACH * c for c in self.capacities]
-        return _fill_first(self.model.n, limits, self._searched().lowest)
+        limits, lowest, n = [REACH * c for c in self.capacities], self._searched().lowest, self.model.n
+        return _fill_first(n, limits, lowest) or _fill_last(n, limits, lowest)
 
     def _searched(self) -> "Stages":
         """:meth:`searched_further`, kept: :meth:`reachable` and :meth:`floor` share its optima."""
@@ -361,6 +364,14 @@ def _fill_first(n: int, limits: Sequence[float], cost: Cost) -> list[int] | None
     if cost(lo, n, count - 1) > limits[-1]:
         return None
     return balance + [n - lo]
+
+
+def _fill_last(n: int, limits: Sequence[float], cost: Cost) -> list[int] | None:
+    """:func:`_fill_first` from the last stage back: each stage in turn, the last first, takes
+    the longest run of nodes ending where the next one begins whose cost stays within its limit."""
+    count = len(limits)
+    found = _fill_first(n, limits[::-1], lambda lo, hi, s: cost(n - hi, n - lo, count - 1 - s))
+    return found[::-1] if found is not None else None
 
 
 def _min_max(

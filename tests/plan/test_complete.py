@@ -6,7 +6,7 @@ import random
 import pytest
 
 from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.partitioners import BASELINES, NOISE, PARTITIONERS, _fill_fitting, split
+from lightning_pipe.plan.partitioners import BASELINES, NOISE, PARTITIONERS, REACH, _fill_first, _fill_fitting, split
 from lightning_pipe.plan.plan import (
     PLANNING_HEADROOM,
     InfeasiblePlanError,
@@ -178,6 +178,20 @@ def test_dawnpiper_fits_where_the_split_an_infeasible_plan_would_report_fits():
     stages = planning_stages(profile, [int(DEVICE.memory * PLANNING_HEADROOM)] * 4, "gpipe", 4,
                              DEVICE.host_bandwidth, DEVICE.link_bandwidth)
     assert stages.fits(stages.floor())
+    assert stages.fits(split("dawnpiper", stages))
+
+
+def test_a_split_only_filling_from_the_last_stage_finds_near_fitting_is_searched():
+    # lowest peaks are not monotone in the range (a stage stashes what crosses its first cut):
+    # here fill-first from the first stage finds no split near fitting, and from the last one
+    # does; a split fits, so dawnpiper must find one (T5-large over 4 A100-40GB under 2BW was
+    # refused at micro-batch 80 so, while 79 and 81 planned)
+    n, (profile, capacities, schedule, chunks, host_bandwidth) = 10, setting(9528, 10)
+    stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth)
+    assert not any(stages.fits(split(name, stages)) for name in BASELINES)
+    limits = [REACH * c for c in capacities]
+    assert _fill_first(n, limits, stages.searched_further().lowest) is None
+    assert any(stages.fits(b) for b in balances(n, len(capacities)))
     assert stages.fits(split("dawnpiper", stages))
 
 
