@@ -137,8 +137,8 @@ class Stages:
         fraction of its time, and where that finds none, fill-first from the last stage (lowest
         peaks are not monotone in the range: a stage's stash holds what crosses its first cut,
         so the first stage's greedy ends can leave a rest that fits nowhere, and the last
-        stage's not). ``None``: no split comes that close, so :meth:`floor`'s has a
-        stage over its capacity too (lowest peaks grow with the range, but for small steps)."""
+        stage's not). ``None``: no split comes that close either way, so :meth:`floor`'s, found
+        by fill-first too, has a stage over its capacity."""
         limits, lowest, n = [REACH * c for c in self.capacities], self._searched().lowest, self.model.n
         return _fill_first(n, limits, lowest) or _fill_last(n, limits, lowest)
 
@@ -159,14 +159,17 @@ class Stages:
         beyond the next), known only for a whole split; what waits depends on the policies
         chosen, so the split is priced again with them, and where that goes over, again
         with every stage pruned (:meth:`pruned`; cached)."""
-        key = tuple(balance)
-        if key not in self._placed:
-            optima = list(self._optimised(balance))
-            placed = self._priced(balance, optima)
-            if all(o.fits for o in optima) and not all(o.fits for o in placed):
-                placed = self._pruned(balance, optima)
-            self._placed[key] = placed
-        return self._placed[key]
+        if (placed := self._placed.get(tuple(balance))) is None:
+            placed = self._place(balance, list(self._optimised(balance)))
+        return placed
+
+    def _place(self, balance: Sequence[int], optima: list[StageOptimum]) -> list[StageOptimum]:
+        """:meth:`placed` of ``balance`` from its stages' ``optima`` (:meth:`_optimised`), cached."""
+        placed = self._priced(balance, optima)
+        if all(o.fits for o in optima) and not all(o.fits for o in placed):
+            placed = self._pruned(balance, optima)
+        self._placed[tuple(balance)] = placed
+        return placed
 
     def _optimised(self, balance: Sequence[int]) -> Iterator[StageOptimum]:
         """Each stage of ``balance`` optimised under its capacity with what waits at it, in order:
@@ -224,9 +227,14 @@ class Stages:
         the later stages are)."""
         if any(self.overfull(r.start, r.stop, s) for s, r in enumerate(stage_ranges(balance))):
             return False
-        if tuple(balance) not in self._placed and not all(o.fits for o in self._optimised(balance)):
-            return False
-        return all(o.fits for o in self.placed(balance))
+        if (placed := self._placed.get(tuple(balance))) is None:
+            optima = []
+            for found in self._optimised(balance):
+                if not found.fits:
+                    return False
+                optima.append(found)
+            placed = self._place(balance, optima)
+        return all(o.fits for o in placed)
 
     def overfull(self, lo: int, hi: int, s: int) -> bool:
         """Whether stage ``s`` on ``[lo, hi)`` goes over its capacity with what no memory

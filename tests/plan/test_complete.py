@@ -186,7 +186,8 @@ def test_a_split_only_filling_from_the_last_stage_finds_near_fitting_is_searched
     # here fill-first from the first stage finds no split near fitting, and from the last one
     # does; a split fits, so dawnpiper must find one (T5-large over 4 A100-40GB under 2BW was
     # refused at micro-batch 80 so, while 79 and 81 planned)
-    n, (profile, capacities, schedule, chunks, host_bandwidth) = 10, setting(9528, 10)
+    n = 10
+    profile, capacities, schedule, chunks, host_bandwidth = setting(9528, n)
     stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth)
     assert not any(stages.fits(split(name, stages)) for name in BASELINES)
     limits = [REACH * c for c in capacities]
