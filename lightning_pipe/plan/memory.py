@@ -351,15 +351,16 @@ class CostModel:
         layout = _Layout.one(lo, hi, _policy_codes(policies, self.n))
         return int(_regions_inputs(self, layout, np.array([a - lo]), np.array([b - lo]))[0][0])
 
-    def kept_before(self, lo: int, hi: int) -> list[int]:
-        """Nodes before ``lo`` keeping first a storage that nodes ``[lo, hi)`` read: whether
-        such a node drops what it keeps (its policy) decides whether a recomputed region of
-        ``[lo, hi)`` reading it keeps it instead (:func:`_regions_inputs`)."""
+    def depends_on(self, lo: int, hi: int) -> list[int]:
+        """Nodes before ``lo`` whose policies the price of a stage on ``[lo, hi)`` depends on:
+        those keeping first a storage the stage reads, and those making it. Whether such a
+        node drops what it keeps or makes decides whether a recomputed region of ``[lo, hi)``
+        reading it keeps it instead (:func:`_regions_inputs`)."""
         a = self._arrays
         begin, end = np.searchsorted(a.reader, [lo, hi])
         storages = a.read_base[begin:end][a.read[begin:end] < lo]
         keepers = a.held_by[storages]
-        found: list[int] = np.unique(keepers[(keepers >= 0) & (keepers < lo)]).tolist()
+        found: list[int] = np.unique(np.concatenate((keepers[(keepers >= 0) & (keepers < lo)], storages))).tolist()
         return found
 
     def peak(

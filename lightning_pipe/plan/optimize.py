@@ -91,8 +91,8 @@ def optimize_stage(
     is searched further (:func:`_descended`); with ``thorough``, so is one asked for its lowest
     peak (``capacity`` 0), which costs a planner's search too much to do for every range.
     ``waiting``: what waits at the stage for others (:meth:`CostModel.waiting`), once known;
-    ``earlier``: the policies of earlier stages' nodes keeping values the stage reads
-    (:meth:`CostModel.kept_before`), once chosen: a value such a node drops, a recomputed
+    ``earlier``: the policies of earlier stages' nodes keeping or making values the stage reads
+    (:meth:`CostModel.depends_on`), once chosen: a value such a node drops, a recomputed
     region of the stage keeps. Choices the stage turns out to fit without stay
     (:func:`prune_stage` drops them, at one pricing per choice: a search prunes only the split
     it chooses)."""
@@ -299,7 +299,7 @@ def _better(a: StageOptimum, b: StageOptimum) -> bool:
 class _Stage:
     """What :func:`optimize_stage` prices policies for: nodes ``[lo, hi)`` of ``model`` as a
     stage holding ``in_flight`` micro-batches under ``capacity``, what waits at it, and the
-    policies of the earlier nodes keeping what it reads (priced with its own)."""
+    policies of the earlier nodes keeping or making what it reads (priced with its own)."""
 
     model: CostModel
     lo: int

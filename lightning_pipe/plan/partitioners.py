@@ -100,10 +100,10 @@ class Stages:
 
     def earlier(self, lo: int, hi: int, chosen: Mapping[int, Policy]) -> dict[int, Policy]:
         """Of the policies ``chosen`` for earlier stages, those a stage on ``[lo, hi)`` is
-        priced with (:meth:`CostModel.kept_before`)."""
+        priced with (:meth:`CostModel.depends_on`)."""
         if not chosen:
             return {}
-        return {i: chosen[i] for i in self.model.kept_before(lo, hi) if i in chosen}
+        return {i: chosen[i] for i in self.model.depends_on(lo, hi) if i in chosen}
 
     def kept(self) -> "Stages":
         """These stages with no memory optimisation."""

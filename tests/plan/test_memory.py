@@ -303,10 +303,31 @@ def test_a_recomputed_region_keeps_what_an_earlier_stage_drops():
              replace(node(1, 100, made=10, held=10, until=2, users=[2]), saved_inputs_bytes=100, saved_inputs_from=0),
              node(2, 50, users=[3]), node(3, 20, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=2)
-    assert model.kept_before(2, 4) == [1]
-    assert model.kept_before(1, 4) == []
+    assert model.depends_on(2, 4) == [0, 1]  # node 0 makes them, node 1 keeps them
+    assert model.depends_on(1, 4) == [0]  # node 1 keeps them itself
     alone = model.peak(2, 4, 2, {2: "recompute"}).total
     assert model.peak(2, 4, 2, {1: "recompute", 2: "recompute"}).total == alone + 2 * 100
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_is_priced_alike_with_the_earlier_policies_it_depends_on_and_with_all(schedule):
+    # a search optimises a stage with only the earlier stages' policies depends_on names
+    # (Stages.earlier); the split is then priced with every policy: the two must agree, or
+    # stages that fit alone go over together
+    rnd = random.Random(3)
+    for seed in range(10):
+        nodes = random_profile(40, seed).nodes
+        for i, n in enumerate(nodes):  # a reader keeps some values first
+            if n.users != [-1] and rnd.random() < 0.5:
+                nodes[i] = replace(n, held_by=max(n.users), held_bytes=n.held_bytes or n.output_bytes)
+        model = CostModel(Profile(nodes, "cpu", "float32", 4, input_bytes=100, input_users=[0]),
+                          schedule=schedule, chunks=4)
+        for _ in range(10):
+            lo, hi = sorted(rnd.sample(range(1, 41), 2))
+            policies = {i: rnd.choice(["recompute", "swap"]) for i in range(hi) if rnd.random() < 0.6}
+            own = {i: p for i, p in policies.items() if i >= lo}
+            named = {i: policies[i] for i in model.depends_on(lo, hi) if i in policies}
+            assert model.peak(lo, hi, 3, {**named, **own}) == model.peak(lo, hi, 3, policies), (seed, lo, hi)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
