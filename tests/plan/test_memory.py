@@ -310,10 +310,10 @@ def test_a_recomputed_region_keeps_what_an_earlier_stage_drops():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_stage_is_priced_alike_with_the_earlier_policies_it_depends_on_and_with_all(schedule):
-    # a search optimises a stage with only the earlier stages' policies depends_on names
-    # (Stages.earlier); the split is then priced with every policy: the two must agree, or
-    # stages that fit alone go over together
+def test_a_stage_is_priced_alike_with_the_policies_it_depends_on_and_with_every_stage_s(schedule):
+    # a search optimises a stage with its own policies and the earlier ones depends_on names
+    # (Stages.earlier), before the later stages choose theirs; the split is then priced with
+    # every policy: the two must agree, or stages that fit alone go over together
     rnd = random.Random(3)
     for seed in range(10):
         nodes = random_profile(40, seed).nodes
@@ -324,8 +324,8 @@ def test_a_stage_is_priced_alike_with_the_earlier_policies_it_depends_on_and_wit
                           schedule=schedule, chunks=4)
         for _ in range(10):
             lo, hi = sorted(rnd.sample(range(1, 41), 2))
-            policies = {i: rnd.choice(["recompute", "swap"]) for i in range(hi) if rnd.random() < 0.6}
-            own = {i: p for i, p in policies.items() if i >= lo}
+            policies = {i: rnd.choice(["recompute", "swap"]) for i in range(40) if rnd.random() < 0.6}
+            own = {i: p for i, p in policies.items() if lo <= i < hi}
             named = {i: policies[i] for i in model.depends_on(lo, hi) if i in policies}
             assert model.peak(lo, hi, 3, {**named, **own}) == model.peak(lo, hi, 3, policies), (seed, lo, hi)
 
