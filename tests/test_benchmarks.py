@@ -150,6 +150,11 @@ def test_paper_benchmark_rows_are_the_same_from_worker_processes():
         (r.stages, r.schedule, r.partitioner, r.max_microbatch) for r in inline]
     assert [(r.stages, r.schedule) for r in pooled[::2]] == [(2, "1f1b"), (2, "2bw"), (3, "1f1b"), (3, "2bw")]
     assert all(r.max_microbatch > 0 for r in pooled)
+    # a run's CPU time counts the workers' by their rows: the system counts a worker's only
+    # once it has exited, after a run cut short has saved its rows
+    assert all(r.cpu_seconds > 0 for r in pooled)
+    assert paper._cpu_seconds(pooled, workers=True) == pytest.approx(
+        paper._cpu_seconds([], workers=True) + sum(r.cpu_seconds for r in pooled), abs=0.1)
 
 
 def test_distributed_benchmark_runs_every_runtime_and_matches_pipelinings_peaks():
