@@ -680,6 +680,7 @@ def main(
         if given)
     path = args.out / "benchmarks" / "paper_results.json"
     earlier = json.loads(path.read_text()) if path.exists() else None
+    jobs = args.jobs if workloads is None else 1
 
     def save(rows: list[Row]) -> dict[str, Any]:
         """The results file and page with ``rows`` (so far) merged in."""
@@ -692,7 +693,6 @@ def main(
             target.write_text(text)
         return results
 
-    jobs = args.jobs if workloads is None else 1
     results = save(run(chosen, settings, device, jobs, save))
     print(summary(results))
     return results

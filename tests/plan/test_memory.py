@@ -310,7 +310,7 @@ def test_a_recomputed_region_keeps_what_an_earlier_stage_drops():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_stage_is_priced_alike_with_the_policies_it_depends_on_and_with_every_stage_s(schedule):
+def test_a_stage_is_priced_alike_with_the_policies_it_depends_on_and_with_every_policy(schedule):
     # a search optimises a stage with its own policies and the earlier ones depends_on names
     # (Stages.earlier), before the later stages choose theirs; the split is then priced with
     # every policy: the two must agree, or stages that fit alone go over together
