@@ -137,10 +137,12 @@ class Stages:
         fraction of its time, and where that finds none, fill-first from the last stage (lowest
         peaks are not monotone in the range: a stage's stash holds what crosses its first cut,
         so the first stage's greedy ends can leave a rest that fits nowhere, and the last
-        stage's not). ``None``: no split comes that close either way, so :meth:`floor`'s, found
-        by fill-first too, has a stage over its capacity."""
-        limits, lowest, n = [REACH * c for c in self.capacities], self._searched().lowest, self.model.n
-        return _fill_first(n, limits, lowest) or _fill_last(n, limits, lowest)
+        stage's not). The peaks searched further are asked for only where the stages' own
+        lowest peaks (never lower, and some fifty times cheaper) reach nowhere. ``None``: no
+        split comes that close either way, so :meth:`floor`'s, found by fill-first too, has a
+        stage over its capacity."""
+        limits, n = [REACH * c for c in self.capacities], self.model.n
+        return _reaching(n, limits, self.lowest) or _reaching(n, limits, self._searched().lowest)
 
     def _searched(self) -> "Stages":
         """:meth:`searched_further`, kept: :meth:`reachable` and :meth:`floor` share its optima."""
@@ -382,6 +384,11 @@ def _fill_last(n: int, limits: Sequence[float], cost: Cost) -> list[int] | None:
     return found[::-1] if found is not None else None
 
 
+def _reaching(n: int, limits: Sequence[float], cost: Cost) -> list[int] | None:
+    """:func:`_fill_first`, or where that finds nothing, :func:`_fill_last`."""
+    return _fill_first(n, limits, cost) or _fill_last(n, limits, cost)
+
+
 def _min_max(
     n: int, scales: Sequence[float], cost: Cost, precision: float = 1e-12, start: Sequence[int] | None = None
 ) -> list[int]:
@@ -537,10 +544,11 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] |
     memory-optimised and with the gradients that will wait at it (known once the earlier cuts
     are), leaving a node for every later stage; the last stage takes the rest. What crosses a
     cut (outputs kept for sending, gradients waiting on later stages) is not monotone in it, so
-    when the rest does not fit, a stage ends up to ``slack`` nodes earlier or later instead, or
+    when the rest does not fit, a stage ends up to ``slack`` nodes later or earlier instead, or
     earlier still at a cut as thin as the thinnest of its longest run (few bytes cross there,
     typically a layer boundary, so a later stage can take over); the search gives up after
-    ``tries`` times the stage count such starts. ``None``: nothing found."""
+    ``tries`` times the stage count such starts. Ends past the longest run come only after it:
+    most of them do not fit, and each costs a stage's search. ``None``: nothing found."""
     model, count, n = stages.model, stages.count, stages.model.n
     cuts: list[int] = []
     chosen: dict[int, Policy] = {}  # the placed stages' policies (their nodes' ranges do not overlap)
@@ -574,7 +582,7 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] |
         while a < b:  # the longest fitting end, were fitting monotone
             mid = (a + b + 1) // 2
             a, b = (mid, b) if fits(lo, mid, s) else (a, mid - 1)
-        window = range(min(a + slack, last), max(lo, a - slack - 1), -1)
+        window = [a, *range(min(a + slack, last), a, -1), *range(a - 1, max(lo, a - slack - 1), -1)]
         thinnest = min((model.crossing[c] for c in range(lo + 1, a + 1)), default=0)
         narrow = [c for c in range(a - slack - 1, lo, -1) if model.crossing[c] <= thinnest]
         for hi in [*window, *narrow]:
