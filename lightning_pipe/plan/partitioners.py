@@ -570,6 +570,16 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] |
     def fits(lo: int, hi: int, s: int) -> bool:
         return placed(lo, hi, s) is not None
 
+    def rest_fits(hi: int) -> bool:
+        """Whether the last stage fits from ``hi`` on, priced before the stage ending at ``hi``
+        chooses: its choices can only add to the last stage's price (what it drops, the last
+        stage keeps), and they cost a stage search each."""
+        cuts.append(hi)
+        try:
+            return fits(hi, n, count - 1)
+        finally:
+            cuts.pop()
+
     def fill(lo: int, s: int) -> bool:
         if s == count - 1:  # what waits at each stage while it runs its backwards: the whole split's
             return fits(lo, n, s) and stages.fits(_balance(cuts, n))
@@ -586,6 +596,8 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] |
         thinnest = min((model.crossing[c] for c in range(lo + 1, a + 1)), default=0)
         narrow = [c for c in range(a - slack - 1, lo, -1) if model.crossing[c] <= thinnest]
         for hi in [*window, *narrow]:
+            if s == count - 2 and not rest_fits(hi):
+                continue
             if found := placed(lo, hi, s):
                 cuts.append(hi)
                 chosen.update(found.policies)
