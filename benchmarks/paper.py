@@ -3,7 +3,7 @@ on 4 and 8 A100-40GB, by fake execution on this CPU.
 
     python -m benchmarks.paper           # the tables' settings (GPipe, 2BW; time and dawnpiper)
     python -m benchmarks.paper --full    # also 1F1B and the params, uniform and capslog partitioners (hours)
-    python -m benchmarks.paper --models bert cnn    # a part of the grid (minutes; the default run: about 25)
+    python -m benchmarks.paper --models bert cnn    # a part of the grid (minutes; the default run: about 18)
 
 BERT-large (seq 512), GPT-2 large (seq 1024) and T5-large (seq 512) are built from their
 ``transformers`` configs, and a U-Net of AmoebaNet-D's size (25M parameters, 224x224 images)
