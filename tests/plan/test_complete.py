@@ -6,7 +6,17 @@ import random
 import pytest
 
 from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.partitioners import BASELINES, NOISE, PARTITIONERS, REACH, _fill_first, _fill_fitting, split
+from lightning_pipe.plan.partitioners import (
+    BASELINES,
+    NOISE,
+    PARTITIONERS,
+    REACH,
+    Stages,
+    _fill_first,
+    _fill_fitting,
+    _reaching,
+    split,
+)
 from lightning_pipe.plan.plan import (
     PLANNING_HEADROOM,
     InfeasiblePlanError,
@@ -166,6 +176,19 @@ def test_the_fitting_search_reaches_past_its_window_to_a_thin_cut(seed):
     assert found is not None and stages.fits(found)
 
 
+def recorded(stages: Stages) -> list[tuple[int, int, int]]:
+    """Every ``(lo, hi, stage)`` that ``stages`` is asked to optimise from now on."""
+    asked: list[tuple[int, int, int]] = []
+    optimum = stages.optimum
+
+    def optimum_recorded(lo, hi, s, *args, **kwargs):
+        asked.append((lo, hi, s))
+        return optimum(lo, hi, s, *args, **kwargs)
+
+    stages.optimum = optimum_recorded
+    return asked
+
+
 def test_the_fitting_search_goes_past_the_longest_fitting_run_only_when_that_run_leads_nowhere():
     # fitting is not monotone in a stage's end, so ends past the longest run the binary search
     # finds are tried too; but only once that run's rest fails: each costs a stage search, and
@@ -174,13 +197,7 @@ def test_the_fitting_search_goes_past_the_longest_fitting_run_only_when_that_run
     for seed in range(300, 340):
         n = random.Random(seed).randint(12, 24)
         stages = planning_stages(*setting(seed, n))
-        priced: list[tuple[int, int, int]] = []
-
-        def recorded(lo, hi, s, *args, priced=priced, optimum=stages.optimum, **kwargs):
-            priced.append((lo, hi, s))
-            return optimum(lo, hi, s, *args, **kwargs)
-
-        stages.optimum = recorded
+        priced = recorded(stages)
         found = _fill_fitting(stages)
         if found is None or len(found) < 3:
             continue
@@ -201,16 +218,9 @@ def test_the_fitting_search_places_the_last_but_one_stage_only_where_the_last_on
         profile, capacities, schedule, chunks, host_bandwidth = setting(seed, n)
         capacities[-1] = 1  # nothing fits the last stage
         stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth)
-        placed: list[tuple[int, int]] = []
-        last_but_one = len(capacities) - 2
-
-        def recorded(lo, hi, s, *args, placed=placed, optimum=stages.optimum, last_but_one=last_but_one, **kwargs):
-            if s == last_but_one:
-                placed.append((lo, hi))
-            return optimum(lo, hi, s, *args, **kwargs)
-
-        stages.optimum = recorded
+        priced = recorded(stages)
         assert _fill_fitting(stages) is None
+        placed = [(lo, hi) for lo, hi, s in priced if s == len(capacities) - 2]
         starts = {lo for lo, _ in placed}
         # only the binary searches for the longest run, about log2(n) placements per start
         assert len(placed) <= len(starts) * (24).bit_length(), seed
@@ -274,7 +284,7 @@ def test_reachable_asks_for_searched_lowest_peaks_only_where_the_stages_own_opti
         stages = planning_stages(*setting(seed, n))
         further = stages.searched_further()
         limits = [REACH * c for c in stages.capacities]
-        reaching = _fill_first(n, limits, further.lowest)
+        reaching = _reaching(n, limits, further.lowest)
         found = stages.reachable
         if reaching is not None:
             assert found is not None, seed
