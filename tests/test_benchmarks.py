@@ -3,7 +3,7 @@
 
 import functools
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -101,6 +101,42 @@ def test_a_paper_run_cut_short_keeps_the_tasks_it_finished(tmp_path, monkeypatch
     assert {r["stages"] for r in results["rows"]} == {2} and len(results["rows"]) == 8
     assert results["runs"][-1]["configurations"] == 8
     assert "| tiny GPT-2 |" in (tmp_path / "docs" / "paper-scale.md").read_text()
+
+
+@pytest.mark.parametrize(("normal", "filters", "millions"), [(6, 208, 82), (6, 416, 318), (6, 544, 542),
+                                                         (12, 544, 1050), (24, 512, 1800), (6, 120, 28)])
+def test_amoebanet_has_gpipes_parameter_counts(normal, filters, millions):
+    """GPipe's Table 1 (AmoebaNet-D (L, D), rounded as it prints them) and the paper's 28M."""
+    from benchmarks.amoebanet import AmoebaNetD
+
+    with torch.device("meta"):
+        count = sum(p.numel() for p in AmoebaNetD(normal, filters).parameters())
+    assert abs(count / 1e6 - millions) <= 0.026 * millions
+
+
+@pytest.mark.slow
+def test_paper_benchmark_trains_a_small_amoebanet_at_its_prediction(tmp_path):
+    """AmoebaNet-D's cells read the two cells before them: under 2BW, memory optimisation on and
+    off, each partitioner's plan trains at exactly its predicted size; the page's targets take
+    its ratios as the CNN's."""
+    paper, _, small = _tiny_gpt2_on_a_small_gpu()
+    from benchmarks.amoebanet import AmoebaNetD
+
+    def build():
+        with torch.device("meta"):
+            return AmoebaNetD(normal=1, filters=16, classes=10)
+
+    def batch(n):
+        return {"image": torch.zeros(n, 3, 32, 32, device="meta"), "label": torch.zeros(n, dtype=torch.long,
+                                                                                        device="meta")}
+
+    tiny = paper.Workload("amoebanet", "tiny AmoebaNet-D", build, batch, paper._image, paper._classification_loss)
+    rows = paper.run([tiny], paper.Settings(["amoebanet"], [2], ["2bw"], ["time", "dawnpiper"]), small)
+    assert len(rows) == 4 and all(r.max_microbatch == r.predicted > 0 for r in rows), rows
+    ratios = paper.ratios(rows)
+    targets = paper._targets_section({"rows": [asdict(r) for r in rows], "ratios": ratios})
+    mean = sum(r["vs_time"] for r in ratios) / 2
+    assert f"on the CNN (AmoebaNet-D): **{mean:.2f}x** over 2 configurations" in targets
 
 
 def test_paper_results_keep_the_configurations_a_later_run_did_not_measure():

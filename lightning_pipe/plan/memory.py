@@ -605,6 +605,8 @@ class _NodeArrays:
         self.consumer = array([u for u, _ in edges])
         self.producer = array([j for _, j in edges])
         self.gradient = array([_edge_gradient(nodes, u, j) for u, j in edges])
+        self.forwarded = np.asarray([j in nodes[u].forwarded_grads for u, j in edges], dtype=bool)
+        self.first_reader = array([min((u for u in n.users if u >= 0), default=len(nodes)) for n in nodes])
         # per node, the gradients its backward hands the values it reads
         self.handed = np.bincount(self.consumer, weights=self.gradient, minlength=len(nodes)).astype(np.int64)
 
@@ -785,6 +787,18 @@ def _drop_stashes(
     stash -= freed
     # what comes back: a recomputed region's inputs stay (the region keeps them), not made again
     made_again = np.maximum(0, freed - np.where((code == 1) & before, a.saved_inputs[node], 0))
+    # a recomputed node's stash a kept node after its region saves too: that one keeps it, only
+    # until its own backward; the region makes its own again
+    last = np.minimum(a.last_saver[node], layout.hi - 1)
+    shared = (code == 1) & (a.last_saver[node] >= stop) & (a.last_saver[node] < layout.hi)
+    shared &= layout.codes[layout.row, last] == 0
+    again = np.where(shared, np.maximum(0, a.saved[node] - np.where(before, a.saved_inputs[node], 0)), 0)
+    made_again += again
+    position = np.flatnonzero(again)
+    gone = np.zeros(node.size + 1, dtype=np.int64)
+    np.add.at(gone, position, again[position])
+    np.add.at(gone, position + last[position] - node[position], -again[position])
+    back -= np.cumsum(gone)[:-1]
     total = np.cumsum(made_again)
     back += total - np.concatenate(([0], total))[starts][segment]
     kind = code[starts]
@@ -848,6 +862,11 @@ def _recomputing(
     read = np.where(read >= layout.lo, reader - node[reader] + read, -1)  # its position, if in the stage
     same = (read >= 0) & region[np.maximum(read, 0)] & (at[np.maximum(read, 0)] == at[reader]) & region[reader]
     np.maximum.at(last, read[same], reader[same])
+    # one the run returns (read after it) lives until the run stops: at its last node saving
+    # something, once every saved tensor is made again (the checkpoint's early stop)
+    saving = np.maximum.reduceat(np.where(a.saved[node] > 0, position, -1), starts)
+    returned = a.held_until[node[k]] > node[stops[at[k]] - 1]
+    last[k] = np.where(returned, np.maximum(last[k], saving[at[k]]), last[k])
     saver = k + a.held_by[node[k]] - node[k]  # the position of the node keeping it (of its row)
     ends = np.where((saver > k) & (saver < stops[at[k]]), saver, last[k])
     held = np.zeros(node.size + 1, dtype=np.int64)
@@ -946,16 +965,20 @@ def _held_end(
 
 def _gradients(a: _NodeArrays, lo: int, hi: int) -> _Array:
     """Per node of ``[lo, hi)``, bytes of the gradients the range's later nodes made for values
-    made up to it that are still to be taken when its backward runs (by it or an earlier node)."""
-    first, stop = np.searchsorted(a.consumer, [lo, hi])
-    producers, consumers = a.producer[first:stop], a.consumer[first:stop]
+    made up to it that are still to be taken when its backward runs (by it or an earlier node).
+    One a node hands on the gradient of its output (an ``add``'s, slices of a ``cat``'s) that
+    only later stages read is the storage that came from them, held where it arrived (see
+    :meth:`CostModel.waiting`), not here."""
+    edges = np.arange(*np.searchsorted(a.consumer, [lo, hi]))
+    edges = edges[~(a.forwarded[edges] & (a.first_reader[a.consumer[edges]] >= hi))]
+    producers, consumers = a.producer[edges], a.consumer[edges]
     live = np.zeros(hi - lo + 1, dtype=np.int64)
     if producers.size:
         unique, index = np.unique(producers, return_inverse=True)
         latest = np.zeros(unique.size, dtype=np.int64)
         np.maximum.at(latest, index, consumers)
         gradient = np.zeros(unique.size, dtype=np.int64)
-        np.maximum.at(gradient, index, a.gradient[first:stop])
+        np.maximum.at(gradient, index, a.gradient[edges])
         begin = np.maximum(unique, lo) - lo  # from the producer (or the stage start) ...
         np.add.at(live, begin, gradient)
         np.add.at(live, latest - lo, -gradient)  # ... to before its last reader in the range

@@ -7,8 +7,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
 
 import lightning_pipe.lightning.strategy as strategy_module
+from benchmarks.amoebanet import AmoebaNetD
 from benchmarks.models import BERT, MaskedTokenDataset, suite
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
@@ -223,7 +226,12 @@ def test_a_recomputed_regions_forward_run_again_is_predicted(monkeypatch):
     to its softmax (a plan dawnpiper made): its forward, run again before the softmax's
     backward, holds at once the stash made again so far and the scores its ``masked_fill``
     makes from those of the ``matmul`` before, more than that backward with the stash back
-    whole (the first stage was 5.9% under the meter)."""
+    whole (the first stage was 5.9% under the meter). It also holds the ``qkv`` projection
+    its values are a view of, returned for the ``matmul`` after it; that one saves the
+    softmax's output too, and frees it with its own backward, before the region runs again
+    (three errors that cancelled: the first stage was exact with all of them). A stage's last
+    ``add`` hands on its output's gradient as it is: the storage the next stage made and
+    holds (the second stage was 1.9% over when it counted it too)."""
 
     def recompute_attention(profile, targets, partitioner, schedule, chunks, *args, **kwargs):
         names = [n.name for n in profile.nodes]
@@ -241,7 +249,55 @@ def test_a_recomputed_regions_forward_run_again_is_predicted(monkeypatch):
                               stages.weight_versions, stages.waits, backward_states=stages.backward_states,
                               schedule="2bw", chunks=CHUNKS)
     metered = strategy.meter.peaks()
-    assert abs(predicted[0].total - metered[0]) <= 0.01 * metered[0], ([p.total for p in predicted], metered)
+    for stage in (0, 1):
+        assert abs(predicted[stage].total - metered[stage]) <= 0.001 * metered[stage], (
+            [p.total for p in predicted], metered)
+
+
+class _Amoeba(LightningModule):
+    """A small AmoebaNet-D classifying 32x32 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = AmoebaNetD(normal=1, filters=32, classes=10)
+
+    def forward(self, image):
+        return self.net(image)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_value_a_recomputed_region_sends_on_is_predicted_while_the_region_runs_again(monkeypatch):
+    """A small AmoebaNet over 2 stages under 1F1B, stage 0 recomputing the stem's normalisation
+    up to the first cell's two pools (the region dawnpiper chose on AmoebaNet-D at paper scale,
+    3.7% under the meter there). The stem's output, read in the region and by the second cell
+    on stage 1, is one of the region's outputs: run again before its backward, the region holds
+    it until it stops. Taken as freed at its last reader in the region, stage 0 was 3.5% under."""
+
+    def recompute_stem(profile, targets, partitioner, schedule, chunks, *args, **kwargs):
+        names = [n.name for n in profile.nodes]
+        region = range(names.index("net_stem_1"), names.index("net_cells_0_ops_1") + 1)
+        plan = make_plan(profile, [1 << 40] * 2, "uniform", schedule, chunks)
+        return replace(plan, balance=[41, len(names) - 41],
+                       policies=["recompute" if i in region else "keep" for i in range(len(names))])
+
+    monkeypatch.setattr(strategy_module, "make_plan", recompute_stem)
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3, 32, 32, generator=generator),
+                                          torch.randint(0, 10, (32,), generator=generator))
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b", measure_memory=True)
+    trainer(strategy, 2, max_steps=STEPS).fit(_Amoeba(), loader(data, 16))
+    stages = planning_stages(strategy.profile, [1 << 40] * 2, "1f1b", CHUNKS)
+    predicted = predict_peaks(strategy.profile, strategy.plan.balance, stages.in_flight, strategy.plan.policies,
+                              stages.weight_versions, stages.waits, backward_states=stages.backward_states,
+                              schedule="1f1b", chunks=CHUNKS)
+    metered = strategy.meter.peaks()
+    assert abs(predicted[0].total - metered[0]) <= 0.002 * metered[0], ([p.total for p in predicted], metered)
 
 
 @pytest.mark.parametrize(("schedule", "stage"), [("1f1b", 0), ("gpipe", 3)])

@@ -175,13 +175,15 @@ def test_gpipes_backward_holds_no_returned_loss():
 
 
 def test_a_gradient_handed_to_two_values_on_one_storage_counts_once():
-    # node 3 reads nodes 0 and 2 and hands both its output's gradient (an add): at node 2's
-    # backward that one 64-byte tensor is alive, with the 8 bytes node 2 makes for node 1
-    nodes = [node(0, users=[1, 3], out=64), node(1, out=8), node(2, out=64), node(3, out=64), node(4, users=[-1])]
+    # node 3 reads nodes 0 and 2 and hands both its output's gradient (an add), which node 4
+    # made: at node 2's backward that one 64-byte tensor is alive, with the 8 bytes node 2
+    # makes for node 1
+    nodes = [node(0, users=[1, 3], out=64), node(1, out=8), node(2, out=64), node(3, out=64), node(4, out=4),
+             node(5, users=[-1])]
     apart = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
     nodes[3] = replace(nodes[3], forwarded_grads=[0, 2])
     shared = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
-    assert (apart.peak(0, 4, 1).total, shared.peak(0, 4, 1).total) == (64 + 64, 64 + 8)
+    assert (apart.peak(0, 5, 1).total, shared.peak(0, 5, 1).total) == (64 + 64, 64 + 8)
 
 
 def test_a_recomputed_region_makes_again_what_it_saved_but_not_its_inputs():
@@ -199,11 +201,13 @@ def test_a_recomputed_region_makes_again_what_it_saved_but_not_its_inputs():
 
 def test_slices_of_one_gradient_keep_it_whole_until_the_earliest_value_takes_its_own():
     # node 3 concatenates nodes 0 and 2 (64 bytes each) and hands each a slice of its 128-byte
-    # output gradient: at node 2's backward the whole buffer and node 2's 8 bytes for node 1
+    # output gradient (node 4, on the stage, made it): at node 2's backward the whole buffer and
+    # node 2's 8 bytes for node 1
     nodes = [node(0, users=[1, 3], out=64), node(1, out=8), node(2, out=64),
-             replace(node(3, out=128), forwarded_grads=[0, 2], input_grad_bytes=128), node(4, users=[-1])]
+             replace(node(3, out=128), forwarded_grads=[0, 2], input_grad_bytes=128), node(4, out=4),
+             node(5, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
-    assert model.peak(0, 4, 1).total == 128 + 8
+    assert model.peak(0, 5, 1).total == 128 + 8
 
 
 @pytest.mark.parametrize("last_saver", [1, 5])
@@ -243,6 +247,39 @@ def test_a_value_read_by_a_later_run_of_one_policy_lives_until_that_run_ends():
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
     assert model._live(0, 4, {}).forward == (0, 500)
     assert model._live(0, 4, {1: "recompute"}).forward == (0, 100 + 500)
+
+
+@pytest.mark.parametrize("read_after", [False, True])
+def test_a_value_a_recomputed_region_returns_lives_through_its_forward_run_again(read_after):
+    # node 0's 100 bytes, read by node 1 and (``read_after``) by node 3 on a later stage: the
+    # region [0, 3) run again before its backward returns them, so they live until it stops
+    # (after node 2, the last to save something), through node 2's 300-byte workspace
+    nodes = [node(0, 0, held=100, until=3 if read_after else 1, users=[1, 3] if read_after else [1]),
+             node(1, 10), node(2, 10, workspace=300), node(3, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    recomputed = model._live(0, 3, dict.fromkeys(range(3), "recompute"))
+    assert sum(recomputed.backward) == 10 + 100 * read_after + 10 + 300
+
+
+def test_a_recomputed_nodes_stash_a_later_kept_node_saves_too_is_held_once():
+    # node 0 saves its 100-byte output, and kept node 1 saves it too: recomputing node 0, that
+    # copy goes with node 1's backward and node 0's backward has the one made again (a
+    # softmax's output that the matmul after it saves), as when both are kept
+    nodes = [replace(node(0, 100, users=[1]), last_saver=1), node(1, 0, made=10, held=10, until=2, users=[2]),
+             node(2, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    kept, recomputed = model._live(0, 2, {}), model._live(0, 2, {0: "recompute"})
+    assert recomputed.stashed == kept.stashed == 100
+    assert sum(recomputed.backward) == sum(kept.backward) == 100 + 100  # with node 0's output gradient
+
+
+def test_a_gradient_handed_on_from_a_later_stage_waits_where_it_arrived():
+    # node 1 (an add) hands its output's gradient to node 0 as it is: read only on a later
+    # stage, that gradient is the later stage's storage (see CostModel.waiting), not node 0's
+    nodes = [node(0, out=64), replace(node(1, out=64), forwarded_grads=[0]), node(2, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    assert model._gradients(0, 2).tolist() == [0, 0]
+    assert model._gradients(0, 3).tolist() == [64, 0, 0]
 
 
 def test_a_stage_ends_its_forward_with_its_whole_stash_and_what_leaves_it():
