@@ -136,7 +136,7 @@ def test_paper_benchmark_trains_a_small_amoebanet_at_its_prediction(tmp_path):
     ratios = paper.ratios(rows)
     targets = paper._targets_section({"rows": [asdict(r) for r in rows], "ratios": ratios})
     mean = sum(r["vs_time"] for r in ratios) / 2
-    assert f"on the CNN (AmoebaNet-D): **{mean:.2f}x** over 2 configurations" in targets
+    assert f"on the CNN (AmoebaNet-D) (target 2x): **{mean:.2f}x** over 2 configurations" in targets
 
 
 def test_paper_results_keep_the_configurations_a_later_run_did_not_measure():

@@ -780,7 +780,8 @@ def _drop_stashes(
     code, node = layout.code, layout.node
     starts, segment = runs.starts, runs.of
     start, stop = node[starts][segment], runs.stop_nodes(layout)[segment]
-    freed = np.where((code != 0) & (a.last_saver[node] < stop), a.saved[node], 0)
+    saver = a.last_saver[node]
+    freed = np.where((code != 0) & (saver < stop), a.saved[node], 0)
     inputs_from = a.saved_inputs_from[node]
     before = (inputs_from >= 0) & (inputs_from < start)  # saves inputs made before its segment
     freed = np.maximum(0, freed - np.where((code == 2) & before, a.saved_inputs[node], 0))
@@ -789,16 +790,16 @@ def _drop_stashes(
     made_again = np.maximum(0, freed - np.where((code == 1) & before, a.saved_inputs[node], 0))
     # a recomputed node's stash a kept node after its region saves too: that one keeps it, only
     # until its own backward; the region makes its own again
-    last = np.minimum(a.last_saver[node], layout.hi - 1)
-    shared = (code == 1) & (a.last_saver[node] >= stop) & (a.last_saver[node] < layout.hi)
-    shared &= layout.codes[layout.row, last] == 0
-    again = np.where(shared, np.maximum(0, a.saved[node] - np.where(before, a.saved_inputs[node], 0)), 0)
-    made_again += again
-    position = np.flatnonzero(again)
-    gone = np.zeros(node.size + 1, dtype=np.int64)
-    np.add.at(gone, position, again[position])
-    np.add.at(gone, position + last[position] - node[position], -again[position])
-    back -= np.cumsum(gone)[:-1]
+    shared = np.flatnonzero((code == 1) & (saver >= stop) & (saver < layout.hi))
+    if shared.size:
+        keeper = shared + saver[shared] - node[shared]  # its position, in the row
+        shared, keeper = shared[code[keeper] == 0], keeper[code[keeper] == 0]
+        again = np.maximum(0, a.saved[node[shared]] - np.where(before[shared], a.saved_inputs[node[shared]], 0))
+        made_again[shared] += again
+        gone = np.zeros(node.size + 1, dtype=np.int64)
+        np.add.at(gone, shared, again)
+        np.add.at(gone, keeper, -again)
+        back -= np.cumsum(gone)[:-1]
     total = np.cumsum(made_again)
     back += total - np.concatenate(([0], total))[starts][segment]
     kind = code[starts]
@@ -848,9 +849,8 @@ def _recomputing(
     their :meth:`_Layout.regions`), what its forward run again, before its last node's backward,
     holds beyond what that backward is priced at (its stash back whole, its workspace and
     fresh parameter gradients): at each node the stash made again so far, the values of
-    earlier nodes of the region still to be read in it (one read only after the region is not
-    kept: the first run's is), and what the node makes and its workspace (an attention's
-    scores, read and freed in the region)."""
+    earlier nodes of the region still to be read in it (or returned, read after it), and what
+    the node makes and its workspace (an attention's scores, read and freed in the region)."""
     node = layout.node
     at, region = regions
     position = np.arange(node.size)
@@ -864,9 +864,10 @@ def _recomputing(
     np.maximum.at(last, read[same], reader[same])
     # one the run returns (read after it) lives until the run stops: at its last node saving
     # something, once every saved tensor is made again (the checkpoint's early stop)
-    saving = np.maximum.reduceat(np.where(a.saved[node] > 0, position, -1), starts)
-    returned = a.held_until[node[k]] > node[stops[at[k]] - 1]
-    last[k] = np.where(returned, np.maximum(last[k], saving[at[k]]), last[k])
+    returned = k[a.held_until[node[k]] > node[stops - 1][at[k]]]
+    if returned.size:
+        saving = np.maximum.reduceat(np.where(a.saved[node[k]] > 0, k, -1), np.searchsorted(k, starts))
+        last[returned] = np.maximum(last[returned], saving[at[returned]])
     saver = k + a.held_by[node[k]] - node[k]  # the position of the node keeping it (of its row)
     ends = np.where((saver > k) & (saver < stops[at[k]]), saver, last[k])
     held = np.zeros(node.size + 1, dtype=np.int64)
