@@ -786,19 +786,19 @@ def _drop_stashes(
     before = (inputs_from >= 0) & (inputs_from < start)  # saves inputs made before its segment
     freed = np.maximum(0, freed - np.where((code == 2) & before, a.saved_inputs[node], 0))
     stash -= freed
-    # what comes back: a recomputed region's inputs stay (the region keeps them), not made again
-    made_again = np.maximum(0, freed - np.where((code == 1) & before, a.saved_inputs[node], 0))
     # a recomputed node's stash a kept node after its region saves too: that one keeps it, only
     # until its own backward; the region makes its own again
+    rebuilt = freed.copy()
     shared = np.flatnonzero((code == 1) & (saver >= stop) & (saver < layout.hi))
+    keeper = shared + saver[shared] - node[shared]  # its position, in the row
+    shared, keeper = shared[code[keeper] == 0], keeper[code[keeper] == 0]
+    rebuilt[shared] = a.saved[node[shared]]
+    # what comes back: a recomputed region's inputs stay (the region keeps them), not made again
+    made_again = np.maximum(0, rebuilt - np.where((code == 1) & before, a.saved_inputs[node], 0))
     if shared.size:
-        keeper = shared + saver[shared] - node[shared]  # its position, in the row
-        shared, keeper = shared[code[keeper] == 0], keeper[code[keeper] == 0]
-        again = np.maximum(0, a.saved[node[shared]] - np.where(before[shared], a.saved_inputs[node[shared]], 0))
-        made_again[shared] += again
         gone = np.zeros(node.size + 1, dtype=np.int64)
-        np.add.at(gone, shared, again)
-        np.add.at(gone, keeper, -again)
+        np.add.at(gone, shared, made_again[shared])
+        np.add.at(gone, keeper, -made_again[shared])
         back -= np.cumsum(gone)[:-1]
     total = np.cumsum(made_again)
     back += total - np.concatenate(([0], total))[starts][segment]
@@ -864,7 +864,8 @@ def _recomputing(
     np.maximum.at(last, read[same], reader[same])
     # one the run returns (read after it) lives until the run stops: at its last node saving
     # something, once every saved tensor is made again (the checkpoint's early stop)
-    returned = k[a.held_until[node[k]] > node[stops - 1][at[k]]]
+    final = node[stops - 1]  # whose backward the region is run again for
+    returned = k[a.held_until[node[k]] > final[at[k]]]
     if returned.size:
         saving = np.maximum.reduceat(np.where(a.saved[node[k]] > 0, k, -1), np.searchsorted(k, starts))
         last[returned] = np.maximum(last[returned], saving[at[returned]])
@@ -877,7 +878,6 @@ def _recomputing(
     running = np.where(region, rebuilt[:-1] - rebuilt[starts[np.maximum(at, 0)]] + np.cumsum(held)[:-1]
                        + a.made[node] + a.workspace[node], 0)
     peak = np.maximum.reduceat(running, starts)
-    final = layout.node[stops - 1]  # whose backward the region is run again for
     priced = rebuilt[stops] - rebuilt[starts] + a.backward[final] + a.grads[final]
     extra: _Array = np.maximum(0, peak - priced)
     return extra
