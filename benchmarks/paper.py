@@ -668,7 +668,13 @@ DIFFERENCES = """## What differs from the paper
   runtime trains, as the meter charges it, at the device's size. What a GPU adds beyond that is not
   seen: the CUDA context, the caching allocator's fragmentation and rounding, cuBLAS and cuDNN
   workspaces, communication buffers. The planner's 10% headroom is there for it; the paper measured
-  real out-of-memory errors.
+  real out-of-memory errors. The other way, the meter (a dispatch mode, as fake execution needs)
+  makes autograd add the gradients a value gets from several readers into a new tensor, where a
+  run without one adds into a gradient it holds alone: fake runs and predictions hold such a sum
+  beside the two it adds, which a GPU run would not. One of the two AmoebaNet rows metered above
+  their prediction is over by such a sum less a tensor freed before it (x4 2BW S+R, stage 0: the
+  gradients of two pools reading one value meet while the recomputed region's values are alive);
+  the other (x8) peaks while a region runs again, half an activation above what the planner prices.
 - **Times are a roofline**, each operator's FLOPs at the datasheet's peak or its bytes at the memory
   bandwidth. They steer the partitioners that balance time and price swap and recompute; no figure
   on this page is a time.

@@ -607,6 +607,10 @@ class _NodeArrays:
         self.gradient = array([_edge_gradient(nodes, u, j) for u, j in edges])
         self.forwarded = np.asarray([j in nodes[u].forwarded_grads for u, j in edges], dtype=bool)
         self.first_reader = array([min((u for u in n.users if u >= 0), default=len(nodes)) for n in nodes])
+        # (not counting the graph's output, gathered in a container: its values take no gradient)
+        summing = [(u, j, f or nodes[u].made_bytes == 0) for (u, j), f in zip(edges, self.forwarded)
+                   if nodes[u].made_bytes or any(x >= 0 for x in nodes[u].users)]
+        self.summed_with = array(_summed_with(summing, edges))
         # per node, the gradients its backward hands the values it reads
         self.handed = np.bincount(self.consumer, weights=self.gradient, minlength=len(nodes)).astype(np.int64)
 
@@ -617,6 +621,26 @@ _PRICED_BYTES = 1 << 26
 # The most node positions priced in one pass (:class:`_Layout`): past some 16k, arrays outgrow
 # the CPU's caches and a row costs more.
 _BATCH_POSITIONS = 1 << 14
+
+
+def _summed_with(summing: Sequence[tuple[int, int, bool]], edges: Sequence[tuple[int, int]]) -> list[int]:
+    """Per edge ``(reader, read)``, the last other reader of the value whose gradient the
+    reader's adds to (-1: none): of ``read``, or where ``read`` has no other reader and hands
+    its own gradient on as it is (a view's, an ``Identity``'s, which makes nothing), of the
+    value it hands it to. ``summing``: the edges whose reader hands a gradient on, with
+    whether it hands it as it is."""
+    readers: dict[int, list[int]] = {}
+    onward: dict[int, list[int]] = {}
+    for u, j, as_is in summing:
+        readers.setdefault(j, []).append(u)
+        if as_is:
+            onward.setdefault(u, []).append(j)
+    found = []
+    for u, j in edges:
+        while not (others := [r for r in readers.get(j, ()) if r != u]) and len(onward.get(j, ())) == 1:
+            u, j = j, onward[j][0]
+        found.append(max(others, default=-1))
+    return found
 
 
 def _edge_gradient(nodes: Sequence[NodeProfile], reader: int, read: int) -> int:
@@ -969,9 +993,12 @@ def _gradients(a: _NodeArrays, lo: int, hi: int) -> _Array:
     made up to it that are still to be taken when its backward runs (by it or an earlier node).
     One a node hands on the gradient of its output (an ``add``'s, slices of a ``cat``'s) that
     only later stages read is the storage that came from them, held where it arrived (see
-    :meth:`CostModel.waiting`), not here."""
+    :meth:`CostModel.waiting`), not here; unless a later stage reads the value it goes to as
+    well (:func:`_summed_with`): autograd adds the two into a new tensor here, held until the
+    value's maker takes it."""
     edges = np.arange(*np.searchsorted(a.consumer, [lo, hi]))
-    edges = edges[~(a.forwarded[edges] & (a.first_reader[a.consumer[edges]] >= hi))]
+    later = a.forwarded[edges] & (a.first_reader[a.consumer[edges]] >= hi)
+    edges = edges[~(later & (a.summed_with[edges] < hi))]
     producers, consumers = a.producer[edges], a.consumer[edges]
     live = np.zeros(hi - lo + 1, dtype=np.int64)
     if producers.size:

@@ -282,6 +282,20 @@ def test_a_gradient_handed_on_from_a_later_stage_waits_where_it_arrived():
     assert model._gradients(0, 3).tolist() == [64, 0, 0]
 
 
+def test_a_gradient_handed_on_to_a_value_a_later_stage_reads_too_is_summed_here():
+    # node 0's value is read by node 1 (an add handing its output's gradient on as it is) and
+    # by node 2 on a later stage: the two gradients meet at node 0, and their sum is node 0's
+    # stage's, held until node 0's backward takes it
+    nodes = [node(0, out=64, users=[1, 2], until=2), replace(node(1, out=64), forwarded_grads=[0]),
+             node(2, 8, users=[-1])]
+    model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
+    assert model._gradients(0, 2).tolist() == [64, 0]
+    # read on the later stage only by the graph's output, gathered in a container, it takes none
+    container = replace(nodes[2], made_bytes=0, saved_bytes=0)
+    model = CostModel(Profile([*nodes[:2], container], "cpu", "f", 1), schedule="1f1b", chunks=1)
+    assert model._gradients(0, 2).tolist() == [0, 0]
+
+
 def test_a_stage_ends_its_forward_with_its_whole_stash_and_what_leaves_it():
     # node 1, alone on its stage, saves the 64 bytes an earlier stage made and sends on 32:
     # after it ran the stage holds both, more than while it ran (its 32)
