@@ -582,6 +582,10 @@ class _NodeArrays:
         self.held_until = array([max(k, n.held_until) for k, n in enumerate(nodes)])
         self.held_by = array([n.held_by for n in nodes])
         self.held_end = np.where(self.held_by >= 0, np.maximum(self.held_by, np.arange(len(nodes))), self.held_until)
+        # the part of a node's output it keeps itself, and the last node reading its output
+        self.own_output = array([max(0, min(n.output_bytes, n.made_bytes) - n.held_bytes) for n in nodes])
+        self.last_reader = array([max([k, *(u if u >= 0 else len(nodes) for u in n.users)])
+                                  for k, n in enumerate(nodes)])
         self.workspace = array([n.transient_bytes for n in nodes])
         self.backward = array([max(n.backward_bytes - n.grad_bytes, 0) for n in nodes])
         self.grads = array([n.grad_bytes for n in nodes])
@@ -610,7 +614,8 @@ class _NodeArrays:
         # (not counting the graph's output, gathered in a container: its values take no gradient)
         summing = [(u, j, f or nodes[u].made_bytes == 0) for (u, j), f in zip(edges, self.forwarded)
                    if nodes[u].made_bytes or any(x >= 0 for x in nodes[u].users)]
-        self.summed_with = array(_summed_with(summing, edges))
+        summed = _summed_with(summing, edges)
+        self.summed_at, self.summed_with = array([x for x, _ in summed]), array([y for _, y in summed])
         # per node, the gradients its backward hands the values it reads
         self.handed = np.bincount(self.consumer, weights=self.gradient, minlength=len(nodes)).astype(np.int64)
 
@@ -623,12 +628,14 @@ _PRICED_BYTES = 1 << 26
 _BATCH_POSITIONS = 1 << 14
 
 
-def _summed_with(summing: Sequence[tuple[int, int, bool]], edges: Sequence[tuple[int, int]]) -> list[int]:
-    """Per edge ``(reader, read)``, the last other reader of the value whose gradient the
-    reader's adds to (-1: none): of ``read``, or where ``read`` has no other reader and hands
-    its own gradient on as it is (a view's, an ``Identity``'s, which makes nothing), of the
-    value it hands it to. ``summing``: the edges whose reader hands a gradient on, with
-    whether it hands it as it is."""
+def _summed_with(
+    summing: Sequence[tuple[int, int, bool]], edges: Sequence[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """Per edge ``(reader, read)``, the value whose gradient the reader's adds to, and its last
+    other reader (-1: none): ``read``, or where ``read`` has no other reader and hands its own
+    gradient on as it is (a view's, an ``Identity``'s, which makes nothing), the value it hands
+    it to. ``summing``: the edges whose reader hands a gradient on, with whether it hands it
+    as it is."""
     readers: dict[int, list[int]] = {}
     onward: dict[int, list[int]] = {}
     for u, j, as_is in summing:
@@ -639,7 +646,7 @@ def _summed_with(summing: Sequence[tuple[int, int, bool]], edges: Sequence[tuple
     for u, j in edges:
         while not (others := [r for r in readers.get(j, ()) if r != u]) and len(onward.get(j, ())) == 1:
             u, j = j, onward[j][0]
-        found.append(max(others, default=-1))
+        found.append((j, max(others, default=-1)))
     return found
 
 
@@ -756,14 +763,14 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes2 | None") -> list[_
     np.cumsum(stash.reshape(rows, size), axis=1, out=kept[:, 1:])
     # values a node makes and does not keep itself stay alive after it until kept, or read
     end = _held_end(a, layout, runs, stashed)
-    values = a.held[node]
     held = np.zeros((rows, size + 1), dtype=np.int64)
     first = node - lo + 1 + layout.row * (size + 1)
-    np.add.at(held.ravel(), first, values)
-    np.add.at(held.ravel(), np.maximum(first, first + np.minimum(end, hi - 1) - node), -values)
-    held = np.cumsum(held, axis=1)[:, :size]
     leaving = np.zeros(rows, dtype=np.int64)
-    np.add.at(leaving, layout.row, np.where(end >= hi, values, 0))
+    for values, until in [(a.held[node], end), *_dropped_outputs(a, layout, runs)]:
+        np.add.at(held.ravel(), first, values)
+        np.add.at(held.ravel(), np.maximum(first, first + np.minimum(until, hi - 1) - node), -values)
+        np.add.at(leaving, layout.row, np.where(until >= hi, values, 0))
+    held = np.cumsum(held, axis=1)[:, :size]
     # each node's forward, and the end of the stage's: its whole stash and what leaves it (a
     # node saving an input an earlier stage made takes it on only as it runs)
     ends = (kept[:, -1] + leaving)[:, None]
@@ -978,14 +985,33 @@ def _held_end(
     keeper = inside + by[inside] - node[inside]  # its position, in the row
     dropped[inside] = a.last_saver[by[inside]] < runs.stop_nodes(layout)[runs.of[keeper]]
     end = np.where(dropped, a.held_until[node], end)
-    read = ((by < 0) | dropped) & (end < hi)  # freed once read, not stashed
-    position = np.arange(node.size)
-    run = runs.of[position + np.minimum(end, hi - 1) - node]
-    later = read & (run != runs.of)
-    end = np.where(later, node[runs.stops[run] - 1], end)
+    end = _until_run_returns(layout, runs, end, ((by < 0) | dropped) & (end < hi))  # freed once read, not stashed
     storages, since = stashed
     np.minimum.at(end, storages, since)
     return end
+
+
+def _until_run_returns(layout: _Layout, runs: _Runs, end: _Array, read: _Array) -> _Array:
+    """``end`` (per position, the last node reading its node's value) where the value is
+    ``read`` by a later run of the stage: that run's last node (a run is one call, holding its
+    arguments until it returns)."""
+    node, hi = layout.node, layout.hi
+    run = runs.of[np.arange(node.size) + np.minimum(end, hi - 1) - node]
+    return np.where(read & (run != runs.of), node[runs.stops[run] - 1], end)
+
+
+def _dropped_outputs(a: _NodeArrays, layout: _Layout, runs: "_Runs | None") -> list[tuple[_Array, _Array]]:
+    """The outputs recomputed or swapped nodes keep themselves (a ReLU's) and drop with their
+    stash, per position, and the node until which each lives in the forward: its last reader
+    (none, or one entry: ``(bytes, end)``)."""
+    if runs is None or not layout.code.any():
+        return []
+    node = layout.node
+    own = np.where((layout.code != 0) & (a.last_saver[node] < runs.stop_nodes(layout)[runs.of]), a.own_output[node], 0)
+    if not own.any():
+        return []
+    end = a.last_reader[node]
+    return [(own, _until_run_returns(layout, runs, end, end < layout.hi))]
 
 
 def _gradients(a: _NodeArrays, lo: int, hi: int) -> _Array:
@@ -993,12 +1019,13 @@ def _gradients(a: _NodeArrays, lo: int, hi: int) -> _Array:
     made up to it that are still to be taken when its backward runs (by it or an earlier node).
     One a node hands on the gradient of its output (an ``add``'s, slices of a ``cat``'s) that
     only later stages read is the storage that came from them, held where it arrived (see
-    :meth:`CostModel.waiting`), not here; unless a later stage reads the value it goes to as
-    well (:func:`_summed_with`): autograd adds the two into a new tensor here, held until the
-    value's maker takes it."""
+    :meth:`CostModel.waiting`), not here; unless the value it goes to is made here and read on
+    a later stage as well (:func:`_summed_with`): autograd adds the two into a new tensor here,
+    held until the value's maker takes it."""
     edges = np.arange(*np.searchsorted(a.consumer, [lo, hi]))
     later = a.forwarded[edges] & (a.first_reader[a.consumer[edges]] >= hi)
-    edges = edges[~(later & (a.summed_with[edges] < hi))]
+    summed_here = (a.summed_at[edges] >= lo) & (a.summed_with[edges] >= hi)
+    edges = edges[~(later & ~summed_here)]
     producers, consumers = a.producer[edges], a.consumer[edges]
     live = np.zeros(hi - lo + 1, dtype=np.int64)
     if producers.size:

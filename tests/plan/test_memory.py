@@ -115,9 +115,10 @@ def test_a_recomputed_region_keeps_only_its_inputs():
     model = CostModel(chain(), schedule="gpipe", chunks=3)
     policies = {1: "recompute", 2: "recompute"}
     assert model.region_inputs(1, 3, 0, 4, policies) == 50  # node 0's unkept 50 bytes; its kept 100 are stashed
-    # stash 100 + 50 + 400 per micro-batch; forward at node 3: 150 before it, its 500, the
-    # previous micro-batch's output; the rebuilt region stays under that
-    assert peak(["keep", "recompute", "recompute", "keep"]) == 2 * 550 + 150 + 500 + 100
+    # stash 100 + 50 + 400 per micro-batch; forward at node 3: 150 before it, node 2's output
+    # (300: it keeps it itself, but recomputed it drops it, and node 3 reads it), node 3's 500,
+    # the previous micro-batch's output; the rebuilt region stays under that
+    assert peak(["keep", "recompute", "recompute", "keep"]) == 2 * 550 + 150 + 300 + 500 + 100
 
 
 def last_stage(schedule):
