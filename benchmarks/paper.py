@@ -671,10 +671,10 @@ DIFFERENCES = """## What differs from the paper
   real out-of-memory errors. The other way, the meter (a dispatch mode, as fake execution needs)
   makes autograd add the gradients a value gets from several readers into a new tensor, where a
   run without one adds into a gradient it holds alone: fake runs and predictions hold such a sum
-  beside the two it adds, which a GPU run would not. One of the two AmoebaNet rows metered above
-  their prediction is over by such a sum less a tensor freed before it (x4 2BW S+R, stage 0: the
-  gradients of two pools reading one value meet while the recomputed region's values are alive);
-  the other (x8) peaks while a region runs again, half an activation above what the planner prices.
+  beside the two it adds, which a GPU run would not. Where two of a stage's own nodes' gradients
+  meet, the planner counts on the second node's backward freeing its saved tensors first; AmoebaNet
+  x4 2BW S+R stage 0 peaks where a pool inside a recomputed region frees only its indices, half
+  the sum, and the fake run is 4% over the prediction there, which an unmetered run would not be.
 - **Times are a roofline**, each operator's FLOPs at the datasheet's peak or its bytes at the memory
   bandwidth. They steer the partitioners that balance time and price swap and recompute; no figure
   on this page is a time.
