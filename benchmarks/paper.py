@@ -204,8 +204,9 @@ class Bench:
 
     @staticmethod
     def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-        """Adam as a GPU runs it: ``foreach``, its default there (fake tensors are on the CPU,
-        where it steps parameter by parameter), whose temporaries are a stage's square roots."""
+        """Adam as a GPU runs it: ``foreach``, its default there (a fake run's tensors are on
+        the meta device, where it steps parameter by parameter), whose temporaries are a
+        stage's square roots."""
         return torch.optim.Adam(model.parameters(), foreach=True)
 
     def plan(self, stages: int, schedule: str, memopt: bool, partitioner: str, microbatch: int) -> Plan | None:
@@ -491,7 +492,7 @@ def markdown(results: dict[str, Any]) -> str:
         "profiled on fake tensors (bytes as measured, times the device's roofline). The planner predicts the "
         f"largest micro-batch whose plan fits {PLANNING_HEADROOM:.0%} of the device per stage (*predicted*). "
         "That plan then trains by fake execution (`lightning_pipe.runtime.fake`: the real runtime, schedule, "
-        "recompute, swap and Adam step on fake tensors, a short step then a steady one) and trains if every "
+        "recompute, swap and Adam step on meta tensors, a short step then a steady one) and trains if every "
         "stage's metered peak stays within the device's memory, as a meter capped there decides; where a stage "
         "goes over, smaller sizes, guessed from the peaks measured so far, are planned and run until the largest "
         f"that trains is bracketed (*max*; `+`: {PROBES} runs were spent first, so it is a lower bound). One size "

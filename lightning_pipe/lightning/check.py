@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
@@ -49,9 +49,12 @@ def fake_peaks(
         return cast(Tensor, returned["loss"] if isinstance(returned, Mapping) else returned)
 
     shapes = tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x, batch)
+    # CPU autocast casts fake tensors standing on the CPU, not meta ones
+    autocast = isinstance(precision, MixedPrecision) and precision.device == "cpu"
     with silenced(replica), torch.random.fork_rng(devices=[]):
         meter = fake_training(replica, graph, shapes, step, twin, plan.balance, policies,
-                              schedule=cast(Schedule, plan.schedule), chunks=plan.chunks)
+                              schedule=cast(Schedule, plan.schedule), chunks=plan.chunks,
+                              tensors="cpu" if autocast else "meta")
     return meter.peaks()
 
 

@@ -372,6 +372,7 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
+_CPU = torch.device("cpu")
 _DEVICE = torch.ops.prim.device.default  # a fake tensor's ``.device``, asked often; allocates nothing
 _MEMORY_EVENTS = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
 
@@ -381,10 +382,10 @@ def _workspace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: l
     what it returns. Observed from the allocator's reports to a profiler session at the first
     call of each signature (operator, input layouts, other arguments), which is all they depend
     on; while another profiler runs, an unseen signature counts none, and so does one on fake
-    tensors, which allocate nothing to observe (they get what a real call showed)."""
+    or meta tensors, which allocate nothing to observe (they get what a real call showed)."""
     key = _signature(func, kwargs, flat)
     known = _WORKSPACE.get(key) if key is not None else None
-    if known is not None or torch._C._autograd._profiler_enabled() or any(isinstance(t, FakeTensor) for t in flat):
+    if known is not None or torch._C._autograd._profiler_enabled() or any(map(_without_data, flat)):
         return func(*args, **kwargs), known or 0
     out, workspace = _observed(lambda: func(*args, **kwargs), _on_cuda(flat))
     if key is not None:
@@ -421,8 +422,14 @@ def _signature(func: Any, kwargs: dict[str, Any], flat: list[Any]) -> Hashable |
 
 
 def _layout(t: Tensor) -> tuple[Any, ...]:
+    """What of ``t`` a workspace depends on; a meta tensor stands for a CPU one (a fake run's
+    stages run on the CPU)."""
     strides = t.stride() if t.layout == torch.strided else None
-    return t.shape, strides, t.dtype, t.device, t.layout
+    return t.shape, strides, t.dtype, _CPU if t.is_meta else t.device, t.layout
+
+
+def _without_data(x: Any) -> bool:
+    return isinstance(x, FakeTensor) or (isinstance(x, Tensor) and x.is_meta)
 
 
 def _on_cuda(flat: list[Any]) -> bool:

@@ -1,12 +1,15 @@
-"""Fake execution: training steps of the real pipeline runtime on fake tensors, metered.
+"""Fake execution: training steps of the real pipeline runtime on tensors without data, metered.
 
 A plan for GPUs one does not have is checked by running it without them. The stages, the
 schedule's order of forwards and backwards, recompute, swap, 2BW's weight versions and the
-optimizer step run as in training, on :class:`~torch._subclasses.fake_tensor.FakeTensorMode`
-tensors: shapes, dtypes and storages, but no data, so nothing is computed and no memory is
-used. The meter charges a fake storage as it charges a real one and enforces each stage's
-capacity at real sizes: a stage that would not fit raises
-:class:`~lightning_pipe.measure.meter.StageOutOfMemoryError` where training would.
+optimizer step run as in training, on ``meta`` tensors: shapes, dtypes and storages, but no
+data, so nothing is computed and no memory is used. The meter charges a meta storage as it
+charges a real one and enforces each stage's capacity at real sizes: a stage that would not
+fit raises :class:`~lightning_pipe.measure.meter.StageOutOfMemoryError` where training would.
+Meta tensors cost a C++ dispatch per operator; :class:`~torch._subclasses.fake_tensor.FakeTensorMode`
+tensors standing on the CPU, which a run may ask for instead, cost about twice as much (a
+Python dispatch and a cache lookup), but CPU autocast (``bf16-mixed``) casts them, and not
+meta tensors.
 
 The step is driven here, not by a Lightning Trainer: a model built from a config and a batch
 of shapes has no data loader, and the Trainer's machinery allocates nothing the meter
@@ -14,22 +17,23 @@ charges. What a training step does to memory, the strategy's order included (for
 zero grad, then backward, then the optimizer step, whose state is charged after it), is
 repeated here; the tests hold a fake run's metered peaks equal to a real Lightning run's.
 
-What fake tensors cannot show is what a kernel does inside: the workspace an operator
+What tensors without data cannot show is what a kernel does inside: the workspace an operator
 allocates and frees within itself (the meter charges what a real call of the same signature
 showed, none if none ran), and a real kernel returning a tensor in a storage larger than it
 (the CPU's ``mse_loss``): a fake storage is its tensor's size.
 """
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from copy import deepcopy
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, Literal
+from weakref import WeakSet
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.graph.capture import Captured
@@ -49,6 +53,7 @@ __all__ = ["TrainingStep", "fake_training", "meta_copy"]
 TrainingStep = Callable[[Callable[..., Any], Any], Tensor]
 
 _CPU = torch.device("cpu")
+_RAN: "WeakSet[nn.Module]" = WeakSet()  # models that ran fake: their tensors are a run's, not a model's
 
 
 def fake_training(
@@ -63,6 +68,7 @@ def fake_training(
     schedule: Schedule = "gpipe",
     chunks: int = 1,
     capacities: Sequence[int | None] | None = None,
+    tensors: Literal["meta", "cpu"] = "meta",
 ) -> MemoryMeter:
     """Train on fake tensors, split by ``balance`` with ``policies``; return the meter,
     whose per-stage peaks are what a steady training step on ``batch`` reaches.
@@ -70,7 +76,9 @@ def fake_training(
     ``root``'s parameters and buffers become fake in place (the objects stay, so the
     captured graph, tied weights and ``optimizer`` keep referring to them): a real or a
     ``meta`` model goes in, and it can neither train nor run fake again (run each time a
-    :func:`meta_copy`). Every stage runs on the CPU; the meter tells stages apart by itself.
+    :func:`meta_copy`). Every stage runs on one device, ``meta`` (``tensors="meta"``) or
+    fake tensors on the CPU (``"cpu"``: for a step under CPU autocast); the meter tells
+    stages apart by itself.
     ``batch`` may be real or ``meta``: only its shapes and dtypes are used. Two steps run:
     the first on one micro-batch, only to leave what a step leaves (gradients, optimizer
     state: which parameters get them does not depend on the batch), at a fraction of a whole
@@ -82,37 +90,40 @@ def fake_training(
         StageOutOfMemoryError: a stage went over its entry of ``capacities``.
         ValueError: ``root`` ran fake before.
     """
-    if any(isinstance(t, FakeTensor) for t in [*root.parameters(), *root.buffers()]):
-        # the fake storages of a run before are not all charged again (2BW's weight swap loses one)
+    if root in _RAN:
+        # the storages of a run before are not all charged again (2BW's weight swap loses one)
         raise ValueError(
             "The model's parameters are fake tensors from an earlier fake run, which a second run does not "
             "meter right. Run a fresh copy each time: model, graph = meta_copy(root, captured), with an "
             "optimizer over the copy's parameters."
         )
-    mode = FakeTensorMode(allow_non_fake_inputs=True)  # the graph's own constants stay real
-    _fake_in_place(root, mode)
+    _RAN.add(root)
+    device = torch.device(tensors)
+    # the graph's own constants stay real
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if device == _CPU else nullcontext()
+    _fake_in_place(root, mode, device)
     for p in root.parameters():
         p.grad = None  # gradients from before are no part of this run
     stages = len(balance)
-    program = build(captured, root, balance, [_CPU] * stages, policies)
+    program = build(captured, root, balance, [device] * stages, policies)
     meter = MemoryMeter(stages, capacities)
-    with mode, _own_host_pool():
+    with mode, _own_host_pool(device):
         versions = WeightVersions(root.parameters()) if schedule == "2bw" else None
         stale = dict(zip(map(id, versions.params), versions.stale)) if versions else {}
         for stage in program.stages:
             meter.own(stage.index, stage.owned)
             meter.own(stage.index, [stale[id(t)] for t in stage.owned if id(t) in stale])
-        fake_batch = tree_map(lambda x: _fake(x, mode) if isinstance(x, Tensor) else x, batch)
+        fake_batch = tree_map(lambda x: _fake(x, mode, device) if isinstance(x, Tensor) else x, batch)
         try:
             with meter, meter.saved_tensors_hooks():
                 for step_batch, step_chunks in ((scatter(fake_batch, chunks)[0], 1), (fake_batch, chunks)):
-                    tensors = [t for t in tree_flatten(step_batch)[0] if isinstance(t, Tensor)]
-                    meter.own(stages - 1, tensors, "boundary")  # the batch lives on the last stage's device
+                    inputs = [t for t in tree_flatten(step_batch)[0] if isinstance(t, Tensor)]
+                    meter.own(stages - 1, inputs, "boundary")  # the batch lives on the last stage's device
                     if schedule == "gpipe":
-                        _gpipe_step(program, root, step_chunks, meter, step_batch, training_step, optimizer)
+                        _gpipe_step(program, root, device, step_chunks, meter, step_batch, training_step, optimizer)
                     else:
-                        _scheduled_step(program, root, schedule, step_chunks, meter, step_batch, training_step,
-                                        optimizer, versions)
+                        _scheduled_step(program, root, device, schedule, step_chunks, meter, step_batch,
+                                        training_step, optimizer, versions)
                     with meter.stepping():
                         optimizer.step()
                     meter.own_optimizer_state(optimizer)
@@ -139,26 +150,26 @@ def meta_copy(root: nn.Module, captured: Captured, shared: Iterable[object] = ()
 
 
 def _gpipe_step(
-    program: Program, root: nn.Module, chunks: int, meter: MemoryMeter, batch: Any, training_step: TrainingStep,
-    optimizer: torch.optim.Optimizer,
+    program: Program, root: nn.Module, device: torch.device, chunks: int, meter: MemoryMeter, batch: Any,
+    training_step: TrainingStep, optimizer: torch.optim.Optimizer,
 ) -> None:
     """As Lightning runs a step: ``training_step`` on the whole batch (its loss is the last
     stage's), zero grad, backward of the loss divided by ``accumulate_grad_batches`` (1): a
     new tensor, so that the loss itself is freed at once."""
-    pipeline = Pipeline(program, root, chunks, _CPU, meter)
+    pipeline = Pipeline(program, root, chunks, device, meter)
     loss = meter.run_as(len(program.stages) - 1, lambda: training_step(pipeline, batch)) / 1
     optimizer.zero_grad()
     loss.backward()  # type: ignore[no-untyped-call]
 
 
 def _scheduled_step(
-    program: Program, root: nn.Module, schedule: Schedule, chunks: int, meter: MemoryMeter, batch: Any,
-    training_step: TrainingStep, optimizer: torch.optim.Optimizer, versions: WeightVersions | None,
+    program: Program, root: nn.Module, device: torch.device, schedule: Schedule, chunks: int, meter: MemoryMeter,
+    batch: Any, training_step: TrainingStep, optimizer: torch.optim.Optimizer, versions: WeightVersions | None,
 ) -> None:
     """As :class:`~lightning_pipe.lightning.steps.ScheduledStep` runs one: ``training_step``
     per micro-batch, each stage's backward at its place in the schedule, gradients zeroed
     before the first backward, losses weighted by micro-batch size."""
-    pipeline = ScheduledPipeline(program, _CPU, meter)
+    pipeline = ScheduledPipeline(program, device, meter)
     microbatches = scatter(batch, chunks)
     sizes = [batch_size(mb) for mb in microbatches]
     last = len(program.stages) - 1
@@ -183,35 +194,35 @@ def _scheduled_step(
         versions.advance()
 
 
-def _fake_in_place(module: nn.Module, mode: FakeTensorMode) -> None:
-    """Make every parameter and buffer of ``module`` a fake tensor of its shape, keeping the
-    Python objects (``torch.utils.swap_tensors``): whatever refers to them sees the fake."""
+def _fake_in_place(module: nn.Module, mode: AbstractContextManager[Any], device: torch.device) -> None:
+    """Make every parameter and buffer of ``module`` a fake tensor of its shape on ``device``
+    (made in ``mode``), keeping the Python objects (``torch.utils.swap_tensors``): whatever
+    refers to them sees the fake."""
     seen: set[int] = set()
     for t in [*module.parameters(), *module.buffers()]:
-        if id(t) in seen:
+        if id(t) in seen or (t.is_meta and device.type == "meta"):
             continue
         seen.add(id(t))
-        fake = _fake(t, mode)
+        fake = _fake(t, mode, device)
         if isinstance(t, nn.Parameter):
             fake.requires_grad_(t.requires_grad)
             fake._is_param = True  # isinstance(fake, nn.Parameter) holds
         torch.utils.swap_tensors(t, fake)  # type: ignore[no-untyped-call]
 
 
-def _fake(t: Tensor, mode: FakeTensorMode) -> Tensor:
-    """A fake tensor like ``t`` (on the CPU if ``t`` is ``meta``)."""
+def _fake(t: Tensor, mode: AbstractContextManager[Any], device: torch.device) -> Tensor:
+    """A tensor like ``t`` without data, on ``device``, made in ``mode``."""
     with mode:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_CPU if t.is_meta else t.device)
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
 
 @contextmanager
-def _own_host_pool() -> Iterator[None]:
-    """Fake host buffers for swap, in a pool of their own: one kept for reuse must never
-    serve a real run."""
+def _own_host_pool(device: torch.device) -> Iterator[None]:
+    """Host buffers for swap on ``device``, in a pool of their own: one kept for reuse must
+    never serve a real run."""
     real = swap.pool
-    swap.pool = swap.HostPool()
+    swap.pool = swap.HostPool(device)
     try:
         yield
     finally:
         swap.pool = real
-

@@ -46,7 +46,8 @@ class HostPool:
     (a sequence length that changed) do not pile up.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device  # where its buffers are made (None: host memory); meta for a fake run's
         self._free: dict[Key, list[tuple[Tensor, AbstractEvent]]] = {}
         self._out: Counter[Key] = Counter()
         self._peak: Counter[Key] = Counter()
@@ -62,7 +63,7 @@ class HostPool:
         if reused is None:
             numel, dtype, pinned = key
             with not_charged():
-                return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+                return torch.empty(numel, dtype=dtype, pin_memory=pinned, device=self.device)
         buffer, last_copy = reused
         wait_event(stream, last_copy)
         return buffer
@@ -165,7 +166,7 @@ class _Hooks(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, t: Tensor) -> Any:
         parameter = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)  # W.t() in linear
-        if parameter or t.device.type == "meta" or id(t.untyped_storage()) in self.inputs:
+        if parameter or id(t.untyped_storage()) in self.inputs:
             return t if self._outer is None else _Kept(self._outer[0](t), self._outer[1])
         storage = t.untyped_storage()
         stored = self._by_storage.get(storage)

@@ -97,9 +97,22 @@ def test_the_check_leaves_the_module_as_it_was():
     peaks = fake_peaks(module, strategy._captured, batch, 0, optimizer, strategy.precision_plugin, strategy.plan)
     assert len(peaks) == STAGES and all(p > 0 for p in peaks)
     after = module.state_dict()
-    assert not any(isinstance(t, FakeTensor) for t in after.values())
+    assert not any(isinstance(t, FakeTensor) or t.is_meta for t in after.values())
     assert all(torch.equal(after[k], v) for k, v in before.items())
     assert module.kept == kept and dict(module.trainer.callback_metrics) == logged
     assert {id(p): dict(s) for p, s in optimizer.state.items()}.keys() == state.keys()
-    assert all(not isinstance(v, FakeTensor) for s in optimizer.state.values() for v in s.values())
+    assert all(not (isinstance(v, FakeTensor) or v.is_meta) for s in optimizer.state.values() for v in s.values())
     assert vars(module)["forward"] == strategy._forward  # the strategy's pipeline still runs the module
+
+
+def test_under_cpu_autocast_the_check_meters_what_training_does():
+    # bf16-mixed on the CPU casts fake tensors standing on the CPU; meta tensors it leaves in fp32
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b", measure_memory=True)
+    torch.manual_seed(0)
+    model = GPT(optimizer="adam")
+    trainer(strategy, STAGES, max_steps=2, precision="bf16-mixed").fit(model, loader(TokenDataset(2 * BATCH), BATCH))
+    model.forward = strategy._forward
+    batch = next(iter(loader(TokenDataset(BATCH), BATCH)))
+    peaks = fake_peaks(model, strategy._captured, batch, 0, strategy.optimizers[0], strategy.precision_plugin,
+                       strategy.plan)
+    assert peaks == strategy.meter.peaks()
