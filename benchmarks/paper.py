@@ -3,7 +3,7 @@ on 4 and 8 A100-40GB, by fake execution on this CPU.
 
     python -m benchmarks.paper           # the tables' settings (GPipe, 2BW; time and dawnpiper)
     python -m benchmarks.paper --full    # also 1F1B and the params, uniform and capslog partitioners (hours)
-    python -m benchmarks.paper --models bert unet    # a part of the grid (minutes; the default run: 18-34)
+    python -m benchmarks.paper --models bert unet    # a part of the grid (minutes; the default run: 27)
     python -m benchmarks.paper --models amoebanet    # the paper's CNN, AmoebaNet-D (about 12 minutes)
 
 BERT-large (seq 512), GPT-2 large (seq 1024) and T5-large (seq 512) are built from their
@@ -621,8 +621,9 @@ def _scope_section(results: dict[str, Any]) -> str:
         f"The slowest configuration, {slowest.model} x{slowest.stages} {slowest.schedule} {_mo(slowest.memopt)} "
         f"{slowest.partitioner}, took {slowest.seconds:.0f} s. Of the configurations' {total / 60:.0f} "
         f"minutes, dawnpiper's with memory optimisation (its search over sizes, plan and fake run) took "
-        f"{searched / 60:.0f}, all others {(total - searched) / 60:.0f}. A fake run costs one Python dispatch per "
-        "operator (about 0.4 ms each on this CPU): an 8-stage GPipe step of GPT-2 large, 40-50 s. The full grid "
+        f"{searched / 60:.0f}, all others {(total - searched) / 60:.0f}. A fake run, on meta tensors, costs "
+        "the meter's Python dispatch per operator and, for most elementwise operators, PyTorch's meta kernels, "
+        "written in Python too: an 8-stage GPipe step of GPT-2 large, about 17 s. The full grid "
         "(`--full`: 1F1B and the params, uniform and capslog partitioners too) needs at least one fake run for "
         f"each of its {grid} configurations, more than an hour on two cores; the default run keeps the two "
         "schedules the paper's tables use and the two partitioners its headline ratio compares."
