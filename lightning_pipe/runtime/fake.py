@@ -6,10 +6,11 @@ optimizer step run as in training, on ``meta`` tensors: shapes, dtypes and stora
 data, so nothing is computed and no memory is used. The meter charges a meta storage as it
 charges a real one and enforces each stage's capacity at real sizes: a stage that would not
 fit raises :class:`~lightning_pipe.measure.meter.StageOutOfMemoryError` where training would.
-Meta tensors cost a C++ dispatch per operator; :class:`~torch._subclasses.fake_tensor.FakeTensorMode`
-tensors standing on the CPU, which a run may ask for instead, cost about twice as much (a
-Python dispatch and a cache lookup), but CPU autocast (``bf16-mixed``) casts them, and not
-meta tensors.
+Meta tensors go straight to PyTorch's meta kernels. A run may ask for
+:class:`~torch._subclasses.fake_tensor.FakeTensorMode` tensors standing on the CPU instead,
+which CPU autocast (``bf16-mixed``) casts and meta tensors it does not; they add a Python
+dispatch and a cache lookup per operator (a transformer's run takes about twice as long; a
+CNN's about as long, as that cache skips the Python meta kernels of repeated convolutions).
 
 The step is driven here, not by a Lightning Trainer: a model built from a config and a batch
 of shapes has no data loader, and the Trainer's machinery allocates nothing the meter
@@ -93,7 +94,7 @@ def fake_training(
     if root in _RAN:
         # the storages of a run before are not all charged again (2BW's weight swap loses one)
         raise ValueError(
-            "The model's parameters are fake tensors from an earlier fake run, which a second run does not "
+            "The model's parameters and buffers are those of an earlier fake run, which a second run does not "
             "meter right. Run a fresh copy each time: model, graph = meta_copy(root, captured), with an "
             "optimizer over the copy's parameters."
         )
