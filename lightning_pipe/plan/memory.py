@@ -320,7 +320,7 @@ class CostModel:
             if r.stop == self.n:
                 continue
             layout = _Layout.one(r.start, r.stop, _policy_codes({i: p for i, p in policies.items() if i in r}, self.n))
-            runs = _runs(layout)
+            runs = _runs(a, layout)
             first, last = _recomputed_regions(a, layout, runs)
             stashed = _NO_REGION_INPUTS
             if first.size:
@@ -422,7 +422,7 @@ class CostModel:
         or with those made so far: what :meth:`peak` prices), or the node before it (a
         region's stash comes back at its last node's backward), in node order."""
         layout = _Layout.one(lo, hi, _policy_codes(policies, self.n))
-        codes, runs = layout.code, _runs(layout)
+        codes, runs = layout.code, _runs(self._arrays, layout)
         found = {int(at - lo) for peak in self._live(lo, hi, policies).peaks_at for at in (peak, peak - 1)}
         chosen = {int(runs.of[k]) for k in found if 0 <= k < hi - lo and codes[k]}
         return [lo + k for run in sorted(chosen) for k in range(int(runs.starts[run]), int(runs.stops[run]))]
@@ -756,7 +756,7 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes2 | None") -> list[_
     stashed = _NO_REGION_INPUTS
     runs = None
     if codes is not None:
-        runs = _runs(layout)
+        runs = _runs(a, layout)
         if layout.code.any():
             stashed = _drop_stashes(model, layout, runs, stash, back)
     kept = np.zeros((rows, size + 1), dtype=np.int64)
@@ -812,7 +812,7 @@ def _drop_stashes(
     starts, segment = runs.starts, runs.of
     start, stop = node[starts][segment], runs.stop_nodes(layout)[segment]
     saver = a.last_saver[node]
-    freed = np.where((code != 0) & (saver < stop), a.saved[node], 0)
+    freed = np.where(runs.drops, a.saved[node], 0)
     inputs_from = a.saved_inputs_from[node]
     before = (inputs_from >= 0) & (inputs_from < start)  # saves inputs made before its segment
     freed = np.maximum(0, freed - np.where((code == 2) & before, a.saved_inputs[node], 0))
@@ -852,24 +852,28 @@ def _drop_stashes(
 @dataclass
 class _Runs:
     """Maximal runs of one policy over a layout's positions (kept ones too; a row starts a
-    run): their starts and stops, and the run of each position."""
+    run): their starts and stops, the run of each position, and whether its node's stash
+    goes with its run (swapped or recomputed, and no node after the run saves it too)."""
 
     starts: _Array
     stops: _Array
     of: _Array
+    drops: _Array
 
     def stop_nodes(self, layout: _Layout) -> _Array:
         """Per run, the node after its last."""
         return layout.node[self.stops - 1] + 1
 
 
-def _runs(layout: _Layout) -> _Runs:
-    code = layout.code
+def _runs(a: _NodeArrays, layout: _Layout) -> _Runs:
+    code, node = layout.code, layout.node
     new = np.ones(code.size, dtype=bool)
     new[1:] = code[1:] != code[:-1]
     new[:: layout.size] = True
     starts = np.flatnonzero(new)
-    return _Runs(starts, np.append(starts[1:], code.size), np.cumsum(new) - 1)
+    stops, of = np.append(starts[1:], code.size), np.cumsum(new) - 1
+    drops = (code != 0) & (a.last_saver[node] < node[stops - 1][of] + 1)
+    return _Runs(starts, stops, of, drops)
 
 
 def _recomputing(
@@ -983,7 +987,7 @@ def _held_end(
     dropped = (by >= 0) & (layout.codes[layout.row, by] != 0)
     inside = np.flatnonzero(dropped & (by < hi))
     keeper = inside + by[inside] - node[inside]  # its position, in the row
-    dropped[inside] = a.last_saver[by[inside]] < runs.stop_nodes(layout)[runs.of[keeper]]
+    dropped[inside] = runs.drops[keeper]
     end = np.where(dropped, a.held_until[node], end)
     end = _until_run_returns(layout, runs, end, ((by < 0) | dropped) & (end < hi))  # freed once read, not stashed
     storages, since = stashed
@@ -1007,7 +1011,7 @@ def _dropped_outputs(a: _NodeArrays, layout: _Layout, runs: "_Runs | None") -> l
     if runs is None or not layout.code.any():
         return []
     node = layout.node
-    own = np.where((layout.code != 0) & (a.last_saver[node] < runs.stop_nodes(layout)[runs.of]), a.own_output[node], 0)
+    own = np.where(runs.drops, a.own_output[node], 0)
     if not own.any():
         return []
     end = a.last_reader[node]
