@@ -30,6 +30,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_pipe.measure.meta import meta_call, on_meta
+
 __all__ = ["KINDS", "MemoryMeter", "StageMemory", "StageOutOfMemoryError", "not_charged"]
 
 #: What a stage's bytes are: parameters and buffers, their gradients, optimizer state,
@@ -385,6 +387,8 @@ def _workspace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: l
     or meta tensors, which allocate nothing to observe (they get what a real call showed)."""
     key = _signature(func, kwargs, flat)
     known = _WORKSPACE.get(key) if key is not None else None
+    if on_meta(flat):
+        return meta_call(func, args, kwargs, flat), known or 0
     if known is not None or torch._C._autograd._profiler_enabled() or any(map(_without_data, flat)):
         return func(*args, **kwargs), known or 0
     out, workspace = _observed(lambda: func(*args, **kwargs), _on_cuda(flat))

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 from lightning_pipe.plan.memory import CodedPolicies, CostModel, Policy, StagePeak, Waiting
 
-__all__ = ["NOISE", "StageOptimum", "optimize_stage", "policy_time", "prune_stage"]
+__all__ = ["NOISE", "Descent", "StageOptimum", "lowest_peak", "optimize_stage", "policy_time", "prune_stage"]
 
 # Measured times closer than this (relative) count as equal. Node times are measured: on a CPU
 # a plan's predicted step moves by 1-2% (one standard deviation) from one profile to the next.
 NOISE = 0.1
 # A stage the greedy and the low-memory fallbacks leave at most this far over its capacity is
-# searched further (_descended).
+# searched further (Descent).
 DESCENT = 1.25
 
 
@@ -88,7 +88,7 @@ def optimize_stage(
 ) -> StageOptimum:
     """Cheapest policies (by the greedy above) bringing stage ``[lo, hi)`` under ``capacity``;
     with ``optimise`` false, every node keeps its activations. A stage left near its capacity
-    is searched further (:func:`_descended`); with ``thorough``, so is one asked for its lowest
+    is searched further (:class:`Descent`); with ``thorough``, so is one asked for its lowest
     peak (``capacity`` 0), which costs a planner's search too much to do for every range.
     ``waiting``: what waits at the stage for others (:meth:`CostModel.waiting`), once known;
     ``earlier``: the policies of earlier stages' nodes keeping or making values the stage reads
@@ -97,9 +97,33 @@ def optimize_stage(
     (:func:`prune_stage` drops them, at one pricing per choice: a search prunes only the split
     it chooses)."""
     stage = _Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier)
-    base = stage.priced({}).peak
-    if base.total <= capacity or not optimise:
-        return StageOptimum(peak=base, fits=base.total <= capacity)
+    base = stage.kept()
+    if base.fits or not optimise:
+        return base
+    best = _greedy(stage, base)
+    if not best.fits and ((capacity <= 0 and thorough) or best.peak.total <= DESCENT * capacity):
+        best = Descent(stage, best).down_to(capacity)
+    return best
+
+
+def lowest_peak(
+    model: CostModel, lo: int, hi: int, in_flight: float, weight_versions: int = 1,
+    host_bandwidth: float | None = None, optimise: bool = True,
+) -> "Descent":
+    """The lowest peak of stage ``[lo, hi)`` (:func:`optimize_stage` at capacity 0, ``thorough``),
+    as a descent run only as far as it is asked: whether a stage gets under a limit is known
+    once it does, and most of a search's questions are that."""
+    stage = _Stage(model, lo, hi, in_flight, 0, weight_versions, host_bandwidth, (0, ()), {})
+    base = stage.kept()
+    return Descent(stage, _greedy(stage, base) if optimise and not base.fits else base, ended=not optimise)
+
+
+def _greedy(stage: "_Stage", base: StageOptimum) -> StageOptimum:
+    """The greedy of the module docstring from the stage's ``base`` (nothing chosen, over its
+    capacity), then the low-memory fallbacks: its first choices that fit, else the lowest peak
+    found."""
+    model, lo, hi, capacity = stage.model, stage.lo, stage.hi, stage.capacity
+    in_flight, host_bandwidth = stage.in_flight, stage.host_bandwidth
     compute = model.compute_ms(lo, hi)
 
     swaps: list[tuple[float, int]] = []  # (round trip, node), most FreeTime first
@@ -115,11 +139,11 @@ def optimize_stage(
 
     policies: dict[int, Policy] = {}
     late = link = 0.0
-    estimate = float(base.total)  # the peak if every choice frees what it promises
+    estimate = float(base.peak.total)  # the peak if every choice frees what it promises
     restore = 0  # largest bytes brought back at once for one backward (see memory.py)
     run_start: dict[int, int] = {}  # last node of a recomputed run -> its first
     run_stop: dict[int, int] = {}  # first node of a recomputed run -> one past its last
-    best = StageOptimum(peak=base, fits=False)
+    best = base
     si = ri = 0
 
     def exposed(extra_late: float, extra_link: float) -> float:
@@ -178,8 +202,6 @@ def optimize_stage(
         found = stage.priced(policies_)
         if _better(found, best):
             best = found
-    if not best.fits and ((capacity <= 0 and thorough) or best.peak.total <= DESCENT * capacity):
-        best = _descended(stage, best)
     return best
 
 
@@ -201,29 +223,41 @@ def prune_stage(
                    found)
 
 
-def _descended(stage: "_Stage", found: StageOptimum) -> StageOptimum:
-    """``found`` with its choices dropped one at a time while each drop lowers the peak, until
-    it fits or no drop lowers it: recomputing everything is seldom the lowest (a node kept
-    between two regions can keep less than the merged region would). Each round drops the
-    choice lowering the peak most among the runs where the backward peaks (a region's stash
-    comes back there); when none there lowers it, the first that does in node order from the
-    last such drop on, wrapping round (started over from the first node every time, the scans
-    of a long stage price it many times over)."""
-    scanned = stage.lo  # where the scan in node order goes on from
-    coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
-    while not found.fits:
+class Descent:
+    """A stage's choices (from :func:`_greedy`) dropped one at a time while each drop lowers the
+    peak: recomputing everything is seldom the lowest (a node kept between two regions can keep
+    less than the merged region would). Each round drops the choice lowering the peak most
+    among the runs where the backward peaks (a region's stash comes back there); when none
+    there lowers it, the first that does in node order from the last such drop on, wrapping
+    round (started over from the first node every time, the scans of a long stage price it
+    many times over). Every drop lowers the peak, so a descent stopped at a limit goes on
+    from there as it would have."""
+
+    def __init__(self, stage: "_Stage", found: StageOptimum, ended: bool = False) -> None:
+        self.stage, self.found, self.ended = stage, found, ended
+        self.scanned = stage.lo  # where the scan in node order goes on from
+        self.coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
+
+    def down_to(self, limit: float) -> StageOptimum:
+        """The choices once the peak is at most ``limit`` bytes, or no drop lowers it."""
+        while not self.ended and self.found.peak.total > limit:
+            self._drop()
+        return self.found
+
+    def _drop(self) -> None:
+        stage, found, coded = self.stage, self.found, self.coded
         peaking = [i for i in stage.model.backward_peak_runs(stage.lo, stage.hi, coded) if i in found.policies]
         lowest = min(zip(stage.totals(coded, peaking), peaking), default=None)
         if lowest is None or lowest[0] >= found.peak.total:
-            order = sorted(found.policies, key=lambda i: (i < scanned, i))
+            order = sorted(found.policies, key=lambda i: (i < self.scanned, i))
             first = _first_drop(stage, coded, order, found.peak.total - 1)  # totals are whole bytes
             lowest = (first[1], order[first[0]]) if first else None
-            scanned = lowest[1] if lowest else scanned
+            self.scanned = lowest[1] if lowest else self.scanned
         if lowest is None:
-            break
-        found = stage.priced({j: p for j, p in found.policies.items() if j != lowest[1]})  # in the order chosen
-        coded = coded.without(lowest[1])
-    return found
+            self.ended = True
+            return
+        self.found = stage.priced({j: p for j, p in found.policies.items() if j != lowest[1]})  # in the order chosen
+        self.coded = coded.without(lowest[1])
 
 
 def _first_drop(stage: "_Stage", coded: CodedPolicies, order: Sequence[int], at_most: float) -> tuple[int, int] | None:
@@ -323,6 +357,11 @@ class _Stage:
         variants = [coded.without(i) for i in drops]
         peaks = self.model.peaks(self.lo, self.hi, self.in_flight, variants, self.weight_versions, self.waiting)
         return [p.total for p in peaks]
+
+    def kept(self) -> StageOptimum:
+        """The stage with no choices."""
+        peak = self.peak({})
+        return StageOptimum(peak=peak, fits=peak.total <= self.capacity)
 
     def priced(self, policies: dict[int, Policy]) -> StageOptimum:
         peak = self.peak(policies)

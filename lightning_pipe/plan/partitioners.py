@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.memory import CostModel, Policy, Waiting, stage_ranges
-from lightning_pipe.plan.optimize import NOISE, StageOptimum, optimize_stage, prune_stage
+from lightning_pipe.plan.optimize import NOISE, Descent, StageOptimum, lowest_peak, optimize_stage, prune_stage
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Action, BackwardState
 from lightning_pipe.plan.simulate import Replay, StageTime
@@ -78,6 +78,7 @@ class Stages:
     _replay: Replay | None = field(default=None, repr=False)
     _floor: list[int] | None = field(default=None, repr=False)
     _further: "Stages | None" = field(default=None, repr=False)
+    _descents: dict[tuple[int, int, int], Descent] = field(default_factory=dict, repr=False)
 
     @property
     def count(self) -> int:
@@ -115,7 +116,8 @@ class Stages:
 
     def _varied(self, **changes: Any) -> "Stages":
         """These stages with ``changes``, and none of what was found for these (cached) kept."""
-        return replace(self, **changes, _optima={}, _placed={}, _prunes={}, _steps={}, _floor=None, _further=None)
+        return replace(self, **changes, _optima={}, _placed={}, _prunes={}, _steps={}, _floor=None, _further=None,
+                       _descents={})
 
     def floor(self) -> list[int]:
         """:func:`lowest_peak_balance` of these stages searched further: the split any plan
@@ -142,7 +144,7 @@ class Stages:
         split comes that close either way, so :meth:`floor`'s, found by fill-first too, has a
         stage over its capacity."""
         limits, n = [REACH * c for c in self.capacities], self.model.n
-        return _reaching(n, limits, self.lowest) or _reaching(n, limits, self._searched().lowest)
+        return _reaching(n, limits, self.reaches) or _reaching(n, limits, self._searched().reaches)
 
     def _searched(self) -> "Stages":
         """:meth:`searched_further`, kept: :meth:`reachable` and :meth:`floor` share its optima."""
@@ -152,8 +154,25 @@ class Stages:
 
     def lowest(self, lo: int, hi: int, s: int) -> int:
         """The lowest peak memory optimisation reaches for nodes ``[lo, hi)`` as stage ``s``: its
-        optimum with the whole capacity reserved (so cached like the others)."""
+        optimum with the whole capacity reserved (so cached like the others); searched
+        further, its whole descent (:meth:`reaches`)."""
+        if self.thorough:
+            return self._descent(lo, hi, s).down_to(0).peak.total
         return self.optimum(lo, hi, s, self.capacities[s]).peak.total
+
+    def reaches(self, lo: int, hi: int, s: int, limit: float) -> bool:
+        """Whether :meth:`lowest` of nodes ``[lo, hi)`` as stage ``s`` is at most ``limit``:
+        searched further, known once the stage's descent gets under it (cached, to go on from
+        there when asked a lower limit)."""
+        if self.thorough:
+            return self._descent(lo, hi, s).down_to(limit).peak.total <= limit
+        return self.lowest(lo, hi, s) <= limit
+
+    def _descent(self, lo: int, hi: int, s: int) -> Descent:
+        if (lo, hi, s) not in self._descents:
+            self._descents[lo, hi, s] = lowest_peak(self.model, lo, hi, self.in_flight[s], self.weight_versions,
+                                                    self.host_bandwidth, self.optimise_memory)
+        return self._descents[lo, hi, s]
 
     def placed(self, balance: Sequence[int]) -> list[StageOptimum]:
         """Every stage of ``balance`` optimised under its capacity with what waits at it
@@ -348,70 +367,81 @@ def lowest_peak_balance(stages: Stages, start: Sequence[int] | None = None) -> l
     """The balance whose stages, memory-optimised as far as they go, have the lowest peak
     relative to capacity: the most memory any plan can save (CAPSlog's search on the
     optimised peaks; ``start``: a balance near it, where the search begins)."""
-    return _min_max(stages.model.n, stages.capacities, stages.lowest, precision=1e-2, start=start)
+    return _min_max(stages.model.n, stages.capacities, stages.lowest, precision=1e-2, start=start,
+                    within=stages.reaches)
 
 
 Cost = Callable[[int, int, int], float]
+Within = Callable[[int, int, int, float], bool]  # whether stage s on [lo, hi) costs at most a limit
 
 
-def _fill_first(n: int, limits: Sequence[float], cost: Cost) -> list[int] | None:
+def _within(cost: Cost) -> Within:
+    return lambda lo, hi, s, limit: cost(lo, hi, s) <= limit
+
+
+def _fill_first(n: int, limits: Sequence[float], within: Within) -> list[int] | None:
     """CAPSlog's fill-first: each stage in turn takes the longest run of nodes whose cost stays
-    within its limit (keeping a node for every later stage); the last takes the rest. Exact for
-    costs that grow with the node range. ``None`` when the rest does not fit the last stage."""
+    ``within`` its limit (keeping a node for every later stage); the last takes the rest. Exact
+    for costs that grow with the node range. ``None`` when the rest does not fit the last stage."""
     balance, lo, count = [], 0, len(limits)
     for s in range(count - 1):
-        if cost(lo, lo + 1, s) > limits[s]:
+        if not within(lo, lo + 1, s, limits[s]):
             return None
         a, b = lo + 1, n - (count - 1 - s)  # the longest fitting end lies in [a, b]
         while a < b:
             mid = (a + b + 1) // 2
-            if cost(lo, mid, s) <= limits[s]:
+            if within(lo, mid, s, limits[s]):
                 a = mid
             else:
                 b = mid - 1
         balance.append(a - lo)
         lo = a
-    if cost(lo, n, count - 1) > limits[-1]:
+    if not within(lo, n, count - 1, limits[-1]):
         return None
     return balance + [n - lo]
 
 
-def _fill_last(n: int, limits: Sequence[float], cost: Cost) -> list[int] | None:
+def _fill_last(n: int, limits: Sequence[float], within: Within) -> list[int] | None:
     """:func:`_fill_first` from the last stage back: each stage in turn, the last first, takes
     the longest run of nodes ending where the next one begins whose cost stays within its limit."""
     count = len(limits)
-    found = _fill_first(n, limits[::-1], lambda lo, hi, s: cost(n - hi, n - lo, count - 1 - s))
+    found = _fill_first(n, limits[::-1], lambda lo, hi, s, limit: within(n - hi, n - lo, count - 1 - s, limit))
     return found[::-1] if found is not None else None
 
 
-def _reaching(n: int, limits: Sequence[float], cost: Cost) -> list[int] | None:
+def _reaching(n: int, limits: Sequence[float], within: Within) -> list[int] | None:
     """:func:`_fill_first`, or where that finds nothing, :func:`_fill_last`."""
-    return _fill_first(n, limits, cost) or _fill_last(n, limits, cost)
+    return _fill_first(n, limits, within) or _fill_last(n, limits, within)
 
 
 def _min_max(
-    n: int, scales: Sequence[float], cost: Cost, precision: float = 1e-12, start: Sequence[int] | None = None
+    n: int, scales: Sequence[float], cost: Cost, precision: float = 1e-12, start: Sequence[int] | None = None,
+    within: Within | None = None,
 ) -> list[int]:
     """Balance minimising ``max_s cost(stage s) / scales[s]``: binary search on the threshold,
     fill-first at each, until the threshold is known to ``precision`` (relative). Given a
     balance to ``start`` from, the search brackets the threshold just under that balance's
-    (within a twentieth, then a tenth, ...): a search near the answer prices fewer ranges."""
+    (within a twentieth, then a tenth, ...): a search near the answer prices fewer ranges.
+    ``within``: whether a stage's cost is at most a limit, where that is cheaper to know than
+    the cost (default: the cost compared)."""
     count = len(scales)
+    cost_within = within or _within(cost)
     if start is None:
         high = max(cost(0, n, s) / scales[s] for s in range(count)) or 1.0
-        while (found := _fill_first(n, [high * c for c in scales], cost)) is None:
+        while (found := _fill_first(n, [high * c for c in scales], cost_within)) is None:
             high *= 2
         low = 0.0
     else:
         found = list(start)
         high = max(cost(r.start, r.stop, s) / scales[s] for s, r in enumerate(stage_ranges(found)))
         step = 0.05
-        while (attempt := _fill_first(n, [high * (1 - step) * c for c in scales], cost)) is not None and step < 0.5:
+        while (attempt := _fill_first(n, [high * (1 - step) * c for c in scales], cost_within)) is not None \
+                and step < 0.5:
             high, found, step = high * (1 - step), attempt, 2 * step
         low = high * (1 - step) if attempt is None else 0.0
     while high - low > precision * high:
         mid = (low + high) / 2
-        attempt = _fill_first(n, [mid * c for c in scales], cost)
+        attempt = _fill_first(n, [mid * c for c in scales], cost_within)
         if attempt is None:
             low = mid
         else:

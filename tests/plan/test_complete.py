@@ -269,7 +269,7 @@ def test_a_split_only_filling_from_the_last_stage_finds_near_fitting_is_searched
     stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth)
     assert not any(stages.fits(split(name, stages)) for name in BASELINES)
     limits = [REACH * c for c in capacities]
-    assert _fill_first(n, limits, stages.searched_further().lowest) is None
+    assert _fill_first(n, limits, stages.searched_further().reaches) is None
     assert any(stages.fits(b) for b in balances(n, len(capacities)))
     assert stages.fits(split("dawnpiper", stages))
 
@@ -284,7 +284,7 @@ def test_reachable_asks_for_searched_lowest_peaks_only_where_the_stages_own_opti
         stages = planning_stages(*setting(seed, n))
         further = stages.searched_further()
         limits = [REACH * c for c in stages.capacities]
-        reaching = _reaching(n, limits, further.lowest)
+        reaching = _reaching(n, limits, further.reaches)
         found = stages.reachable
         if reaching is not None:
             assert found is not None, seed

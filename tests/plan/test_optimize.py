@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_pipe.plan.memory import CostModel
-from lightning_pipe.plan.optimize import optimize_stage, policy_time
+from lightning_pipe.plan.optimize import lowest_peak, optimize_stage, policy_time
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from tests.plan.test_memory import node, random_profile
 
@@ -100,3 +100,27 @@ def test_a_stage_searched_for_its_lowest_peak_ends_where_no_single_drop_lowers_i
     for i in found.policies:
         dropped = {j: p for j, p in found.policies.items() if j != i}
         assert model.peak(0, 40, 3, dropped).total >= found.peak.total
+
+
+@pytest.mark.parametrize("seed", [1, 4, 6, 9, 10, 15])  # the greedy's lowest descends a few steps
+def test_a_lowest_peak_descent_stopped_at_limits_goes_on_as_one_run_through(seed):
+    # a search asking whether a stage gets under a limit stops the descent there; asked a lower
+    # limit later, it must end with the choices and peak of the descent run in one go
+    model = CostModel(random_profile(40, seed), schedule="gpipe", chunks=3)
+    whole = optimize_stage(model, 0, 40, 3, capacity=0, thorough=True)
+    descent = lowest_peak(model, 0, 40, 3)
+    start = descent.found.peak.total
+    assert start > whole.peak.total  # the greedy's lowest is descended from
+    for limit in (start - 1, (start + whole.peak.total) // 2, whole.peak.total, whole.peak.total - 1, 0):
+        found = descent.down_to(limit)
+        assert found.peak.total <= limit or descent.ended
+        assert found.peak.total >= whole.peak.total
+    assert descent.found.policies == whole.policies
+    assert descent.found.peak == whole.peak
+
+
+def test_a_lowest_peak_without_memory_optimisation_is_the_stage_kept():
+    model = CostModel(random_profile(40, 1), schedule="gpipe", chunks=3)
+    descent = lowest_peak(model, 0, 40, 3, optimise=False)
+    assert descent.down_to(0).policies == {}
+    assert descent.found.peak == model.peak(0, 40, 3, {})
