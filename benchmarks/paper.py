@@ -3,8 +3,8 @@ on 4 and 8 A100-40GB, by fake execution on this CPU.
 
     python -m benchmarks.paper           # the tables' settings (GPipe, 2BW; time and dawnpiper)
     python -m benchmarks.paper --full    # also 1F1B and the params, uniform and capslog partitioners (hours)
-    python -m benchmarks.paper --models bert unet    # a part of the grid (minutes; the default run: 27)
-    python -m benchmarks.paper --models amoebanet    # the paper's CNN, AmoebaNet-D (about 12 minutes)
+    python -m benchmarks.paper --models bert unet    # a part of the grid (minutes; the default run: 19)
+    python -m benchmarks.paper --models amoebanet    # the paper's CNN, AmoebaNet-D (about 9 minutes)
 
 BERT-large (seq 512), GPT-2 large (seq 1024) and T5-large (seq 512) are built from their
 ``transformers`` configs, AmoebaNet-D at the paper's 28M parameters from ``benchmarks.amoebanet``

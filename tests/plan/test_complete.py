@@ -309,3 +309,21 @@ def test_no_split_within_reach_means_the_lowest_peak_split_does_not_fit(block):
         if not reached[-1]:
             assert not stages.fits(stages.floor()), seed
     assert 0.1 < sum(reached) / len(reached) < 0.9  # both kinds of case are exercised
+
+
+def test_whether_a_stage_reaches_a_limit_is_its_lowest_peak_compared_whatever_was_asked_before():
+    # a stage searched further answers from a descent stopped at the limits asked so far; asked
+    # in any order, and then for its lowest peak, it must answer as the whole descent does
+    rnd = random.Random(7)
+    for seed in range(2300, 2320):
+        n = random.Random(seed).randint(8, 24)
+        profile, capacities, schedule, chunks, host_bandwidth = setting(seed, n)
+        whole = planning_stages(profile, capacities, schedule, chunks, host_bandwidth).searched_further()
+        asked = planning_stages(profile, capacities, schedule, chunks, host_bandwidth).searched_further()
+        for _ in range(6):
+            lo = rnd.randrange(n - 1)
+            hi, s = rnd.randint(lo + 1, n), rnd.randrange(len(capacities))
+            lowest = whole.lowest(lo, hi, s)
+            for limit in sorted({lowest - 1, lowest, lowest + 1, rnd.randint(lowest // 2, 2 * lowest)}, key=str):
+                assert asked.reaches(lo, hi, s, limit) == (lowest <= limit), (seed, lo, hi, s, limit)
+            assert asked.lowest(lo, hi, s) == lowest
