@@ -234,7 +234,8 @@ class Descent:
     from there as it would have."""
 
     def __init__(self, stage: "_Stage", found: StageOptimum, ended: bool = False) -> None:
-        self.stage, self.found, self.ended = stage, found, ended
+        self.stage, self.found = stage, found
+        self.ended = ended  # no drop lowers the peak (or none is to be tried: a stage kept whole)
         self.scanned = stage.lo  # where the scan in node order goes on from
         self.coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
 
@@ -245,6 +246,7 @@ class Descent:
         return self.found
 
     def _drop(self) -> None:
+        """One round: drop the choice the class docstring says, or end where none lowers the peak."""
         stage, found, coded = self.stage, self.found, self.coded
         peaking = [i for i in stage.model.backward_peak_runs(stage.lo, stage.hi, coded) if i in found.policies]
         lowest = min(zip(stage.totals(coded, peaking), peaking), default=None)
