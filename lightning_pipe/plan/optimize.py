@@ -197,9 +197,7 @@ def _greedy(stage: "_Stage", base: StageOptimum) -> StageOptimum:
         estimate -= gain
         if estimate <= capacity and (found := check()):
             return found
-    options = [dict(policies)] + _lowest_memory_policies(model, lo, hi, host_bandwidth)
-    for policies_ in options:
-        found = stage.priced(policies_)
+    for found in stage.priced_all([dict(policies)] + _lowest_memory_policies(model, lo, hi, host_bandwidth)):
         if _better(found, best):
             best = found
     return best
@@ -365,10 +363,20 @@ class _Stage:
         peak = self.peak({})
         return StageOptimum(peak=peak, fits=peak.total <= self.capacity)
 
-    def priced(self, policies: dict[int, Policy]) -> StageOptimum:
-        peak = self.peak(policies)
+    def priced(self, policies: dict[int, Policy], peak: StagePeak | None = None) -> StageOptimum:
+        """``policies`` with their times and ``peak`` (priced when not given)."""
+        peak = self.peak(policies) if peak is None else peak
         recompute_ms, swap_ms = policy_time(self.model, self.lo, self.hi, policies, self.host_bandwidth)
         return StageOptimum(policies, recompute_ms, swap_ms, peak, peak.total <= self.capacity)
+
+    def priced_all(self, options: Sequence[dict[int, Policy]]) -> list[StageOptimum]:
+        """:meth:`priced` of each of ``options``, those choosing a node of the stage priced at
+        once (as :meth:`totals` does; the others are the stage kept, priced as such)."""
+        ours = [k for k, o in enumerate(options) if any(self.lo <= i < self.hi for i in o)]
+        coded = [CodedPolicies.of({**self.earlier, **options[k]}, self.model.n) for k in ours]
+        peaks = dict(zip(ours, self.model.peaks(self.lo, self.hi, self.in_flight, coded, self.weight_versions,
+                                                 self.waiting)))
+        return [self.priced(o, peaks.get(k)) for k, o in enumerate(options)]
 
 
 def _lowest_memory_policies(

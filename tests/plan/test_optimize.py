@@ -124,3 +124,14 @@ def test_a_lowest_peak_without_memory_optimisation_is_the_stage_kept():
     descent = lowest_peak(model, 0, 40, 3, optimise=False)
     assert descent.down_to(0).policies == {}
     assert descent.found.peak == model.peak(0, 40, 3, {})
+
+
+def test_options_priced_at_once_are_priced_as_one_at_a_time():
+    # the greedy's fallbacks are priced in one pass; an option choosing no node of the stage
+    # (an earlier stage's choices only) is the stage kept
+    from lightning_pipe.plan.optimize import _lowest_memory_policies, _Stage
+
+    model = CostModel(random_profile(40, 3), schedule="gpipe", chunks=3)
+    stage = _Stage(model, 10, 30, 3, 10**5, 1, 1e6, (0, ()), {4: "recompute", 7: "swap"})
+    options = [{}, {2: "recompute"}, *_lowest_memory_policies(model, 10, 30, 1e6)]
+    assert [stage.priced(o) for o in options] == stage.priced_all(options)
