@@ -74,12 +74,10 @@ def _layouts(out: Any, flat: list[Any]) -> _Layouts | None:
     if not all(isinstance(t, Tensor) and t.is_meta and t.layout == torch.strided for t in results):
         return None
     storages = {t.untyped_storage()._cdata for t in results}
-    if storages & {t.untyped_storage()._cdata for t in flat if isinstance(t, Tensor)}:
+    if len(storages) != len(results) or storages & {t.untyped_storage()._cdata for t in flat if isinstance(t, Tensor)}:
         return None
     for t in results:
         again = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
         if t.storage_offset() or t.untyped_storage().nbytes() != again.untyped_storage().nbytes():
             return None
-    if len(storages) != len(results):
-        return None
     return isinstance(out, tuple), tuple((t.shape, t.stride(), t.dtype) for t in results)

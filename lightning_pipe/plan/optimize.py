@@ -115,7 +115,7 @@ def lowest_peak(
     once it does, and most of a search's questions are that."""
     stage = _Stage(model, lo, hi, in_flight, 0, weight_versions, host_bandwidth, (0, ()), {})
     base = stage.kept()
-    return Descent(stage, _greedy(stage, base) if optimise and not base.fits else base, ended=not optimise)
+    return Descent(stage, _greedy(stage, base) if optimise and not base.fits else base)
 
 
 def _greedy(stage: "_Stage", base: StageOptimum) -> StageOptimum:
@@ -231,9 +231,9 @@ class Descent:
     many times over). Every drop lowers the peak, so a descent stopped at a limit goes on
     from there as it would have."""
 
-    def __init__(self, stage: "_Stage", found: StageOptimum, ended: bool = False) -> None:
+    def __init__(self, stage: "_Stage", found: StageOptimum) -> None:
         self.stage, self.found = stage, found
-        self.ended = ended  # no drop lowers the peak (or none is to be tried: a stage kept whole)
+        self.ended = not found.policies  # no drop lowers the peak (none is left to drop)
         self.scanned = stage.lo  # where the scan in node order goes on from
         self.coded = CodedPolicies.of({**stage.earlier, **found.policies}, stage.model.n)
 
