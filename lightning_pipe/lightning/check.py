@@ -15,15 +15,21 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
+from torchmetrics import Metric
 
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.lightning.microlog import silenced
+from lightning_pipe.measure.optimizers import rebuild
 from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.schedule import Schedule
 from lightning_pipe.runtime.build import Policy
 from lightning_pipe.runtime.fake import fake_training, meta_copy
 
-__all__ = ["fake_peaks"]
+__all__ = ["UncheckableStepError", "fake_peaks"]
+
+
+class UncheckableStepError(Exception):
+    """The user's training step cannot run on fake tensors; the message says why."""
 
 
 def fake_peaks(
@@ -40,12 +46,20 @@ def fake_peaks(
     replica, graph = _replica(module, captured)
     params = list(replica.parameters())
     twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(params, lr=0.0)
+    _inert_metrics(replica)
     policies = {n.name: cast(Policy, p) for n, p in zip(graph.nodes, plan.policies) if p != "keep"}
 
     def step(forward: Any, microbatch: Any) -> Tensor:
         replica.forward = forward  # type: ignore[method-assign]
         with precision.train_step_context():
-            returned = replica.training_step(microbatch, batch_idx)
+            try:
+                returned = replica.training_step(microbatch, batch_idx)
+            except NotImplementedError as error:  # an operator without a meta kernel
+                raise UncheckableStepError(f"an operator cannot run on fake tensors: {error}") from error
+            except RuntimeError as error:
+                if "meta tensors" not in str(error):
+                    raise
+                raise UncheckableStepError(f"training_step reads a tensor's value: {error}") from error
         return cast(Tensor, returned["loss"] if isinstance(returned, Mapping) else returned)
 
     shapes = tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x, batch)
@@ -74,4 +88,25 @@ def _twin(optimizer: torch.optim.Optimizer, module: nn.Module, replica: nn.Modul
     """An optimizer of ``optimizer``'s kind and settings over ``replica``'s parameters."""
     copies = dict(zip(map(id, module.parameters()), replica.parameters()))
     groups = [{**g, "params": [copies[id(p)] for p in g["params"] if id(p) in copies]} for g in optimizer.param_groups]
-    return type(optimizer)(groups, **optimizer.defaults)
+    return rebuild(optimizer, groups)
+
+
+def _inert_metrics(replica: nn.Module) -> None:
+    """Every torchmetrics ``Metric`` of the copy returns a scalar and keeps nothing: metrics
+    hold no stage's memory, their operators (``unique``) have no meta kernels, and what they
+    return only reaches ``self.log``, which the check silences."""
+    for parent in list(replica.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Metric):
+                parent._modules[name] = _Inert()
+
+
+class _Inert(nn.Module):
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        return torch.zeros((), device="meta")
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def compute(self) -> Tensor:
+        return torch.zeros((), device="meta")

@@ -32,7 +32,7 @@ from lightning_pipe.graph.capture import Captured, NeedsExampleInputs
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.graph.shapes import Shapes, batch_shapes, grown, largest, show, tile
 from lightning_pipe.graph.variants import Variants, follow_balance
-from lightning_pipe.lightning.check import fake_peaks
+from lightning_pipe.lightning.check import UncheckableStepError, fake_peaks
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.microlog import LossReduction, silenced
 from lightning_pipe.lightning.steps import ScheduledStep
@@ -207,6 +207,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         self._pipelines: dict[int, Pipeline] = {}  # per graph (by id) of each mode and input
         self._policies: dict[str, Policy] = {}  # the training graph's, by node name
         self._probing = False
+        self._warned_unchecked = False
         self._probe_meter: MemoryMeter | None = None  # meters what a probing training_step does outside forward
         self._probe_output: Any = None  # the profiled output a probing self(...) returned
         self._scheduled: ScheduledPipeline | None = None
@@ -455,19 +456,24 @@ class MemoryPipeStrategy(ParallelStrategy):
     def _check(self, batch: Any, batch_idx: int, plan: Plan) -> list[int]:
         """Each stage's peak when ``plan`` trains, from a fake training step; for a step that
         cannot run on fake tensors (manual optimization steps the optimizers itself; a step
-        reading a value), what the flat headroom assumes."""
+        reading a value), what the flat headroom assumes, said once."""
         module = self._module
         assert self._captured is not None
-        if module.automatic_optimization:
-            optimizer = self.optimizers[0] if self.optimizers else None
-            try:
-                return fake_peaks(module, self._captured, batch, batch_idx, optimizer, self.precision_plugin, plan)
-            except Exception as error:
-                rank_zero_warn(
-                    f"MemoryPipeStrategy could not check its plan by a training step on fake tensors "
-                    f"({type(error).__name__}: {error}); it plans {PREDICTION_ERROR:.0%} below the memory limit "
-                    f"instead, a margin measured on other models."
-                )
+        if not module.automatic_optimization:
+            return self._unchecked(plan, "manual optimization steps the optimizers inside training_step")
+        optimizer = self.optimizers[0] if self.optimizers else None
+        try:
+            return fake_peaks(module, self._captured, batch, batch_idx, optimizer, self.precision_plugin, plan)
+        except UncheckableStepError as error:
+            return self._unchecked(plan, str(error))
+
+    def _unchecked(self, plan: Plan, why: str) -> list[int]:
+        if not self._warned_unchecked:
+            self._warned_unchecked = True
+            rank_zero_warn(
+                f"MemoryPipeStrategy cannot check its plan by a training step on fake tensors ({why}); it plans "
+                f"{PREDICTION_ERROR:.0%} below the memory limit instead, a margin measured on other models."
+            )
         return flat(plan)
 
     def _own_memory(self) -> None:

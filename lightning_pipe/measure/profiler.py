@@ -24,6 +24,7 @@ from lightning_pipe.graph.capture import Captured, get_attr
 from lightning_pipe.graph.export import localize_args
 from lightning_pipe.graph.microbatch import batch_size
 from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.measure.optimizers import rebuild
 from lightning_pipe.measure.roofline import WorkCounter
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec
 from lightning_pipe.plan.profile import NodeProfile, Profile, SharedParam
@@ -467,7 +468,7 @@ def _stepped(optimizer: torch.optim.Optimizer, probes: list[Tensor]) -> tuple[in
     on ``probes`` holds beyond parameters, gradients and state, as a meter sees them."""
     for probe in probes:
         probe.grad = torch.zeros_like(probe)
-    step = type(optimizer)(probes, **_settings(optimizer))
+    step = rebuild(optimizer, probes)
     step.step()  # makes the state
     state = [v for v in step.state[probes[0]].values() if isinstance(v, Tensor)]
     meter = MemoryMeter(1)
@@ -479,15 +480,6 @@ def _stepped(optimizer: torch.optim.Optimizer, probes: list[Tensor]) -> tuple[in
         step.step()
     meter.close()
     return sum(_nbytes(v) for v in state), meter.stages[0].peak - meter.stages[0].total
-
-
-def _settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's settings its class takes back: ``defaults`` may hold more (AdamW's
-    ``decoupled_weight_decay``, which its ``__init__`` fixes)."""
-    accepted = inspect.signature(type(optimizer)).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
 def _leaf(x: Any) -> Any:

@@ -1,7 +1,10 @@
 """The strategy checks a plan near the memory limit by a fake training step of the module."""
 
+import warnings
+
 import pytest
 import torch
+import torchmetrics
 from torch._subclasses.fake_tensor import FakeTensor
 
 import lightning_pipe.lightning.strategy as strategy_module
@@ -9,6 +12,7 @@ from examples.models import GPT, TokenDataset, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.lightning.check import fake_peaks
 from lightning_pipe.measure.meter import StageOutOfMemoryError
+from lightning_pipe.plan.plan import PREDICTION_ERROR
 from tests.helpers import trainer
 
 STAGES, CHUNKS, BATCH = 2, 4, 16
@@ -116,3 +120,111 @@ def test_under_cpu_autocast_the_check_meters_what_training_does():
     peaks = fake_peaks(model, strategy._captured, batch, 0, strategy.optimizers[0], strategy.precision_plugin,
                        strategy.plan)
     assert peaks == strategy.meter.peaks()
+
+
+class Lion(torch.optim.Optimizer):
+    """A user-defined optimizer: one state buffer, settings only in its defaults."""
+
+    def __init__(self, params, lr: float = 1e-4, beta: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                avg = self.state[p].setdefault("avg", torch.zeros_like(p))
+                avg.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
+                p.add_(avg.sign(), alpha=-group["lr"])
+        return loss
+
+
+class NeedsWidth(torch.optim.SGD):
+    """A user-defined optimizer whose __init__ takes an argument its defaults do not hold."""
+
+    def __init__(self, params, width: int) -> None:
+        super().__init__(params, lr=0.01)
+        self.width = width
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.01),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.9),
+    "lion": lambda ps: Lion(ps),
+    "needs-width": lambda ps: NeedsWidth(ps, width=3),
+}
+
+
+class WithOptimizer(GPT):
+    """GPT trained by ``make(parameters)``, logging a torchmetrics metric from its step
+    (torchmetrics runs ``unique``, which has no meta kernel)."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.make = make
+        self.mean_logit = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        logits = self(*self.inputs(batch))
+        self.mean_logit(logits.detach().mean())
+        self.log("mean_logit", self.mean_logit)
+        return self.criterion(logits, batch)
+
+    def configure_optimizers(self):
+        return self.make(self.parameters())
+
+
+def _checked_fit(make, limits=None, model=WithOptimizer):
+    """Two steps of ``WithOptimizer(make)``: every fake check's peaks, the strategy and what it warned."""
+    checks = []
+
+    def spied(*args, **kwargs):
+        peaks = fake_peaks(*args, **kwargs)
+        checks.append(peaks)
+        return peaks
+
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b", memory_limit=limits, measure_memory=True)
+    torch.manual_seed(0)
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patch.setattr(strategy_module, "fake_peaks", spied)
+        trainer(strategy, STAGES, max_steps=2).fit(model(make), loader(TokenDataset(2 * BATCH), BATCH))
+    return checks, strategy, [str(w.message) for w in caught if "cannot check its plan" in str(w.message)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_optimizer_and_a_metric_in_the_step_are_checked(name):
+    _, ample, _ = _checked_fit(OPTIMIZERS[name])
+    # limits at the predictions: outside the flat headroom, so the plan is checked
+    limits = [int(s.peak.total / 0.97) for s in ample.plan.stages]
+    checks, strategy, unchecked = _checked_fit(OPTIMIZERS[name], limits)
+    assert not unchecked and checks  # checked, not planned by the flat margin
+    # the check ran this optimizer's step: its state to the byte, but for the metric's few bytes of state
+    assert checks[-1] == pytest.approx(strategy.meter.peaks(), abs=256)
+
+
+class ReadsItsLoss(WithOptimizer):
+    """Reads a value (``.item()``), which no fake tensor holds: its step cannot be checked."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if loss.item() > 1e6:
+            raise RuntimeError("diverged")
+        return loss
+
+
+@pytest.mark.slow
+def test_a_step_that_reads_a_value_is_named_once_and_planned_by_the_flat_margin():
+    _, ample, _ = _checked_fit(OPTIMIZERS["adam"])
+    limits = [int(s.peak.total / 0.97) for s in ample.plan.stages]
+    checks, strategy, unchecked = _checked_fit(OPTIMIZERS["adam"], limits, model=ReadsItsLoss)
+    assert not checks and len(unchecked) == 1
+    assert "training_step reads a tensor's value" in unchecked[0] and "10% below the memory limit" in unchecked[0]
+    # planned by the flat margin: every stage's prediction that far below its limit
+    assert all(s.peak.total * (1 + PREDICTION_ERROR) <= limit for s, limit in zip(strategy.plan.stages, limits))
