@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
+from torchmetrics import MeanSquaredError
+from torchmetrics.classification import MulticlassAccuracy
 
 from examples.models import GPT, EncoderDecoder, ImageDataset, Seq2SeqDataset, TokenDataset, UNet
 
@@ -105,3 +107,63 @@ class LossInside(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class MetricUNet(UNet):
+    """The U-Net, logging torchmetrics metrics (objects and their values, with and without
+    ``sync_dist``) in its training and validation steps: which colour channel is brightest,
+    as a 3-class accuracy of the output against the target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_acc = MulticlassAccuracy(num_classes=3, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=3, average="micro")
+        self.val_mse = MeanSquaredError()
+
+    @staticmethod
+    def brightest(images: torch.Tensor) -> torch.Tensor:
+        return images.mean((2, 3)).argmax(-1)
+
+    def training_step(self, batch, batch_idx):
+        output = self(batch["image"])
+        loss = F.mse_loss(output, batch["target"])
+        self.train_acc(self.brightest(output), self.brightest(batch["target"]))
+        self.log("train_acc", self.train_acc)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        output = self(batch["image"])
+        self.val_acc.update(self.brightest(output), self.brightest(batch["target"]))
+        self.log("val_acc", self.val_acc)
+        self.log("val_mse", self.val_mse(output, batch["target"]))
+        self.log("val_loss", F.mse_loss(output, batch["target"]), sync_dist=True)
+
+
+class Denoiser(LightningModule):
+    """A residual denoiser whose residual starts at zero: ``forward(x, level)`` returns
+    ``body(x) + level * x``, and the step, which draws noise and a mask before ``self(...)``
+    and a level that changes every step, asks for ``level * noisy``. Where the step means the
+    same on every stage (the noise the loss sees is the noise the pipeline got, and so is the
+    level) the loss is 0 and nothing moves."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                  nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+        nn.init.zeros_(self.body[-1].weight)
+        nn.init.zeros_(self.body[-1].bias)
+
+    def forward(self, x, level: float):
+        return self.body(x) + level * x
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        noisy = x + torch.randn_like(x) * (torch.rand_like(x) > 0.5)
+        level = 1.0 + self.global_step
+        loss = F.mse_loss(self(noisy, level), level * noisy)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -17,6 +17,7 @@ loggers and ``ModelCheckpoint(monitor=...)`` see it everywhere.
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -47,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
 from lightning_pipe.graph.capture import Captured
@@ -65,7 +67,14 @@ from lightning_pipe.plan.plan import PLANNING_HEADROOM, make_plan
 from lightning_pipe.plan.schedule import actions
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
-from lightning_pipe.runtime.distributed import DistributedPipeline, StageRunner, cuts, pipeline_mesh
+from lightning_pipe.runtime.distributed import (
+    DistributedPipeline,
+    StageRunner,
+    cuts,
+    pipeline_mesh,
+    to_device,
+    to_host,
+)
 from lightning_pipe.runtime.materialize import check_resettable, has_meta, materialize_module
 
 __all__ = ["DistributedPipeStrategy", "become_distributed"]
@@ -164,6 +173,10 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             replicas = self.world_size // self.num_stages
             self._mesh = pipeline_mesh(self.num_stages, replicas, self.root_device.type, self.timeout)
         self._module._device_mesh = self._mesh
+        sync = _ReplicaSync(self._mesh.get_group("dp"))
+        for metric in self._module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
+                metric.dist_sync_fn = sync
 
     def _connect(self) -> None:
         """The default process group, waiting ``timeout`` for a peer. When Lightning's launcher
@@ -435,10 +448,10 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
     def _from_last_stage(self, value: Any) -> Any:
         """``value`` as the last stage of this rank's pipeline has it."""
-        box = [value]
+        box = [to_host(value)]
         pp = self.device_mesh.get_group("pp")
         dist.broadcast_object_list(box, group_src=self.num_stages - 1, group=pp)
-        return box[0]
+        return to_device(box[0], self.root_device)
 
     def _eval_step(self, hook: str, batch: Any, batch_idx: int, *args: Any) -> Any:
         pipe = self._ensure_pipeline(hook, batch, batch_idx, training=False)
@@ -575,6 +588,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         mine = state["state"] if self._pipe.replica == 0 else {}
         if self._sharded:
             return {**state, "state": mine}
+        mine = to_host(mine)
         parts: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
         dist.gather_object(mine, parts if self.global_rank == 0 else None, dst=0)
         if self.global_rank != 0:
@@ -645,9 +659,19 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        """Over the data-parallel replicas of this rank's stage by default: every rank of a
+        pipeline logs its last stage's values, so each stage's replicas reduce the same values
+        the last stage's do, and no rank waits on a rank of another stage."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _sync_ddp_if_available(tensor, group or self.device_mesh.get_group("dp"), reduce_op=reduce_op)
         return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Over every process: a decision to stop or to save is the whole job's."""
+        count = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(count)
+        return bool(count == self.world_size) if all else bool(count)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -658,9 +682,9 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():
             return obj
-        box = [obj]
+        box = [to_host(obj)]
         dist.broadcast_object_list(box, src)
-        return box[0]
+        return to_device(box[0], self.root_device)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
@@ -747,26 +771,65 @@ def _before_step(module: LightningModule, optimizer: Optimizer, batch_idx: int) 
         call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
 
 
+class _ReplicaSync:
+    """A ``Metric``'s ``dist_sync_fn``: its states gathered over the data-parallel replicas of
+    this rank's stage, not the world (the ranks of other stages never sync it at that time).
+    Copies of a metric (``Metric.clone``) share it: a process group cannot be copied."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, tensor: Tensor, group: Any | None = None) -> list[Tensor]:
+        return gather_all_tensors(tensor, group or self.group)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_ReplicaSync":
+        return self
+
+
+@dataclass
+class _MetricState:
+    """A logged ``Metric`` as the last stage holds it after the step: its states (on the CPU),
+    update count and step value, loaded into the same metric of the pipeline's other ranks."""
+
+    path: str
+    states: dict[str, Any]
+    updates: int
+    step_value: Any
+
+
 @contextmanager
 def _recording(module: LightningModule, logged: Logged) -> Iterator[None]:
-    """Log as usual, and keep each call (a ``Metric`` as its step value) to replay elsewhere."""
+    """Log as usual, and keep each call (a ``Metric`` as its state) to replay elsewhere."""
     log = module.log
+    paths = {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
 
     def recording(name: str, value: Any, **kwargs: Any) -> None:
         log(name, value, **kwargs)
-        shown = value._forward_cache if isinstance(value, Metric) else value
-        logged.append((name, shown.detach().cpu() if isinstance(shown, Tensor) else shown, kwargs))
+        logged.append((name, value, kwargs))
 
     module.log = recording  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
         del module.log
+    for k, (name, value, kwargs) in enumerate(logged):  # the states once the hook has updated them all
+        if isinstance(value, Metric) and id(value) in paths:
+            value = _MetricState(paths[id(value)], to_host(value.metric_state), value._update_count,
+                                 to_host(value._forward_cache))
+        logged[k] = (name, to_host(value), kwargs)
 
 
 def _replay(module: LightningModule, logged: Logged) -> None:
+    device = module.device
     for name, value, kwargs in logged:
-        module.log(name, value.to(module.device) if isinstance(value, Tensor) else value, **kwargs)
+        if isinstance(value, _MetricState):
+            metric = cast(Metric, module.get_submodule(value.path))
+            for state, held in value.states.items():
+                setattr(metric, state, to_device(held, device))
+            metric._update_count, metric._computed = value.updates, None
+            metric._forward_cache = to_device(value.step_value, device)
+            value = metric
+        module.log(name, to_device(value, device), **kwargs)
 
 
 def _host_memory() -> int:

@@ -137,6 +137,7 @@ class LogCollector:
         if id(metric) not in self._twins:
             twin = metric.clone()
             twin.reset()
+            twin._to_sync = metric.dist_sync_on_step  # a step value syncs only as the metric's own forward does
             self._twins[id(metric)] = metric, twin
         self._twins[id(metric)][1].update(*args, **kwargs)
         # kept (not only their ids) so that a freed output's id cannot be taken by a later value

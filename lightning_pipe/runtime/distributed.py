@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.fx.node import map_aggregate
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from lightning_pipe.graph.capture import get_attr
 from lightning_pipe.graph.microbatch import gather
@@ -38,7 +38,7 @@ from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, 
 
 __all__ = [
     "Cut", "DistributedPipeline", "DistributedSchedule", "PipelineRank", "StageModule", "StageRunner", "TensorMeta",
-    "cuts", "pipeline_mesh",
+    "cuts", "pipeline_mesh", "to_device", "to_host",
 ]
 
 DistributedSchedule = Literal["gpipe", "1f1b"]
@@ -236,12 +236,12 @@ class PipelineRank:
         return gather(outputs, self.device) if outputs else None
 
     def _send(self, value: Any, rank: int) -> None:
-        dist.send_object_list([value], group_dst=rank, group=self.group, device=self.device)
+        dist.send_object_list([to_host(value)], group_dst=rank, group=self.group, device=self.device)
 
     def _recv(self, rank: int) -> Any:
         box: list[Any] = [None]
         dist.recv_object_list(box, group_src=rank, group=self.group, device=self.device)
-        return box[0]
+        return to_device(box[0], self.device)
 
 
 class _TimedStage(PipelineStage):
@@ -251,6 +251,18 @@ class _TimedStage(PipelineStage):
         clock = cast(StageModule, self.submod).clock
         with clock.backward(0, self.device) if clock else nullcontext():
             super().backward_one_chunk(*args, **kwargs)
+
+
+def to_host(value: Any) -> Any:
+    """``value`` with every tensor detached and copied to the CPU: what an object collective
+    may carry (it unpickles a CUDA tensor on the sender's device index, another GPU on the
+    receiving process, or one it cannot see)."""
+    return tree_map(lambda t: t.detach().to("cpu", copy=True) if isinstance(t, Tensor) else t, value)
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` received from an object collective, its tensors moved to ``device``."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, value)
 
 
 def _indices(chunks: int) -> Tensor:
@@ -464,7 +476,7 @@ class DistributedPipeline:
     def state_dict(self) -> dict[str, Tensor] | None:
         """The plain module's ``state_dict``, gathered on global rank 0 (``None`` elsewhere)
         from replica 0's ranks, each sending what its stages own."""
-        mine = {name: t.clone() for name, t in self.owned_state().items()}
+        mine = to_host(self.owned_state())
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
         dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:

@@ -6,13 +6,17 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 
 A scenario is ``family:schedule:stages[:metered][:features][:vN]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
-configurations after it), ``features``, ``sharded``, ``exported``, ``raise`` or ``hang``
+configurations after it), ``metrics:schedule:stages`` (:func:`metrics`), ``features``, ``sharded``,
+``exported``, ``raise`` or ``hang``
 (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``raise`` and
-``hang``: each comes last.
+``hang``: each comes last. Every object collective fails on a tensor that is not a CPU copy.
 """
 
+import functools
+import io
 import json
 import os
+import pickle
 import sys
 import time
 from datetime import timedelta
@@ -20,16 +24,18 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from examples.models import UNet, loader
+from examples.models import ImageDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
-from tests.models import make
+from tests.models import MetricUNet, make
 
 BATCH, CHUNKS = 8, 4
+METRIC_STEPS = 4  # the metrics scenario validates every two steps
 ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping by norm, a step-wise LR decay
 
 
@@ -106,6 +112,32 @@ def features_trainer(out: Path, devices: int | None, steps: int) -> dict:
     return dict(accelerator="cpu", max_steps=steps, accumulate_grad_batches=2, gradient_clip_val=0.05,
                 limit_val_batches=2, logger=False, callbacks=[checkpoint], enable_progress_bar=False,
                 enable_model_summary=False, **strategy)
+
+
+def metrics(out: Path, devices: int, steps: int, schedule: str, stages: int) -> None:
+    """The U-Net logging torchmetrics metrics (:class:`~tests.models.MetricUNet`), validated
+    every two steps, with a checkpoint monitoring a metric and early stopping on a synced loss;
+    a rank waits at most a minute for another. Every rank saves what it logged and decided,
+    and the trained weights."""
+    torch.manual_seed(0)
+    model, data = MetricUNet(), ImageDataset()
+    tag = f"metrics-{schedule}-{stages}"
+    checkpoint = ModelCheckpoint(dirpath=out / tag, monitor="val_acc", mode="max")
+    stopping = EarlyStopping(monitor="val_loss", patience=1)
+    strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
+                                  planner=None, timeout=timedelta(minutes=1))
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                      val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0,
+                      callbacks=[checkpoint, stopping],
+                      enable_progress_bar=False, enable_model_summary=False)
+    replicas = devices // stages
+    trainer.fit(model, loader(data, BATCH // replicas), loader(data, BATCH // replicas))
+    trainer.save_checkpoint(out / f"{tag}.ckpt")
+    result = {"logged": {k: float(v) for k, v in trainer.callback_metrics.items()},
+              "best": float(checkpoint.best_model_score), "best_path": Path(checkpoint.best_model_path).name,
+              "should_stop": trainer.should_stop, "wait": stopping.wait_count,
+              "replica": model.device_mesh["dp"].get_local_rank()}
+    (out / f"{tag}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 def sharded(out: Path, devices: int) -> None:
@@ -225,6 +257,33 @@ def fail(out: Path, devices: int, hang: bool) -> None:
     trainer.fit(model, loader(data, BATCH))
 
 
+class _HostOnly(pickle.Pickler):
+    """Pickles what an object collective carries, failing on a tensor that is not a plain CPU
+    copy (one on a device unpickles on the sender's device index; one attached to autograd is
+    the sender's live tensor, not a copy made for the trip)."""
+
+    def reducer_override(self, obj: object) -> object:
+        if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.requires_grad):
+            raise AssertionError(f"a {obj.device} tensor (requires_grad={obj.requires_grad}) in an object collective")
+        return NotImplemented
+
+
+def _host_only(collective, payload: int):
+    """``collective`` checking its argument ``payload`` with :class:`_HostOnly` first."""
+
+    @functools.wraps(collective)
+    def checked(*args, **kwargs):
+        _HostOnly(io.BytesIO()).dump(args[payload])
+        return collective(*args, **kwargs)
+
+    return checked
+
+
+for _name, _payload in [("broadcast_object_list", 0), ("all_gather_object", 1), ("gather_object", 0),
+                        ("send_object_list", 0)]:
+    setattr(dist, _name, _host_only(getattr(dist, _name), _payload))
+
+
 SCENARIOS = {"features": features, "sharded": sharded, "empty": empty, "exported": exported,
              "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
@@ -236,6 +295,9 @@ if __name__ == "__main__":
             steps = int(scenario)
         elif scenario in SCENARIOS:
             SCENARIOS[scenario](out, devices)
+        elif scenario.startswith("metrics:"):
+            _, schedule, stages = scenario.split(":")
+            metrics(out, devices, steps, schedule, int(stages))
         else:
             family, schedule, stages, *flags = scenario.split(":")
             virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_collate
 
-from examples.models import UNet, loader
+from examples.models import ImageDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.lightning.distributed import DistributedPipeStrategy, _check_balance_entries
@@ -36,12 +36,13 @@ from tests.lightning.distributed_fit import (
     BATCH,
     CLIP,
     GAMMA,
+    METRIC_STEPS,
     empty_trainer,
     exported_trainer,
     features_trainer,
     sharded_trainer,
 )
-from tests.models import make
+from tests.models import MetricUNet, make
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = Path(__file__).with_name("distributed_fit.py")
@@ -97,12 +98,13 @@ def _launch(out: Path, devices: int, *scenarios: str) -> Launch:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, "gpt:1f1b:2:features", "hang")
+    return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, "gpt:1f1b:2:features",
+                   str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    scenarios = [str(STEPS), *PP2, "features", "sharded", "empty", "exported"]
+    scenarios = [str(STEPS), *PP2, str(METRIC_STEPS), "metrics:gpipe:2", "features", "sharded", "empty", "exported"]
     return _launch(tmp_path_factory.mktemp("two_ranks"), 2, *scenarios)
 
 
@@ -377,3 +379,67 @@ def test_exported_models_train_like_single_device_and_evaluate_on_their_eval_gra
         assert got == pytest.approx(expected, rel=1e-5)
     # predict without labels needs another exported graph: a clear error, not a failed export
     assert "pass labels in predict_step too" in two_ranks.path("predict-error-rank0.txt").read_text()
+
+
+def _metric_reference(replicas: int) -> dict[str, object]:
+    """What Lightning's DDP logs for :class:`~tests.models.MetricUNet` trained on the same
+    global batches as ``replicas`` pipelines: per replica (a metric's value on its share of the
+    last batch, a value logged without ``sync_dist``) and over all (synced tensors, a metric
+    object's epoch value), with the weights it ends with."""
+    torch.manual_seed(0)
+    model, data = MetricUNet(), ImageDataset()
+    optimizer = model.configure_optimizers()
+    share = BATCH // replicas
+    orders = [list(DistributedSampler(data, replicas, r, shuffle=True, seed=0)) for r in range(replicas)]
+    accuracy = lambda out, target: (model.brightest(out) == model.brightest(target)).float().mean().item()  # noqa: E731
+    for k in range(METRIC_STEPS):
+        batch = default_collate([data[i] for order in orders for i in order[k * share : (k + 1) * share]])
+        output = model(batch["image"])
+        loss = torch.nn.functional.mse_loss(output, batch["target"])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    train_acc = [accuracy(output[r * share : (r + 1) * share], batch["target"][r * share : (r + 1) * share])
+                 for r in range(replicas)]
+    # validation: two batches a replica, dealt out in order; the union is the first 16 samples
+    val = [default_collate([data[i] for i in range(r, 16, replicas)]) for r in range(replicas)]
+    with torch.no_grad():
+        outputs = [model(v["image"]) for v in val]
+    mse = [torch.nn.functional.mse_loss(o, v["target"]).item() for o, v in zip(outputs, val)]
+    return {
+        "state": model.state_dict(), "train_loss": loss.item(), "train_acc": train_acc, "val_mse": mse,
+        "val_loss": sum(mse) / replicas,
+        "val_acc": accuracy(torch.cat(outputs), torch.cat([v["target"] for v in val])),
+    }
+
+
+def _check_logged_metrics(launch: Launch, devices: int, schedule: str, stages: int) -> None:
+    """Every rank logged what DDP logs on the same global batches, each pipeline's ranks its last
+    stage's values, and every rank's checkpoint and early-stopping callbacks decided alike."""
+    replicas = devices // stages
+    name = f"metrics-{schedule}-{stages}"
+    expected = _metric_reference(replicas)
+    state = torch.load(launch.path(f"{name}.ckpt"), weights_only=False)["state_dict"]
+    for key, value in expected["state"].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+    ranks = [json.loads(launch.path(f"{name}-rank{r}.json").read_text()) for r in range(devices)]
+    for rank in ranks:
+        logged, replica = rank["logged"], rank["replica"]
+        assert logged["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-5)
+        assert logged["train_acc"] == pytest.approx(expected["train_acc"][replica])
+        assert logged["val_mse"] == pytest.approx(expected["val_mse"][replica], rel=1e-5)
+        assert logged["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+        assert logged["val_acc"] == pytest.approx(expected["val_acc"])
+        decided = {k: rank[k] for k in ("best", "best_path", "should_stop", "wait")}
+        assert decided == {k: ranks[0][k] for k in decided}, name
+
+
+@pytest.mark.slow
+def test_metrics_logged_at_pp2_dp2_and_pp4_reduce_over_replicas_as_ddp_without_waiting_on_other_stages(four_ranks):
+    _check_logged_metrics(four_ranks, 4, "1f1b", 2)
+    _check_logged_metrics(four_ranks, 4, "gpipe", 4)
+
+
+@pytest.mark.slow
+def test_metrics_logged_at_pp2_reduce_as_one_device(two_ranks):
+    _check_logged_metrics(two_ranks, 2, "gpipe", 2)
