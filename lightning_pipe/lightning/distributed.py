@@ -46,16 +46,16 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
 from lightning_pipe.graph.capture import Captured
-from lightning_pipe.graph.microbatch import batch_size, scatter
+from lightning_pipe.graph.microbatch import batch_size, gather, scatter
 from lightning_pipe.graph.variants import Variants, follow_balance, in_mode
 from lightning_pipe.lightning.metrics import log_step_metrics
-from lightning_pipe.lightning.microlog import LogCollector
+from lightning_pipe.lightning.microlog import LogCollector, silenced
 from lightning_pipe.lightning.sharded import is_sharded, load_meta, load_optimizer, load_tensors, save_sharded
 from lightning_pipe.lightning.steps import _loss_of
 from lightning_pipe.lightning.strategy import MemoryPipeStrategy, _policies
@@ -106,6 +106,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         # states when the module was handed over: rank 0 initialises a meta-built module from them
         self._deferred: tuple[Mapping[str, Any] | None, list[Any] | None] | None = None  # a checkpoint's
         # model and optimizer states, for a module on the meta device: loaded into the held tensors
+        self._seed = 0  # global rank 0's: the random states of the user's steps derive from it (_seeded)
+        self._calls = 0  # the user's steps run so far, the same count on every rank
 
     # --- ranks and processes, as Lightning's multi-process strategies ---------------------
 
@@ -267,9 +269,9 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             policies = _policies(captured, plan) if plan else {}
             device = torch.device("meta") if self._empty else self.root_device
             program = build(captured, module, balance, [device] * stages, policies, place=False)
-            box = [(balance, policies, cuts(program, module, *sample), plan)]
+            box = [(balance, policies, cuts(program, module, *sample), plan, torch.initial_seed())]
         dist.broadcast_object_list(box, src=0)
-        balance, policies, boundaries, self.plan = box[0]
+        balance, policies, boundaries, self.plan, self._seed = box[0]
         program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
         if final:  # the evaluation graph, while every rank holds every tensor (an exported one needs them)
             with in_mode(module, training=False):
@@ -351,10 +353,11 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         )
 
     def _forward_inputs(self, hook: str, batch: Any, batch_idx: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The arguments the user's step passes to ``self(...)``: it runs up to that call."""
+        """The arguments the user's step passes to ``self(...)``: it runs up to that call, nothing
+        logged and no metric updated."""
         self._mode, self._probed = "probe", None
         try:
-            with torch.no_grad():
+            with torch.no_grad(), silenced(self._module):
                 getattr(self._module, hook)(batch, batch_idx)
         except _Probed:
             pass
@@ -363,6 +366,47 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         if self._probed is None:
             raise RuntimeError(f"{hook} never called self(...), which runs the pipeline: call self(...) in {hook}.")
         return self._probed
+
+    @contextmanager
+    def _seeded(self, call: int, microbatch: int) -> Iterator[None]:
+        """The random state of one call of the user's step on one micro-batch, the same on every
+        rank of the pipeline: the code before ``self(...)`` draws what the stage feeding the
+        pipeline drew, wherever it runs again. The process's own random state is left as it was."""
+        cuda = self.root_device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.root_device] if cuda else []):
+            seed = hash((self._seed, call, microbatch)) % 2**63
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                torch.cuda.manual_seed(seed)
+            yield
+
+    def _step_inputs(self, hook: str, microbatches: list[Any], batch_idx: int, turn: int) -> list[dict[str, Any]]:
+        """Each micro-batch's forward arguments by graph input, as ``hook`` passes them to
+        ``self(...)`` under the micro-batch's random state; non-tensor arguments go to this
+        rank's stages, which read them in place of the values of the first step."""
+        pipe = self._pipe
+        assert pipe is not None and self._graphs is not None
+        bound = []
+        for i, microbatch in enumerate(microbatches):
+            with self._seeded(turn, i):
+                call = self._forward_inputs(hook, microbatch, batch_idx)
+            if self._graphs.known(call) is not self._pipe_graph:
+                raise RuntimeError(
+                    f"{hook} called self(...) with arguments the captured graph does not admit (torch.export "
+                    f"specialised it to the first step's non-tensor arguments), and under runtime='distributed' no "
+                    f"rank holds the whole model to capture another. Pass a value that changes as a tensor."
+                )
+            bound.append(pipe.modules[0].program.bind(*call))
+        constants = {name: value for name, value in bound[0].items() if not _has_tensor(value)}
+        for name, value in constants.items():
+            others = [b[name] for b in bound[1:] if b[name] != value]
+            if others:
+                raise ValueError(
+                    f"{hook} passed self(...) {name}={value!r} on one micro-batch and {others[0]!r} on another of the "
+                    f"same batch: a non-tensor argument must be one value per step. Pass it as a tensor."
+                )
+        pipe.set_arguments(constants)
+        return bound
 
     @contextmanager
     def _serving(self, output: Any) -> Iterator[None]:
@@ -376,6 +420,14 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """The schedule runs backward inside ``training_step``: Lightning skips its own for
         this step (restored after it, as in the one-process runtime)."""
+        sizes = [batch_size(mb) for mb in scatter(batch, self.chunks)]
+        if len(sizes) != self.chunks or len(set(sizes)) != 1:  # on every rank, before any collective
+            raise ValueError(
+                f"runtime='distributed' needs every training batch to split into chunks={self.chunks} equal "
+                f"micro-batches (torch.distributed.pipelining has static shapes), got a batch of {sum(sizes)} samples "
+                f"on this replica (micro-batches {sizes}). Use a per-replica batch size divisible by chunks and "
+                f"drop_last=True in the DataLoader."
+            )
         self._ensure_pipeline("training_step", batch, batch_idx, training=True)
         loop = self._module.trainer.fit_loop
         if self._lightning_skip is None:
@@ -395,12 +447,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         module, optimizer = self._module, self.optimizers[0]
         microbatches = scatter(batch, self.chunks)
         sizes = [batch_size(mb) for mb in microbatches]
-        if len(sizes) != self.chunks or len(set(sizes)) != 1:
-            raise ValueError(
-                f"runtime='distributed' needs every training batch to split into chunks={self.chunks} equal "
-                f"micro-batches (torch.distributed.pipelining has static shapes), got sizes {sizes}. Use a batch "
-                f"size divisible by chunks and drop_last=True in the DataLoader."
-            )
+        turn = self._calls
+        self._calls += 1
         accumulate = module.trainer.accumulate_grad_batches
         weight = 1 / (self.chunks if self.loss_reduction == "mean" else 1) / accumulate
         losses: dict[int, Tensor] = {}
@@ -408,16 +456,18 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
             def loss_fn(output: Any, target: Tensor) -> Tensor:
                 i = int(target)
-                with logs.microbatch(i), self.precision_plugin.train_step_context(), self._serving(output):
+                with (
+                    logs.microbatch(i), self.precision_plugin.train_step_context(), self._serving(output),
+                    self._seeded(turn, i),
+                ):
                     loss = _loss_of(module.training_step(microbatches[i], batch_idx, *args, **kwargs))
                 logs.returned(i, loss)
                 losses[i] = loss.detach()
                 return loss * weight
 
             self._step_loss = loss_fn
-            inputs = None
-            if pipe.is_first:
-                inputs = pipe.modules[0].program.bind(*self._forward_inputs("training_step", batch, batch_idx))
+            bound = self._step_inputs("training_step", microbatches, batch_idx, turn)
+            inputs = gather(bound, self.root_device) if pipe.is_first else None
             _before_step(module, optimizer, batch_idx)
             self.clock.reset()
             self._step_start = time.perf_counter()
@@ -457,14 +507,17 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         pipe = self._ensure_pipeline(hook, batch, batch_idx, training=False)
         module = self._module
         count = len(scatter(batch, self.chunks))
-        forward_args, forward_kwargs = self._forward_inputs(hook, batch, batch_idx)
+        turn = self._calls
+        self._calls += 1
+        with self._seeded(turn, 0):
+            forward_args, forward_kwargs = self._forward_inputs(hook, batch, batch_idx)
         runners = self._runners_for(pipe, forward_args, forward_kwargs)
         inputs = runners[0].program.bind(forward_args, forward_kwargs)
         microbatches = scatter(inputs, count) if pipe.is_first else None
         output = pipe.rank.forward_only(runners, microbatches, count)
         result, logged = None, cast(Logged, [])
         if pipe.is_last:
-            with _recording(module, logged), self._serving(output):
+            with _recording(module, logged), self._serving(output), self._seeded(turn, 0):
                 result = getattr(module, hook)(batch, batch_idx, *args)
         result, logged = self._from_last_stage((result, logged))
         if not pipe.is_last:
@@ -830,6 +883,10 @@ def _replay(module: LightningModule, logged: Logged) -> None:
             metric._forward_cache = to_device(value.step_value, device)
             value = metric
         module.log(name, to_device(value, device), **kwargs)
+
+
+def _has_tensor(value: Any) -> bool:
+    return any(isinstance(leaf, Tensor) for leaf in tree_flatten(value)[0])
 
 
 def _host_memory() -> int:

@@ -117,10 +117,13 @@ class StageRunner(nn.Module):
         self.receives = carried(program, index)
         self.sends = carried(program, index + 1) if index + 1 < len(program.stages) else None
         self.is_last = self.sends is None
+        # the running step's non-tensor forward arguments: they do not travel, every rank knows them
+        self.arguments: dict[str, Any] = {}
 
     def run(self, received: dict[str, Any]) -> Any:
         """What this stage sends on (by name), or on the last stage the forward's output."""
         env = dict(received)
+        env.update((n, v) for n, v in self.arguments.items() if n in env)
         env.update((n, v) for n, v in self.program.attribute_values(self._root[0]).items() if n in self.stage.inputs)
         env.update(zip(self.stage.outputs, self.stage(*[env[n] for n in self.stage.inputs])))
         if self.sends is None:
@@ -338,6 +341,12 @@ class DistributedPipeline:
     def is_first(self) -> bool:
         """Whether this rank runs the first stage (it reads the batch)."""
         return self.rank.is_first
+
+    def set_arguments(self, arguments: dict[str, Any]) -> None:
+        """The next training step's non-tensor forward arguments, by graph input: cuts carry
+        only tensors, so the stages read these in place of the values they were built with."""
+        for module in self.modules:
+            module.arguments = arguments
 
     @property
     def is_last(self) -> bool:

@@ -6,13 +6,15 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 
 A scenario is ``family:schedule:stages[:metered][:features][:vN]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
-configurations after it), ``metrics:schedule:stages`` (:func:`metrics`), ``features``, ``sharded``,
+configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
+``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``features``, ``sharded``,
 ``exported``, ``raise`` or ``hang``
 (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``raise`` and
 ``hang``: each comes last. Every object collective fails on a tensor that is not a CPU copy.
 """
 
 import functools
+import inspect
 import io
 import json
 import os
@@ -26,13 +28,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.models import ImageDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
-from tests.models import MetricUNet, make
+from tests.models import Denoiser, MetricUNet, make
 
 BATCH, CHUNKS = 8, 4
 METRIC_STEPS = 4  # the metrics scenario validates every two steps
@@ -138,6 +140,34 @@ def metrics(out: Path, devices: int, steps: int, schedule: str, stages: int) -> 
               "should_stop": trainer.should_stop, "wait": stopping.wait_count,
               "replica": model.device_mesh["dp"].get_local_rank()}
     (out / f"{tag}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def denoiser(out: Path, devices: int, steps: int, schedule: str, stages: int, virtual: int) -> None:
+    """:class:`~tests.models.Denoiser` (noise, a mask and a level drawn or changed in its step
+    before ``self(...)``); every rank saves the losses it logged, and the weights."""
+    torch.manual_seed(0)
+    model = Denoiser()
+    data = TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(0)))
+    tag = f"denoiser-{schedule}-{stages}" + (f"-v{virtual}" if virtual > 1 else "")
+    strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
+                                  planner=None, virtual_stages=virtual, timeout=timedelta(minutes=1))
+    losses = []
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[_Losses(losses)])
+    trainer.fit(model, DataLoader(data, batch_size=BATCH, drop_last=True))
+    trainer.save_checkpoint(out / f"{tag}.ckpt")
+    (out / f"{tag}-rank{trainer.global_rank}.json").write_text(json.dumps(losses))
+
+
+class _Losses(Callback):
+    """Keeps the loss every step logged."""
+
+    def __init__(self, losses: list[float]) -> None:
+        self.losses = losses
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
 def sharded(out: Path, devices: int) -> None:
@@ -268,19 +298,20 @@ class _HostOnly(pickle.Pickler):
         return NotImplemented
 
 
-def _host_only(collective, payload: int):
+def _host_only(collective, payload: str):
     """``collective`` checking its argument ``payload`` with :class:`_HostOnly` first."""
+    signature = inspect.signature(collective)
 
     @functools.wraps(collective)
     def checked(*args, **kwargs):
-        _HostOnly(io.BytesIO()).dump(args[payload])
+        _HostOnly(io.BytesIO()).dump(signature.bind(*args, **kwargs).arguments[payload])
         return collective(*args, **kwargs)
 
     return checked
 
 
-for _name, _payload in [("broadcast_object_list", 0), ("all_gather_object", 1), ("gather_object", 0),
-                        ("send_object_list", 0)]:
+for _name, _payload in [("broadcast_object_list", "object_list"), ("all_gather_object", "obj"),
+                        ("gather_object", "obj"), ("send_object_list", "object_list")]:
     setattr(dist, _name, _host_only(getattr(dist, _name), _payload))
 
 
@@ -295,6 +326,10 @@ if __name__ == "__main__":
             steps = int(scenario)
         elif scenario in SCENARIOS:
             SCENARIOS[scenario](out, devices)
+        elif scenario.startswith("denoiser:"):
+            _, schedule, stages, *flags = scenario.split(":")
+            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
+            denoiser(out, devices, steps, schedule, int(stages), virtual)
         elif scenario.startswith("metrics:"):
             _, schedule, stages = scenario.split(":")
             metrics(out, devices, steps, schedule, int(stages))

@@ -42,7 +42,7 @@ from tests.lightning.distributed_fit import (
     features_trainer,
     sharded_trainer,
 )
-from tests.models import MetricUNet, make
+from tests.models import Denoiser, MetricUNet, make
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = Path(__file__).with_name("distributed_fit.py")
@@ -55,6 +55,9 @@ PP4 = ["gpt:1f1b:4:metered", "unet:gpipe:4:metered", "encdec:1f1b:4", "gpt:gpipe
        "encdec:1f1b:4:v2"]
 PP2_DP2 = [f"{f}:2" for f in FAMILIES] + ["gpt:1f1b:2:v2"]
 PP2 = [f"{f}:2" for f in FAMILIES] + ["gpt:1f1b:2:v2", "unet:1f1b:2:metered:v2"]
+# a step drawing noise before self(...): pp=4 under GPipe and 1F1B, interleaved at pp=2 x dp=2; pp=2
+DENOISER_PP4 = ["denoiser:gpipe:4", "denoiser:1f1b:4", "denoiser:1f1b:2:v2"]
+DENOISER_PP2 = ["denoiser:gpipe:2", "denoiser:1f1b:2"]
 
 
 @dataclass
@@ -99,12 +102,13 @@ def _launch(out: Path, devices: int, *scenarios: str) -> Launch:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, "gpt:1f1b:2:features",
-                   str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
+                   *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    scenarios = [str(STEPS), *PP2, str(METRIC_STEPS), "metrics:gpipe:2", "features", "sharded", "empty", "exported"]
+    scenarios = [str(STEPS), *PP2, *DENOISER_PP2, str(METRIC_STEPS), "metrics:gpipe:2", "features", "sharded", "empty",
+                 "exported"]
     return _launch(tmp_path_factory.mktemp("two_ranks"), 2, *scenarios)
 
 
@@ -443,3 +447,38 @@ def test_metrics_logged_at_pp2_dp2_and_pp4_reduce_over_replicas_as_ddp_without_w
 @pytest.mark.slow
 def test_metrics_logged_at_pp2_reduce_as_one_device(two_ranks):
     _check_logged_metrics(two_ranks, 2, "gpipe", 2)
+
+
+def _check_denoiser(launch: Launch, devices: int, config: str) -> None:
+    """The step's noise, mask and level reach the pipeline as the loss sees them: the loss is
+    exactly 0 on every rank and every step, and the weights are where one device leaves them."""
+    _, schedule, stages, *flags = config.split(":")
+    name = f"denoiser-{schedule}-{stages}" + "".join(f"-{f}" for f in flags)
+    torch.manual_seed(0)
+    model = Denoiser()
+    optimizer = model.configure_optimizers()
+    data = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    for step in range(STEPS):
+        x = data[step * BATCH : (step + 1) * BATCH]
+        noisy = x + torch.randn_like(x) * (torch.rand_like(x) > 0.5)
+        loss = torch.nn.functional.mse_loss(model(noisy, 1.0 + step), (1.0 + step) * noisy)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    state = torch.load(launch.path(f"{name}.ckpt"), weights_only=False)["state_dict"]
+    for key, value in model.state_dict().items():
+        assert torch.equal(state[key], value), (name, key)
+    for rank in range(devices):
+        assert json.loads(launch.path(f"{name}-rank{rank}.json").read_text()) == [0.0] * STEPS, (name, rank)
+
+
+@pytest.mark.slow
+def test_a_step_drawing_noise_before_self_means_the_same_on_every_stage_at_pp4_and_interleaved(four_ranks):
+    for config in DENOISER_PP4:
+        _check_denoiser(four_ranks, 4, config)
+
+
+@pytest.mark.slow
+def test_a_step_drawing_noise_before_self_means_the_same_on_every_stage_at_pp2(two_ranks):
+    for config in DENOISER_PP2:
+        _check_denoiser(two_ranks, 2, config)
