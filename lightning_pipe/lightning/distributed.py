@@ -15,6 +15,7 @@ loggers and ``ModelCheckpoint(monitor=...)`` see it everywhere.
 """
 
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
@@ -57,7 +59,7 @@ from lightning_pipe.graph.variants import Variants, follow_balance, in_mode
 from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector, silenced
 from lightning_pipe.lightning.sharded import is_sharded, load_meta, load_optimizer, load_tensors, save_sharded
-from lightning_pipe.lightning.steps import _loss_of
+from lightning_pipe.lightning.steps import NO_FORWARD, _loss_of
 from lightning_pipe.lightning.strategy import MemoryPipeStrategy, _policies
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
@@ -106,6 +108,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         # states when the module was handed over: rank 0 initialises a meta-built module from them
         self._deferred: tuple[Mapping[str, Any] | None, list[Any] | None] | None = None  # a checkpoint's
         # model and optimizer states, for a module on the meta device: loaded into the held tensors
+        self._partial_state: RemovableHandle | None = None  # warns of a module read after training
         self._seed = 0  # global rank 0's: the random states of the user's steps derive from it (_seeded)
         self._calls = 0  # the user's steps run so far, the same count on every rank
 
@@ -165,12 +168,12 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._connect()
-        if self.world_size % self.num_stages:
+        if self.world_size % self.num_stages:  # on every rank, before any collective
             raise ValueError(
                 f"stages={self.num_stages} does not divide the {self.world_size} processes into whole pipeline "
                 f"replicas. Use a divisor of {self.world_size} (devices * num_nodes), or leave stages=None."
             )
+        self._connect()
         if self._mesh is None:  # once per strategy, whichever of fit, validate, test, predict runs first
             replicas = self.world_size // self.num_stages
             self._mesh = pipeline_mesh(self.num_stages, replicas, self.root_device.type, self.timeout)
@@ -225,6 +228,9 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
     def model_to_device(self) -> None:
         """Route ``forward``; the stages are built at the first step, from its batch."""
         module = self._module
+        if self._partial_state is not None:  # the pipeline holds the tensors again
+            self._partial_state.remove()
+            self._partial_state = None
         self._empty = has_meta(module)
         if self._empty:
             check_resettable(module)
@@ -364,7 +370,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         finally:
             self._mode = None
         if self._probed is None:
-            raise RuntimeError(f"{hook} never called self(...), which runs the pipeline: call self(...) in {hook}.")
+            raise RuntimeError(NO_FORWARD.format(hook=hook))
         return self._probed
 
     @contextmanager
@@ -763,6 +769,9 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         module = self._lightning_module
+        if module is not None and self._pipe is not None and self._pipe.released and self._partial_state is None:
+            warning = _PartialStateWarning(self.global_rank, self._pipe)
+            self._partial_state = module.register_state_dict_post_hook(warning)  # type: ignore[no-untyped-call]
         if self._empty and module is not None:  # Lightning's module.cpu(), but what has no storage stays on meta
             module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[no-untyped-call]
             self._lightning_module = None
@@ -822,6 +831,24 @@ def _before_step(module: LightningModule, optimizer: Optimizer, batch_idx: int) 
         call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
         call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
+
+
+class _PartialStateWarning:
+    """A ``state_dict`` hook of the user's module once a distributed fit has ended: this rank
+    holds only its stages' tensors, the others are empty. Says so at the first read."""
+
+    def __init__(self, rank: int, pipe: DistributedPipeline) -> None:
+        self.rank, self.stages, self.warned = rank, pipe.stages, False
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"Rank {self.rank} holds only the tensors of its pipeline stages {self.stages} after "
+                f"runtime='distributed' training: the module's other parameters and buffers are empty here. Read "
+                f"the whole model from a checkpoint: trainer.save_checkpoint(path) gathers it on global rank 0.",
+                stacklevel=2,
+            )
 
 
 class _ReplicaSync:

@@ -26,7 +26,13 @@ from lightning_pipe.plan.schedule import Schedule, actions, global_order
 from lightning_pipe.runtime.scheduled import ScheduledPipeline
 from lightning_pipe.runtime.versions import WeightVersions
 
-__all__ = ["ScheduledStep"]
+__all__ = ["NO_FORWARD", "ScheduledStep"]
+
+#: A user step that never ran the module's forward, under any schedule and either engine.
+NO_FORWARD = (
+    "{hook} never called the module's forward, which the pipeline runs: call self(...) in {hook} "
+    "(self(**batch), not self.model(**batch) or its submodules directly)."
+)
 
 
 @dataclass
@@ -79,6 +85,8 @@ class ScheduledStep:
                             output = meter.run_as(stages - 1, run) if meter else run()
                         finally:
                             self.pipeline.active = False
+                    if not self.pipeline.ran(step.microbatch):
+                        raise RuntimeError(NO_FORWARD.format(hook="training_step"))
                     losses[step.microbatch] = _loss_of(output)
                     logs.returned(step.microbatch, losses[step.microbatch])
                     continue

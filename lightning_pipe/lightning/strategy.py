@@ -35,7 +35,7 @@ from lightning_pipe.graph.variants import Variants, follow_balance
 from lightning_pipe.lightning.check import UncheckableStepError, fake_peaks
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.microlog import LossReduction, silenced
-from lightning_pipe.lightning.steps import ScheduledStep
+from lightning_pipe.lightning.steps import NO_FORWARD, ScheduledStep
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, not_charged
 from lightning_pipe.measure.profiler import profile_graph
@@ -207,6 +207,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         self._pipelines: dict[int, Pipeline] = {}  # per graph (by id) of each mode and input
         self._policies: dict[str, Policy] = {}  # the training graph's, by node name
         self._probing = False
+        self._forward_calls = 0  # calls of the module's forward so far: a step must make one
         self._warned_unchecked = False
         self._probe_meter: MemoryMeter | None = None  # meters what a probing training_step does outside forward
         self._probe_output: Any = None  # the profiled output a probing self(...) returned
@@ -383,6 +384,7 @@ class MemoryPipeStrategy(ParallelStrategy):
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         # Only a training batch plans, through _probe: the sanity check, validation, test and
         # predict run in eval mode, often with other batch sizes, and train on no plan of theirs.
+        self._forward_calls += 1
         if self._needs_plan and self._probing:
             self._captured = self._training_graph((args, kwargs))  # an exported graph admitting these sizes
             return self._profile_from(args, kwargs)  # the probe goes on to the loss, then plans
@@ -547,7 +549,11 @@ class MemoryPipeStrategy(ParallelStrategy):
         self._step_start = time.perf_counter()
         if self._step is None:
             step = partial(super().training_step, *args, **kwargs)
-            return self.meter.run_as(len(self.meter.stages) - 1, step) if self.meter else step()
+            calls = self._forward_calls
+            loss = self.meter.run_as(len(self.meter.stages) - 1, step) if self.meter else step()
+            if loss is not None and self._forward_calls == calls:
+                raise RuntimeError(NO_FORWARD.format(hook="training_step"))
+            return loss
         try:
             if self._lightning_skip is not None and self._lightning_skip[1]:
                 # Lightning skips backward itself (SWA's BatchNorm epoch): forwards only, as it runs them
@@ -605,6 +611,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         cuda = [d for d in self.parallel_devices or [] if d.type == "cuda"]
         loss: Any = None
         forward_peak = 0
+        calls = self._forward_calls
         try:
             with (
                 torch.random.fork_rng(cuda), torch.set_grad_enabled(planning), silenced(module), meter,
@@ -624,11 +631,8 @@ class MemoryPipeStrategy(ParallelStrategy):
             self.profile.loss_bytes, self.profile.loss_backward_bytes = forward_peak, meter.stages[0].peak
             self.profile.loss_kept_bytes = loss.untyped_storage().nbytes() if isinstance(loss, Tensor) else 0
             self._plan(batch, batch_idx)
-        if self._needs_plan or (self.schedule != "gpipe" and self._scheduled is None):
-            raise RuntimeError(
-                "training_step never called the module's forward, which the pipeline runs: call "
-                "self(...) in training_step (self(**batch), not self.model(**batch))."
-            )
+        if self._forward_calls == calls:
+            raise RuntimeError(NO_FORWARD.format(hook="training_step"))
         if self.schedule != "gpipe":
             self._make_step()
 

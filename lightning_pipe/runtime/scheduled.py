@@ -100,6 +100,10 @@ class ScheduledPipeline:
 
         return map_aggregate(self.program.output, output)
 
+    def ran(self, microbatch: int) -> bool:
+        """Whether ``microbatch``'s forward ran through the pipeline and waits for its backward."""
+        return (microbatch, len(self.program.stages) - 1) in self._records
+
     def backward(self, microbatch: int, stage: int, loss: Tensor | None = None) -> None:
         """Run ``stage``'s backward of ``microbatch``; the last stage's first runs ``loss``'s
         (which hands the outputs' gradients on, see :meth:`_output_grad`)."""

@@ -8,9 +8,9 @@ A scenario is ``family:schedule:stages[:metered][:features][:vN]`` (a few steps 
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``features``, ``sharded``,
-``exported``, ``raise`` or ``hang``
-(:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``raise`` and
-``hang``: each comes last. Every object collective fails on a tensor that is not a CPU copy.
+``exported``, ``indivisible``, ``raise`` or ``hang``
+(:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
+``raise`` and ``hang``: each comes last. Every object collective fails on a tensor that is not a CPU copy.
 """
 
 import functools
@@ -21,6 +21,7 @@ import os
 import pickle
 import sys
 import time
+import warnings
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -157,7 +158,12 @@ def denoiser(out: Path, devices: int, steps: int, schedule: str, stages: int, vi
                       callbacks=[_Losses(losses)])
     trainer.fit(model, DataLoader(data, batch_size=BATCH, drop_last=True))
     trainer.save_checkpoint(out / f"{tag}.ckpt")
-    (out / f"{tag}-rank{trainer.global_rank}.json").write_text(json.dumps(losses))
+    with warnings.catch_warnings(record=True) as caught:  # the module, read after training: this rank's stages
+        warnings.simplefilter("always")
+        model.state_dict()
+        model.state_dict()
+    warned = [str(w.message) for w in caught if "holds only the tensors" in str(w.message)]
+    (out / f"{tag}-rank{trainer.global_rank}.json").write_text(json.dumps({"losses": losses, "warned": warned}))
 
 
 class _Losses(Callback):
@@ -315,7 +321,18 @@ for _name, _payload in [("broadcast_object_list", "object_list"), ("all_gather_o
     setattr(dist, _name, _host_only(getattr(dist, _name), _payload))
 
 
-SCENARIOS = {"features": features, "sharded": sharded, "empty": empty, "exported": exported,
+def indivisible(out: Path, devices: int) -> None:
+    """Three stages asked of the processes (a depth that does not divide them): the start time
+    is saved, then every rank fails."""
+    model, data = make("gpt")
+    (out / f"indivisible-start-{os.getpid()}").write_text(str(time.time()))
+    strategy = MemoryPipeStrategy(runtime="distributed", stages=3, chunks=CHUNKS, planner=None)
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, loader(data, BATCH))
+
+
+SCENARIOS = {"indivisible": indivisible, "features": features, "sharded": sharded, "empty": empty, "exported": exported,
              "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
 

@@ -231,6 +231,14 @@ def test_an_error_on_one_rank_ends_every_rank(tmp_path):
     assert "[rank0]: rank 1 stopped first, with RuntimeError: rank 1 fails on purpose" in launch.result.stderr
 
 
+def test_stages_that_do_not_divide_the_processes_are_named_before_any_collective(tmp_path):
+    launch = _launch(tmp_path, 2, "indivisible")
+    assert launch.result.returncode != 0
+    message = "stages=3 does not divide the 2 processes into whole pipeline replicas"
+    assert f"ValueError: {message}" in launch.result.stderr
+    assert launch.seconds_since("indivisible") < 30  # no rank waited for another (the timeout is 30 minutes)
+
+
 def test_runtime_distributed_builds_the_distributed_strategy():
     strategy = MemoryPipeStrategy(runtime="distributed", stages=2, schedule="1f1b")
     assert isinstance(strategy, DistributedPipeStrategy) and strategy.stages == 2
@@ -451,7 +459,8 @@ def test_metrics_logged_at_pp2_reduce_as_one_device(two_ranks):
 
 def _check_denoiser(launch: Launch, devices: int, config: str) -> None:
     """The step's noise, mask and level reach the pipeline as the loss sees them: the loss is
-    exactly 0 on every rank and every step, and the weights are where one device leaves them."""
+    exactly 0 on every rank and every step, and the weights are where one device leaves them.
+    The module read on a rank after training warns that it holds only that rank's stages."""
     _, schedule, stages, *flags = config.split(":")
     name = f"denoiser-{schedule}-{stages}" + "".join(f"-{f}" for f in flags)
     torch.manual_seed(0)
@@ -469,7 +478,10 @@ def _check_denoiser(launch: Launch, devices: int, config: str) -> None:
     for key, value in model.state_dict().items():
         assert torch.equal(state[key], value), (name, key)
     for rank in range(devices):
-        assert json.loads(launch.path(f"{name}-rank{rank}.json").read_text()) == [0.0] * STEPS, (name, rank)
+        result = json.loads(launch.path(f"{name}-rank{rank}.json").read_text())
+        assert result["losses"] == [0.0] * STEPS, (name, rank)
+        # reading the module after training says, once, that the rank holds only its stages
+        assert len(result["warned"]) == 1 and f"Rank {rank} holds only" in result["warned"][0], (name, rank)
 
 
 @pytest.mark.slow

@@ -308,3 +308,23 @@ def test_plan_shapes_errors_name_the_fix():
     strategy = MemoryPipeStrategy(chunks=4, plan_shapes={"ids": [16, 24]})
     with pytest.raises(ValueError, match=r"names \['ids'\], which the training batch does not have; its tensors are"):
         trainer(strategy, 2, max_steps=1).fit(model, GROWING)
+
+
+class CallsSubmodules(GPT):
+    """Its training_step runs the blocks itself instead of calling ``self(...)``."""
+
+    def training_step(self, batch, batch_idx):
+        return self.criterion(GPT.forward(self, batch), batch)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"planner": None}, {"planner": None, "schedule": "1f1b"}, {"balance": [80, 80], "schedule": "1f1b"},
+     {"schedule": "2bw"}, {}],
+)
+def test_a_step_that_never_calls_forward_is_named_under_every_setting(settings):
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match=r"training_step never called the module's forward"):
+        trainer(MemoryPipeStrategy(chunks=2, **settings), 2, max_steps=1).fit(
+            CallsSubmodules(), loader(TokenDataset(8), 4)
+        )
