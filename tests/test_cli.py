@@ -23,14 +23,14 @@ def test_fit_from_yaml_builds_the_strategy_from_its_typed_arguments(cli_main, tm
                     f"--trainer.default_root_dir={tmp_path}"])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, MemoryPipeStrategy)
-    assert (strategy.chunks, strategy.schedule, strategy.measure_memory) == (2, "1f1b", True)
-    assert strategy.memory_limit == [64 * 2**20]
-    assert cli.trainer.global_step == 4 and len(strategy.program.stages) == 4
+    assert (strategy.options.chunks, strategy.options.schedule, strategy.options.measure_memory) == (2, "1f1b", True)
+    assert strategy.options.memory_limit == [64 * 2**20]
+    assert cli.trainer.global_step == 4 and len(strategy.engine.program.stages) == 4
 
 
 def test_unet_config_runs(cli_main, tmp_path):
     cli = cli_main(["fit", "--config", "examples/configs/unet.yaml", f"--trainer.default_root_dir={tmp_path}"])
-    assert cli.trainer.global_step == 4 and cli.trainer.strategy.schedule == "gpipe"
+    assert cli.trainer.global_step == 4 and cli.trainer.strategy.options.schedule == "gpipe"
 
 
 def test_example_cli_keeps_its_config_out_of_the_working_directory_and_runs_twice(cli_main, tmp_path, monkeypatch):
@@ -65,7 +65,7 @@ def test_strategy_arguments_of_the_wrong_type_are_named(kwargs, message):
 
 
 def test_strategy_takes_an_int_host_bandwidth():
-    assert MemoryPipeStrategy(host_bandwidth=10**9).host_bandwidth == 10**9
+    assert MemoryPipeStrategy(host_bandwidth=10**9).options.host_bandwidth == 10**9
 
 
 def _largest(out):

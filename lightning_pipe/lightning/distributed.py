@@ -1,4 +1,4 @@
-"""``MemoryPipeStrategy(runtime="distributed")``: one pipeline stage per process.
+"""``runtime="distributed"``: one pipeline stage (or a few, interleaved) per process.
 
 Every device is a process, started by Lightning's launcher (``devices``, ``num_nodes``) or by
 torchrun/SLURM through Lightning's cluster environments. Ranks form a ``("pp", "dp")``
@@ -14,10 +14,9 @@ last stage logs and returns goes to every rank of its pipeline, so the progress 
 loggers and ``ModelCheckpoint(monitor=...)`` see it everywhere.
 """
 
-import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -26,6 +25,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments.lightning import LightningEnvironment
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
@@ -38,7 +38,8 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
@@ -51,16 +52,16 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
-from typing_extensions import override
 
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import batch_size, gather, scatter
 from lightning_pipe.graph.variants import Variants, follow_balance, in_mode
+from lightning_pipe.lightning.engine import Engine, policies_of, state_to_param_devices
 from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector, silenced
+from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.sharded import is_sharded, load_meta, load_optimizer, load_tensors, save_sharded
 from lightning_pipe.lightning.steps import NO_FORWARD, _loss_of
-from lightning_pipe.lightning.strategy import MemoryPipeStrategy, _policies
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.measure.profiler import device_spec, profile_graph
@@ -79,20 +80,19 @@ from lightning_pipe.runtime.distributed import (
 )
 from lightning_pipe.runtime.materialize import check_resettable, has_meta, materialize_module
 
-__all__ = ["DistributedPipeStrategy", "become_distributed"]
+__all__ = ["DistributedEngine"]
 
 Logged = list[tuple[str, Any, dict[str, Any]]]
 
 
-class DistributedPipeStrategy(MemoryPipeStrategy):
-    """The distributed runtime of :class:`MemoryPipeStrategy`, which becomes one for
-    ``runtime="distributed"`` (:func:`become_distributed`), so that LightningCLI and users
-    see a single class and its arguments."""
+class DistributedEngine(Engine):
+    """This process's stages of a ``("pp", "dp")`` mesh of processes (see the module docstring)."""
 
-    def _start(self) -> None:
-        self.num_nodes = 1
+    def __init__(self, strategy: ParallelStrategy, options: PipeOptions, process_group_backend: str | None) -> None:
+        super().__init__(strategy, options)
+        self.process_group_backend = process_group_backend
         self._mesh: DeviceMesh | None = None
-        self._pipe: DistributedPipeline | None = None
+        self.pipe: DistributedPipeline | None = None
         self._planned = False  # the pipeline is the training one (else provisional, for evaluation)
         self._serve: Any = None  # what self(...) returns on the last stage
         self._mode: str | None = None  # "probe" or "serve" while a user step runs
@@ -115,16 +115,34 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
     # --- ranks and processes, as Lightning's multi-process strategies ---------------------
 
     @property
-    @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
-    # ParallelStrategy's, from the cluster environment (MemoryPipeStrategy's are one process's)
-    global_rank = ParallelStrategy.global_rank
-    local_rank = ParallelStrategy.local_rank
-    node_rank = ParallelStrategy.node_rank
-    world_size = ParallelStrategy.world_size
+    @property
+    def _environment(self) -> ClusterEnvironment:
+        environment = self.strategy.cluster_environment
+        assert environment is not None, "the Trainer gives the strategy a cluster environment"
+        return environment
+
+    @property
+    def global_rank(self) -> int:
+        return self._environment.global_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return self._environment.local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        return self._environment.node_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self._environment.world_size()
+
+    @property
+    def num_nodes(self) -> int:
+        return int(getattr(self.strategy, "num_nodes", 1))
 
     @property
     def is_distributed(self) -> bool:
@@ -132,7 +150,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
     @property
     def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+        return len(self.strategy.parallel_devices or [])
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -142,32 +160,29 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
     @property
     def num_stages(self) -> int:
-        return self.stages or self.world_size
+        return self.options.stages or self.world_size
 
     @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+    def sampler_kwargs(self) -> dict[str, Any]:
         dp = self.device_mesh["dp"]
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-            _LAUNCHERS.append(self._launcher)
+    def configure_launcher(self) -> None:
+        environment = self._environment
+        if not environment.creates_processes_externally:
+            launcher = _SubprocessScriptLauncher(environment, self.num_processes, self.num_nodes)
+            self.strategy._launcher = launcher
+            _LAUNCHERS.append(launcher)
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+    def setup_ranks(self) -> None:
+        environment = self._environment
+        environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
-    @override
     def setup_environment(self) -> None:
-        super().setup_environment()
         reset_seed()
-        self.set_world_ranks()
+        self.setup_ranks()
         if self.world_size % self.num_stages:  # on every rank, before any collective
             raise ValueError(
                 f"stages={self.num_stages} does not divide the {self.world_size} processes into whole pipeline "
@@ -176,10 +191,10 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         self._connect()
         if self._mesh is None:  # once per strategy, whichever of fit, validate, test, predict runs first
             replicas = self.world_size // self.num_stages
-            self._mesh = pipeline_mesh(self.num_stages, replicas, self.root_device.type, self.timeout)
-        self._module._device_mesh = self._mesh
+            self._mesh = pipeline_mesh(self.num_stages, replicas, self.root_device.type, self.options.timeout)
+        self.module._device_mesh = self._mesh
         sync = _ReplicaSync(self._mesh.get_group("dp"))
-        for metric in self._module.modules():
+        for metric in self.module.modules():
             if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
                 metric.dist_sync_fn = sync
 
@@ -187,47 +202,44 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         """The default process group, waiting ``timeout`` for a peer. When Lightning's launcher
         starts the other ranks (after global rank 0), rank 0 waits for them to start (imports
         included) for at least ``_START_UP``: their start-up is no unanswered peer."""
-        env = self.cluster_environment
-        assert env is not None
+        env = self._environment
         if dist.is_initialized():
             return
         options: dict[str, Any] = {}
         if isinstance(env, LightningEnvironment):  # not torchrun's or a scheduler's, which start every rank at once
             options["store"] = dist.TCPStore(  # type: ignore[attr-defined]  # public, not re-exported in the stubs
                 env.main_address, env.main_port, self.world_size, is_master=self.global_rank == 0,
-                timeout=max(self.timeout, _START_UP),
+                timeout=max(self.options.timeout, _START_UP),
             )
-        backend = _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(env, backend, timeout=self.timeout, **options)
+        backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        _init_dist_connection(env, backend, timeout=self.options.timeout, **options)
 
-    @override
-    def setup(self, trainer: Trainer) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and not self._module.automatic_optimization:
+    def check_setup(self, trainer: Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not self.module.automatic_optimization:
             raise ValueError(
                 "runtime='distributed' runs each micro-batch's backward inside the schedule, which needs "
                 "automatic optimization. Use runtime='local' for manual optimization."
             )
-        Strategy.setup(self, trainer)  # Lightning's own: accelerator, precision, optimizers
+
+    def after_setup(self, trainer: Trainer) -> None:
+        for optimizer in self.optimizers:
+            state_to_param_devices(optimizer)
         # clipping by norm needs the norm over every stage's parameters
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
-    @override
-    @contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+    def tensor_init_context(self, empty_init: bool | None) -> AbstractContextManager[None] | None:
         """``trainer.init_module(empty_init=True)`` builds the model on the meta device: no
         process ever holds it whole; each rank materialises its own stage at the first batch
         (:mod:`~lightning_pipe.runtime.materialize`)."""
-        if not empty_init:
-            with super().tensor_init_context(empty_init):
-                yield
-            return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
-            yield
+        return _on_meta(self.precision_plugin) if empty_init else None
 
-    @override
+    @property
+    def runs_backward(self) -> bool:
+        return True
+
     def model_to_device(self) -> None:
         """Route ``forward``; the stages are built at the first step, from its batch."""
-        module = self._module
+        module = self.module
         if self._partial_state is not None:  # the pipeline holds the tensors again
             self._partial_state.remove()
             self._partial_state = None
@@ -238,7 +250,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             self._init_rng = torch.get_rng_state(), torch.cuda.get_rng_state(self.root_device) if cuda else None
         else:
             module.to(self.root_device)
-        module.forward = self._forward  # type: ignore[method-assign]
+        module.forward = self.run_forward  # type: ignore[method-assign]
         module._device = self.root_device
 
     # --- building the pipeline --------------------------------------------------------------
@@ -246,33 +258,36 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
     def _ensure_pipeline(self, hook: str, batch: Any, batch_idx: int, training: bool) -> DistributedPipeline:
         """Build at the first step; a training step replaces a provisional evaluation pipeline
         (the sanity check's) by the planned one."""
-        if self._pipe is not None and (self._planned or not training):
-            return self._pipe
-        module = self._module
+        if self.pipe is not None and (self._planned or not training):
+            return self.pipe
+        module = self.module
         args, kwargs = self._forward_inputs(hook, batch, batch_idx)
-        self._graphs = self._graphs or Variants(module, self.leaf_modules)
+        self._graphs = self._graphs or Variants(module, self.options.leaf_modules)
         captured = self._graphs.training_graph((args, kwargs))
-        stages = self.num_stages * self.virtual_stages  # a process's stages share its memory
-        _check_balance_entries(self.balance, self.num_stages, self.virtual_stages)
+        stages = self.num_stages * self.options.virtual_stages  # a process's stages share its memory
+        _check_balance_entries(self.options.balance, self.num_stages, self.options.virtual_stages)
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
         box: list[Any] = [None]
         if self.global_rank == 0:
-            sample = scatter((args, kwargs), self.chunks)[0]
+            sample = scatter((args, kwargs), self.options.chunks)[0]
             if self._empty:  # shapes are all a model without storage can give
                 sample = tree_map(lambda x: x.to("meta") if isinstance(x, Tensor) else x, sample)
             plan = None
-            if training and self.planner is not None and self.balance is None:
+            planner = self.options.planner
+            if training and planner is not None and self.options.balance is None:
                 optimizer = self.optimizers[0] if self.optimizers else None
                 with torch.enable_grad():  # fake tensors (times from a roofline) for a model without storage
                     self.profile = profile_graph(captured, *sample, optimizer=optimizer, fake=self._empty,
                                                  device=device_spec(self.root_device))
-                capacity = [c // self.virtual_stages for c in self._stage_capacities(self.num_stages)]
+                o = self.options
+                capacity = [c // o.virtual_stages for c in self._stage_capacities(self.num_stages)]
                 capacity = [capacity[s % self.num_stages] for s in range(stages)]
-                plan = make_plan(self.profile, [int(c * PLANNING_HEADROOM) for c in capacity], self.planner,
-                                 self.schedule, self.chunks, self.host_bandwidth, self.link_bandwidth, carry=True)
-            balance = plan.balance if plan else self.balance or balance_by_weight(captured.param_bytes(), stages)
-            policies = _policies(captured, plan) if plan else {}
+                plan = make_plan(self.profile, [int(c * PLANNING_HEADROOM) for c in capacity], planner,
+                                 o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth, carry=True)
+            balance = plan.balance if plan else self.options.balance or balance_by_weight(captured.param_bytes(),
+                                                                                           stages)
+            policies = policies_of(captured, plan) if plan else {}
             device = torch.device("meta") if self._empty else self.root_device
             program = build(captured, module, balance, [device] * stages, policies, place=False)
             box = [(balance, policies, cuts(program, module, *sample), plan, torch.initial_seed())]
@@ -282,28 +297,28 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         if final:  # the evaluation graph, while every rank holds every tensor (an exported one needs them)
             with in_mode(module, training=False):
                 self._graphs.get((args, kwargs))
-        previous = self._pipe.held_by_rank if self._pipe is not None and self._pipe.released else None
+        previous = self.pipe.held_by_rank if self.pipe is not None and self.pipe.released else None
         with self._initialising():
-            self._pipe = DistributedPipeline(
-                program, module, boundaries, self.device_mesh, self.schedule,  # type: ignore[arg-type]
-                self.chunks, self._loss, self.root_device, release=final, timeout=self.timeout,
+            self.pipe = DistributedPipeline(
+                program, module, boundaries, self.device_mesh, self.options.schedule,  # type: ignore[arg-type]
+                self.options.chunks, self._loss, self.root_device, release=final, timeout=self.options.timeout,
                 previous=previous, init=partial(materialize_module, device=self.root_device),
             )
         self._load_deferred(final)
         self._planned = final
         self._pipe_graph, self._runners = captured, {}
         self.clock = StageClock(1)  # this rank's stages as stage 0
-        self.meter = MemoryMeter(1) if self.measure_memory else None
-        for stage in self._pipe.modules:
+        self.meter = MemoryMeter(1) if self.options.measure_memory else None
+        for stage in self.pipe.modules:
             stage.clock, stage.meter = self.clock, self.meter
         if self.meter is not None:
-            self.meter.own(0, self._pipe.held)
+            self.meter.own(0, self.pipe.held)
         if final:
             for optimizer in self.optimizers:  # state of tensors another rank holds
                 for param in [p for p in optimizer.state if p.numel() == 0 or p.is_meta]:
                     del optimizer.state[param]
             self._load_sharded_optimizers()
-        return self._pipe
+        return self.pipe
 
     @contextmanager
     def _initialising(self) -> Iterator[None]:
@@ -320,20 +335,20 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
     def _load_deferred(self, final: bool) -> None:
         """A checkpoint restored into a module on the meta device, loaded into the tensors this
         rank now holds (its optimizer states once the pipeline is final)."""
-        if self._deferred is None or self._pipe is None:
+        if self._deferred is None or self.pipe is None:
             return
         state, optimizer_states = self._deferred
         if self._sharded_from is not None:
-            load_tensors(self._sharded_from, self._pipe.held_state())
+            load_tensors(self._sharded_from, self.pipe.held_state())
         elif state is not None:
-            self._pipe.load_state_dict(dict(state))
+            self.pipe.load_state_dict(dict(state))
         if final:
             for optimizer, saved in zip(self.optimizers, optimizer_states or []):
                 optimizer.load_state_dict(saved)
             self._deferred = None
 
     def _stage_capacities(self, stages: int) -> list[int]:
-        limits = self.memory_limit
+        limits = self.options.memory_limit
         if limits is None:
             device = self.root_device
             total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
@@ -345,7 +360,9 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
     # --- the user's steps -------------------------------------------------------------------
 
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+    def run_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``forward`` while the strategy runs it: the arguments of a probing step,
+        the pipeline's output to the last stage's step."""
         if self._mode == "probe":
             self._probed = args, kwargs
             raise _Probed
@@ -363,8 +380,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         logged and no metric updated."""
         self._mode, self._probed = "probe", None
         try:
-            with torch.no_grad(), silenced(self._module):
-                getattr(self._module, hook)(batch, batch_idx)
+            with torch.no_grad(), silenced(self.module):
+                getattr(self.module, hook)(batch, batch_idx)
         except _Probed:
             pass
         finally:
@@ -390,7 +407,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         """Each micro-batch's forward arguments by graph input, as ``hook`` passes them to
         ``self(...)`` under the micro-batch's random state; non-tensor arguments go to this
         rank's stages, which read them in place of the values of the first step."""
-        pipe = self._pipe
+        pipe = self.pipe
         assert pipe is not None and self._graphs is not None
         bound = []
         for i, microbatch in enumerate(microbatches):
@@ -422,43 +439,33 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         finally:
             self._serve, self._mode = None, None
 
-    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """The schedule runs backward inside ``training_step``: Lightning skips its own for
-        this step (restored after it, as in the one-process runtime)."""
-        sizes = [batch_size(mb) for mb in scatter(batch, self.chunks)]
-        if len(sizes) != self.chunks or len(set(sizes)) != 1:  # on every rank, before any collective
+        """Build the pipeline at the first training batch (planned by global rank 0)."""
+        sizes = [batch_size(mb) for mb in scatter(batch, self.options.chunks)]
+        if len(sizes) != self.options.chunks or len(set(sizes)) != 1:  # on every rank, before any collective
             raise ValueError(
-                f"runtime='distributed' needs every training batch to split into chunks={self.chunks} equal "
+                f"runtime='distributed' needs every training batch to split into chunks={self.options.chunks} equal "
                 f"micro-batches (torch.distributed.pipelining has static shapes), got a batch of {sum(sizes)} samples "
                 f"on this replica (micro-batches {sizes}). Use a per-replica batch size divisible by chunks and "
                 f"drop_last=True in the DataLoader."
             )
         self._ensure_pipeline("training_step", batch, batch_idx, training=True)
-        loop = self._module.trainer.fit_loop
-        if self._lightning_skip is None:
-            self._lightning_skip = loop, loop._skip_backward
-            loop._skip_backward = True
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._training_step(*args, **kwargs)
-        finally:
-            self._restore_skip_backward()
+    def training_step(self, step: Callable[[], Any], forwards_only: bool, *args: Any, **kwargs: Any) -> Any:
+        return self._training_step(*args, **kwargs)
 
     def _training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        pipe = self._pipe
+        pipe = self.pipe
         assert pipe is not None, "on_train_batch_start builds the pipeline"
-        module, optimizer = self._module, self.optimizers[0]
-        microbatches = scatter(batch, self.chunks)
+        module, optimizer = self.module, self.optimizers[0]
+        microbatches = scatter(batch, self.options.chunks)
         sizes = [batch_size(mb) for mb in microbatches]
         turn = self._calls
         self._calls += 1
         accumulate = module.trainer.accumulate_grad_batches
-        weight = 1 / (self.chunks if self.loss_reduction == "mean" else 1) / accumulate
+        weight = 1 / (self.options.chunks if self.options.loss_reduction == "mean" else 1) / accumulate
         losses: dict[int, Tensor] = {}
-        with LogCollector(module, sizes, self.loss_reduction) as logs:
+        with LogCollector(module, sizes, self.options.loss_reduction) as logs:
 
             def loss_fn(output: Any, target: Tensor) -> Tensor:
                 i = int(target)
@@ -476,7 +483,6 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             inputs = gather(bound, self.root_device) if pipe.is_first else None
             _before_step(module, optimizer, batch_idx)
             self.clock.reset()
-            self._step_start = time.perf_counter()
             with ExitStack() as metering:
                 if self.meter is not None:
                     for context in (self.meter, self.meter.saved_tensors_hooks(), self.meter.running(0)):
@@ -492,7 +498,7 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             _replay(module, logged)
         call._call_callback_hooks(module.trainer, "on_before_backward", loss / accumulate)
         call._call_lightning_module_hook(module.trainer, "on_before_backward", loss / accumulate)
-        if self._stepping:
+        if self.stepping:
             pipe.sync_gradients()
         call._call_callback_hooks(module.trainer, "on_after_backward")
         call._call_lightning_module_hook(module.trainer, "on_after_backward")
@@ -511,8 +517,8 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
 
     def _eval_step(self, hook: str, batch: Any, batch_idx: int, *args: Any) -> Any:
         pipe = self._ensure_pipeline(hook, batch, batch_idx, training=False)
-        module = self._module
-        count = len(scatter(batch, self.chunks))
+        module = self.module
+        count = len(scatter(batch, self.options.chunks))
         turn = self._calls
         self._calls += 1
         with self._seeded(turn, 0):
@@ -550,44 +556,20 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             return list(pipe.modules)
         if id(captured) not in self._runners:
             balance = follow_balance(captured, pipe.stage_of(), pipe.num_stages)
-            program = build(captured, self._module, balance, [self.root_device] * pipe.num_stages, place=False)
-            self._runners[id(captured)] = pipe.runners(program, self._module)
+            program = build(captured, self.module, balance, [self.root_device] * pipe.num_stages, place=False)
+            self._runners[id(captured)] = pipe.runners(program, self.module)
         return self._runners[id(captured)]
 
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._eval_step("validation_step", *args, **kwargs)
+    def eval_step(self, hook: str, step: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        contexts = {"validation_step": "val_step_context", "test_step": "test_step_context",
+                    "predict_step": "predict_step_context"}
+        with getattr(self.precision_plugin, contexts[hook])():
+            return self._eval_step(hook, *args, **kwargs)
 
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._eval_step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._eval_step("predict_step", *args, **kwargs)
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        self._stepping = True
-        try:
-            def step(run: Any) -> Any:  # the closure Lightning passes, or the meter's wrapping of it
-                return ParallelStrategy.optimizer_step(self, optimizer, run, model, **kwargs)
-
-            output = step(closure) if self.meter is None else self.meter.step(step, closure)
-        finally:
-            self._stepping = False
-        self._log_stage_metrics((time.perf_counter() - self._step_start) * 1e3)
-        if self.meter is not None:
-            self.meter.own_optimizer_state(optimizer)
-        return output
-
-    def _log_stage_metrics(self, step_ms: float) -> None:
+    def log_step_metrics(self, step_ms: float) -> None:
         """Every rank's time and metered peaks, gathered and logged by global rank 0 under the
         one-process runtime's names (replica 0's stages; the step time of the slowest rank)."""
-        trainer = self._module.trainer
+        trainer = self.module.trainer
         if not trainer.loggers or not trainer._logger_connector.should_update_logs:
             return  # the same on every rank: it depends on the step only
         mine = {"step_ms": step_ms, "forward_ms": self.clock.forward_ms[0], "backward_ms": self.clock.backward_ms[0]}
@@ -610,41 +592,40 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             if self.plan is not None:  # the rank's stages' peaks added: they need not coincide
                 rank_stages = self.plan.stages[s :: self.num_stages]
                 metrics[f"pipe/stage{s}/predicted_peak_bytes"] = sum(stage.peak.total for stage in rank_stages)
-        if self.virtual_stages == 1:  # (the simulator knows no interleaved schedule)
-            times = [StageTime(p["forward_ms"] / self.chunks, p["backward_ms"] / self.chunks) for p in stages]
-            order = actions(self.schedule, self.chunks, self.num_stages)
+        if self.options.virtual_stages == 1:  # the simulator knows no interleaved schedule
+            chunks = self.options.chunks
+            times = [StageTime(p["forward_ms"] / chunks, p["backward_ms"] / chunks) for p in stages]
+            order = actions(self.options.schedule, chunks, self.num_stages)
             metrics["pipe/bubble_fraction"] = simulate(times, order).bubble
         log_step_metrics(trainer, metrics)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        assert self._pipe is not None
-        self._pipe.clip_grad_norm_(float(clip_val))
+        assert self.pipe is not None
+        self.pipe.clip_grad_norm_(float(clip_val))
 
     # --- checkpoints ------------------------------------------------------------------------
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def module_state_dict(self) -> dict[str, Any]:
         """The plain module's ``state_dict``, gathered on global rank 0 (empty elsewhere); when
         sharded, each rank's own part."""
-        if self._pipe is None:
-            return self._module.state_dict() if self.global_rank == 0 or not self._sharded else {}
+        if self.pipe is None:
+            return self.module.state_dict() if self.global_rank == 0 or not self._sharded else {}
         if self._sharded:
-            return self._pipe.owned_state()
-        return self._pipe.state_dict() or {}
+            return self.pipe.owned_state()
+        return self.pipe.state_dict() or {}
 
     @property
     def _sharded(self) -> bool:
-        return self.state_dict_type == "sharded"
+        return self.options.state_dict_type == "sharded"
 
-    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state of every parameter, gathered on global rank 0."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         state = optimizer.state_dict()
-        if self._pipe is None:
+        if self.pipe is None:
             return state if self.global_rank == 0 or not self._sharded else {**state, "state": {}}
-        mine = state["state"] if self._pipe.replica == 0 else {}
+        mine = state["state"] if self.pipe.replica == 0 else {}
         if self._sharded:
             return {**state, "state": mine}
         mine = to_host(mine)
@@ -657,18 +638,16 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             merged.update(part)
         return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH) -> bool:
         """A sharded checkpoint is a directory every rank writes its part to."""
-        if self._sharded:
-            save_sharded(checkpoint, Path(self.broadcast(filepath)), self.global_rank)
-        else:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+        if not self._sharded:
+            return False
+        save_sharded(checkpoint, Path(self.broadcast(filepath, 0)), self.global_rank)
+        return True
 
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: _PATH) -> dict[str, Any] | None:
         """A sharded checkpoint's tensors are read in place later, each rank its own."""
-        path = Path(self.broadcast(checkpoint_path))
+        path = Path(self.broadcast(checkpoint_path, 0))
         self._sharded_from = path if is_sharded(path) else None
         if self._sharded_from is None:
             if path.is_dir():
@@ -676,22 +655,20 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
                     f"{path} is a directory but not a sharded checkpoint of runtime='distributed' (it has no "
                     f"{_METADATA_FILENAME}). Pass the directory trainer.save_checkpoint wrote, or a checkpoint file."
                 )
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            return None
         return load_meta(path)
 
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._pipe is None and has_meta(self._module):  # nothing to load into yet (restored before setup)
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        if self.pipe is None and has_meta(self.module):  # nothing to load into yet (restored before setup)
             self._deferred = (None if self._sharded_from else checkpoint["state_dict"], None)
         elif self._sharded_from is not None:  # every tensor before the first batch, then the held ones
-            tensors = self._pipe.held_state() if self._pipe else self._module.state_dict(keep_vars=True)
+            tensors = self.pipe.held_state() if self.pipe else self.module.state_dict(keep_vars=True)
             load_tensors(self._sharded_from, tensors)
-        elif self._pipe is None:
-            self._module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        elif self.pipe is None:
+            self.module.load_state_dict(checkpoint["state_dict"], strict=strict)
         else:
-            self._pipe.load_state_dict(checkpoint["state_dict"])
+            self.pipe.load_state_dict(checkpoint["state_dict"])
 
-    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._deferred is not None and self._sharded_from is None:
             self._deferred = (self._deferred[0], checkpoint["optimizer_states"])
@@ -707,17 +684,16 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
                 del optimizer.state[param]  # another rank holds it
 
     def _load_sharded_optimizers(self) -> None:
-        if self._optimizers_from is None or self._pipe is None:
+        if self._optimizers_from is None or self.pipe is None:
             return
-        held = [p for p in self._pipe.held if isinstance(p, nn.Parameter)]
+        held = [p for p in self.pipe.held if isinstance(p, nn.Parameter)]
         for i, optimizer in enumerate(self.optimizers):
             load_optimizer(self._optimizers_from, i, optimizer, held)
         self._optimizers_from = None
 
     # --- collectives ------------------------------------------------------------------------
 
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+    def reduce(self, tensor: Tensor | Any, group: Any | None, reduce_op: Any) -> Tensor | Any:
         """Over the data-parallel replicas of this rank's stage by default: every rank of a
         pipeline logs its last stage's values, so each stage's replicas reduce the same values
         the last stage's do, and no rank waits on a rank of another stage."""
@@ -725,31 +701,26 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
             return _sync_ddp_if_available(tensor, group or self.device_mesh.get_group("dp"), reduce_op=reduce_op)
         return tensor
 
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+    def reduce_boolean_decision(self, decision: bool, all: bool) -> bool:
         """Over every process: a decision to stop or to save is the whole job's."""
         count = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(count)
         return bool(count == self.world_size) if all else bool(count)
 
-    @override
-    def barrier(self, name: str | None = None) -> None:
+    def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
 
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: Any, src: int) -> Any:
         if not dist.is_initialized():
             return obj
         box = [to_host(obj)]
         dist.broadcast_object_list(box, src)
         return to_device(box[0], self.root_device)
 
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: Any | None, sync_grads: bool) -> Tensor:
         return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
-    @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that stopped first in every rank's error (its peers otherwise see only
         gloo's "Connection closed by peer"), and end the processes this one launched (for any
@@ -761,24 +732,19 @@ class DistributedPipeStrategy(MemoryPipeStrategy):
         for launcher in _LAUNCHERS:
             launcher.kill(_get_sigkill_signal())
 
-    @override
-    def teardown(self) -> None:
-        if self.lightning_module is not None:
-            vars(self.lightning_module).pop("forward", None)
-        self._restore_skip_backward()
-        assert self.cluster_environment is not None
-        self.cluster_environment.teardown()
-        module = self._lightning_module
-        if module is not None and self._pipe is not None and self._pipe.released and self._partial_state is None:
-            warning = _PartialStateWarning(self.global_rank, self._pipe)
+    def teardown(self, lightning_teardown: Callable[[], None]) -> None:
+        strategy = self.strategy
+        module = strategy._lightning_module
+        if module is not None and self.pipe is not None and self.pipe.released and self._partial_state is None:
+            warning = _PartialStateWarning(self.global_rank, self.pipe)
             self._partial_state = module.register_state_dict_post_hook(warning)  # type: ignore[no-untyped-call]
         if self._empty and module is not None:  # Lightning's module.cpu(), but what has no storage stays on meta
             module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[no-untyped-call]
-            self._lightning_module = None
+            strategy._lightning_module = None
         try:
-            ParallelStrategy.teardown(self)
+            lightning_teardown()
         finally:
-            self._lightning_module = module
+            strategy._lightning_module = module
 
 
 def _check_balance_entries(balance: list[int] | None, processes: int, virtual_stages: int) -> None:
@@ -794,12 +760,6 @@ def _check_balance_entries(balance: list[int] | None, processes: int, virtual_st
             f"processes x virtual_stages={virtual_stages}; stage s on process s % {processes}). Give one node "
             f"count per stage, in order."
         )
-
-
-def become_distributed(strategy: MemoryPipeStrategy) -> None:
-    """Turn a freshly constructed ``MemoryPipeStrategy`` into the distributed runtime."""
-    strategy.__class__ = DistributedPipeStrategy
-    cast(DistributedPipeStrategy, strategy)._start()
 
 
 _LAUNCHERS: list[_SubprocessScriptLauncher] = []  # every one this process made, with the processes it started
@@ -920,3 +880,9 @@ def _host_memory() -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@contextmanager
+def _on_meta(precision: Precision) -> Iterator[None]:
+    with torch.device("meta"), precision.tensor_init_context():
+        yield

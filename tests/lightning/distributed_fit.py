@@ -213,7 +213,7 @@ def empty(out: Path, devices: int) -> None:
     trainer.save_checkpoint(out / "empty.ckpt")
     strategy = trainer.strategy
     stored = {name: not t.is_meta for name, t in model.state_dict(keep_vars=True).items()}
-    result = {"stored": stored, "balance": strategy.plan.balance, "stage": strategy._pipe.position}
+    result = {"stored": stored, "balance": strategy.plan.balance, "stage": strategy.engine.pipe.position}
     (out / f"empty-rank{trainer.global_rank}.json").write_text(json.dumps(result))
     again = Trainer(**empty_trainer(devices, steps=5))
     with again.init_module(empty_init=True):

@@ -7,7 +7,7 @@ import torch
 import torchmetrics
 from torch._subclasses.fake_tensor import FakeTensor
 
-import lightning_pipe.lightning.strategy as strategy_module
+import lightning_pipe.lightning.local as strategy_module
 from examples.models import GPT, TokenDataset, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.lightning.check import fake_peaks
@@ -91,14 +91,14 @@ def test_without_the_check_the_same_limits_run_out_of_memory(monkeypatch):
 def test_the_check_leaves_the_module_as_it_was():
     strategy = _fit(MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b"), steps=1)
     module = strategy.lightning_module
-    module.forward = strategy._forward  # as during training (teardown gave the module its own back)
+    module.forward = strategy.engine.run_forward  # as during training (teardown gave the module its own back)
     before = {k: v.clone() for k, v in module.state_dict().items()}
     logged = dict(module.trainer.callback_metrics)
     kept = list(module.kept)
     batch = next(iter(loader(TokenDataset(BATCH), BATCH)))
     optimizer = strategy.optimizers[0]
     state = {id(p): dict(s) for p, s in optimizer.state.items()}
-    peaks = fake_peaks(module, strategy._captured, batch, 0, optimizer, strategy.precision_plugin, strategy.plan)
+    peaks = fake_peaks(module, strategy.engine.captured, batch, 0, optimizer, strategy.precision_plugin, strategy.plan)
     assert len(peaks) == STAGES and all(p > 0 for p in peaks)
     after = module.state_dict()
     assert not any(isinstance(t, FakeTensor) or t.is_meta for t in after.values())
@@ -106,7 +106,7 @@ def test_the_check_leaves_the_module_as_it_was():
     assert module.kept == kept and dict(module.trainer.callback_metrics) == logged
     assert {id(p): dict(s) for p, s in optimizer.state.items()}.keys() == state.keys()
     assert all(not (isinstance(v, FakeTensor) or v.is_meta) for s in optimizer.state.values() for v in s.values())
-    assert vars(module)["forward"] == strategy._forward  # the strategy's pipeline still runs the module
+    assert vars(module)["forward"] == strategy.engine.run_forward  # the strategy's pipeline still runs the module
 
 
 def test_under_cpu_autocast_the_check_meters_what_training_does():
@@ -115,9 +115,9 @@ def test_under_cpu_autocast_the_check_meters_what_training_does():
     torch.manual_seed(0)
     model = GPT(optimizer="adam")
     trainer(strategy, STAGES, max_steps=2, precision="bf16-mixed").fit(model, loader(TokenDataset(2 * BATCH), BATCH))
-    model.forward = strategy._forward
+    model.forward = strategy.engine.run_forward
     batch = next(iter(loader(TokenDataset(BATCH), BATCH)))
-    peaks = fake_peaks(model, strategy._captured, batch, 0, strategy.optimizers[0], strategy.precision_plugin,
+    peaks = fake_peaks(model, strategy.engine.captured, batch, 0, strategy.optimizers[0], strategy.precision_plugin,
                        strategy.plan)
     assert peaks == strategy.meter.peaks()
 

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, defa
 from examples.models import ImageDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture
-from lightning_pipe.lightning.distributed import DistributedPipeStrategy, _check_balance_entries
+from lightning_pipe.lightning.distributed import DistributedEngine, _check_balance_entries
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.runtime.materialize import materialize
 from tests.lightning.distributed_fit import (
@@ -80,12 +80,16 @@ class Launch:
         return self.end - min(starts)
 
 
-def _launch(out: Path, devices: int, *scenarios: str) -> Launch:
-    """Run the scenarios; once global rank 0 has ended (or after 5 minutes), end any rank left."""
+def _launch(out: Path, devices: int, *scenarios: str, torchrun: bool = False) -> Launch:
+    """Run the scenarios, under Lightning's launcher (the script starts the other ranks) or
+    ``torchrun``; once global rank 0 has ended (or after 5 minutes), end any rank left."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(SCRIPT), str(out), str(devices), *scenarios]
+    if torchrun:
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}"]
     with (out / "stdout.txt").open("w+") as stdout, (out / "stderr.txt").open("w+") as stderr:
-        process = subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(devices), *scenarios], cwd=ROOT,
-                                   env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
+                                   start_new_session=True)
         try:
             process.wait(timeout=300)
         finally:
@@ -231,6 +235,13 @@ def test_an_error_on_one_rank_ends_every_rank(tmp_path):
     assert "[rank0]: rank 1 stopped first, with RuntimeError: rank 1 fails on purpose" in launch.result.stderr
 
 
+@pytest.mark.slow
+def test_torchrun_starts_the_ranks_and_training_equals_single_device(tmp_path):
+    launch = _launch(tmp_path, 2, str(STEPS), "gpt:1f1b:2", "denoiser:gpipe:2", torchrun=True)
+    _check(launch, 2, "gpt:1f1b:2")
+    _check_denoiser(launch, 2, "denoiser:gpipe:2")
+
+
 def test_stages_that_do_not_divide_the_processes_are_named_before_any_collective(tmp_path):
     launch = _launch(tmp_path, 2, "indivisible")
     assert launch.result.returncode != 0
@@ -239,10 +250,10 @@ def test_stages_that_do_not_divide_the_processes_are_named_before_any_collective
     assert launch.seconds_since("indivisible") < 30  # no rank waited for another (the timeout is 30 minutes)
 
 
-def test_runtime_distributed_builds_the_distributed_strategy():
+def test_runtime_distributed_runs_on_the_distributed_engine():
     strategy = MemoryPipeStrategy(runtime="distributed", stages=2, schedule="1f1b")
-    assert isinstance(strategy, DistributedPipeStrategy) and strategy.stages == 2
-    assert type(MemoryPipeStrategy()) is MemoryPipeStrategy
+    assert isinstance(strategy.engine, DistributedEngine) and strategy.options.stages == 2
+    assert type(strategy) is MemoryPipeStrategy  # one class, whatever the runtime
 
 
 @pytest.mark.parametrize(

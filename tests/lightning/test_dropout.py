@@ -102,9 +102,9 @@ def _tight_limit(front_end: str, schedule: str) -> int:
 def test_recomputing_replays_the_dropout_masks(front_end, schedule):
     recomputing = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, memory_limit=_tight_limit(front_end, schedule))
     recomputed = _fit(front_end, recomputing)
-    assert recomputing._captured is not None and recomputing._captured.front_end == f"torch.{front_end}"
+    assert recomputing.engine.captured is not None and recomputing.engine.captured.front_end == f"torch.{front_end}"
     assert recomputing.plan is not None
-    dropouts = [p for n, p in zip(recomputing._captured.nodes, recomputing.plan.policies) if "drop" in n.name]
+    dropouts = [p for n, p in zip(recomputing.engine.captured.nodes, recomputing.plan.policies) if "drop" in n.name]
     assert "recompute" in dropouts, "the plan must recompute a dropout node"
 
     keeping = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, planner=None, balance=recomputing.plan.balance)

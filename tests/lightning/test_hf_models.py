@@ -122,7 +122,7 @@ def test_three_steps_match_single_device_training(family, schedule, stages):
     reference, _ = _fit(family)
     strategy = MemoryPipeStrategy(chunks=4, schedule=schedule, planner=None)
     piped, _ = _fit(family, strategy, stages)
-    assert strategy._captured.front_end == "torch.export"
+    assert strategy.engine.captured.front_end == "torch.export"
     assert _parity(piped, reference) < 1e-5
     assert _parity(piped, HFModule(family)) > 1e-3  # training moved the parameters
     assert piped.state_dict().keys() == HFModule(family).state_dict().keys()
@@ -136,7 +136,7 @@ def test_tied_embedding_is_one_parameter_on_the_first_stage(family):
     model, _ = _fit(family, strategy, 2)
     embedding, head = model.model.get_input_embeddings().weight, model.model.lm_head.weight
     assert embedding is head
-    first, last = strategy.program.stages
+    first, last = strategy.engine.program.stages
     assert any(t is embedding for t in first.owned) and not any(t is embedding for t in last.owned)
 
 
@@ -145,7 +145,7 @@ def test_planned_pipeline_with_validation_before_training_matches_single_device(
     reference, plain = _fit("gpt2", val=True)
     strategy = MemoryPipeStrategy(chunks=4)  # the default planner profiles the exported graph
     piped, t = _fit("gpt2", strategy, 2, val=True)
-    assert strategy.plan is not None and sum(strategy.plan.balance) == len(strategy._captured.nodes)
+    assert strategy.plan is not None and sum(strategy.plan.balance) == len(strategy.engine.captured.nodes)
     assert _parity(piped, reference) < 1e-5
     assert t.callback_metrics["val_loss"].item() == pytest.approx(plain.callback_metrics["val_loss"].item(), rel=1e-5)
     predictions = t.predict(piped, DataLoader(Batches("gpt2", size=8), batch_size=8))
@@ -199,7 +199,7 @@ def test_each_mode_runs_its_own_graph(heads):
     t.fit(piped, data)
     assert max_rel_diff(piped, reference) < 1e-5  # trained on the training branch
     predictions = torch.cat(t.predict(piped, data))
-    assert len({c.graph_module.code for _, c in strategy._variants.graphs}) == 2  # training and evaluation
+    assert len({c.graph_module.code for _, c in strategy.engine.variants.graphs}) == 2  # training and evaluation
     x = data.dataset.tensors[0]
     with torch.no_grad():
         assert torch.allclose(predictions, reference.eval()(x), atol=1e-6)  # the evaluation branch
@@ -264,6 +264,6 @@ def test_longer_sequences_are_planned_again_on_their_own_graph(schedule):
     trainer(strategy, 2, max_steps=3).fit(piped, batches)
     assert strategy.plan.input_shapes == {"input_ids": [8, 20], "labels": [8, 20]}
     longest = bind_arguments(piped, (), _gpt2_batch(2, 20, 0))
-    assert strategy._captured.admits(longest)  # the graph planned is the longer batch's
-    assert sum(strategy.plan.balance) == len(strategy._captured.nodes)
+    assert strategy.engine.captured.admits(longest)  # the graph planned is the longer batch's
+    assert sum(strategy.plan.balance) == len(strategy.engine.captured.nodes)
     assert _parity(piped, reference) < 1e-5

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
-import lightning_pipe.lightning.strategy as strategy_module
+import lightning_pipe.lightning.local as strategy_module
 from benchmarks.amoebanet import AmoebaNetD
 from benchmarks.models import BERT, MaskedTokenDataset, suite
 from examples.models import loader

@@ -63,7 +63,7 @@ def test_plan_report_written_to_the_log_dir(tmp_path, capsys):
     with open(t.logger.log_dir + "/plan.json") as f:
         saved = json.load(f)
     plan = Plan.from_json(json.dumps(saved))
-    assert plan == strategy.plan and sum(plan.balance) == sum(len(s.node_names) for s in strategy.program.stages)
+    assert plan == strategy.plan and sum(plan.balance) == sum(len(s.node_names) for s in strategy.engine.program.stages)
     # The JSON names what the planner fitted each stage into: the limit, which a plan this far below needs no check for
     assert saved["targets"] == [256 * 2**20] * 2 and "capacities" not in saved
     with open(t.logger.log_dir + "/plan.png", "rb") as png:

@@ -59,7 +59,7 @@ def test_registered_name_and_split_summary(caplog):
     import lightning_pipe  # noqa: F401  (registers "memory_pipe")
 
     t = trainer("memory_pipe", 2, max_steps=1)
-    assert isinstance(t.strategy, MemoryPipeStrategy) and t.strategy.chunks == 4
+    assert isinstance(t.strategy, MemoryPipeStrategy) and t.strategy.options.chunks == 4
     model, data = make("gpt")
     with caplog.at_level("INFO"):
         t.fit(model, loader(data, 8))
@@ -173,7 +173,7 @@ def test_user_balance_is_used():
 
     class Spy(Callback):
         def on_train_start(self, trainer, module):
-            seen.append([len(s.node_names) for s in trainer.strategy.program.stages])
+            seen.append([len(s.node_names) for s in trainer.strategy.engine.program.stages])
 
     strategy = MemoryPipeStrategy(chunks=2, balance=[1, n - 1])
     trainer(strategy, 2, max_steps=1, callbacks=[Spy()]).fit(model, loader(data, 8))
@@ -212,7 +212,7 @@ def test_metered_fit_reports_stage_peaks_and_enforces_limits():
     assert all(p > 0 for p in peaks)
     summary = strategy.memory_summary().splitlines()
     assert len(summary) == 3 and "activations" in summary[1] and "cuda" not in summary[0]
-    for stage, memory in zip(strategy.program.stages, strategy.meter.stages):
+    for stage, memory in zip(strategy.engine.program.stages, strategy.meter.stages):
         assert memory.peak_by_kind["parameters"] == stage.param_bytes() + sum(
             b.numel() * b.element_size() for b in stage.owned if not isinstance(b, torch.nn.Parameter)
         )
@@ -221,7 +221,7 @@ def test_metered_fit_reports_stage_peaks_and_enforces_limits():
     model, data = make("gpt")
     limit = [peaks[0] * 2, peaks[1] // 2]
     unplanned = MemoryPipeStrategy(chunks=2, planner=None, measure_memory=True, memory_limit=limit,
-                                   balance=[len(s.node_names) for s in strategy.program.stages])
+                                   balance=[len(s.node_names) for s in strategy.engine.program.stages])
     with pytest.raises(StageOutOfMemoryError, match="Stage 1 is out of memory"):
         trainer(unplanned, 2, max_steps=2).fit(model, loader(data, 8))
     with pytest.raises(ValueError, match="memory_limit has 3 entries but there are 2 stage devices"):
@@ -232,7 +232,7 @@ def test_metered_fit_reports_stage_peaks_and_enforces_limits():
 def test_plan_is_made_from_the_first_training_batch_and_reused_by_validate(monkeypatch):
     """The sanity check's smaller eval batch must not be what the plan is for, and a later
     ``validate`` reuses the plan instead of profiling again."""
-    from lightning_pipe.lightning import strategy as strategy_module
+    from lightning_pipe.lightning import local as strategy_module
 
     profiled = []
     real = strategy_module.profile_graph
@@ -251,7 +251,7 @@ def test_plan_is_made_from_the_first_training_batch_and_reused_by_validate(monke
     plan = strategy.plan
     t.validate(model, loader(data, 4))
     assert len(profiled) == 1 and strategy.plan is plan
-    assert [len(s.node_names) for s in strategy.program.stages] == plan.balance
+    assert [len(s.node_names) for s in strategy.engine.program.stages] == plan.balance
 
 
 def _tokens(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
@@ -264,7 +264,7 @@ GROWING = DataLoader([_tokens(8, 16, 0), _tokens(8, 24, 1), _tokens(16, 24, 2), 
 
 
 def _count_profiles(monkeypatch) -> list[int]:
-    from lightning_pipe.lightning import strategy as strategy_module
+    from lightning_pipe.lightning import local as strategy_module
 
     sizes = []
     real = strategy_module.profile_graph

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-import lightning_pipe.lightning.strategy as strategy_module
+import lightning_pipe.lightning.local as strategy_module
 from examples.models import GPT, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture

@@ -211,7 +211,7 @@ def test_planned_recompute_and_swap_fit_a_capacity_plain_gpipe_exceeds(schedule,
         return model, strategy
 
     _, unlimited = run(planner=None)
-    balance = [len(s.node_names) for s in unlimited.program.stages]
+    balance = [len(s.node_names) for s in unlimited.engine.program.stages]
     limit = int(max(unlimited.meter.peaks()) * 0.85)
     with pytest.raises(StageOutOfMemoryError):
         run(planner=None, balance=balance, memory_limit=limit)

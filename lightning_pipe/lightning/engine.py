@@ -1,0 +1,223 @@
+"""The interface between :class:`~lightning_pipe.lightning.strategy.MemoryPipeStrategy` and the
+engine that holds this process's stages: all of them (:mod:`.local`) or this rank's of a
+``("pp", "dp")`` mesh of processes (:mod:`.distributed`).
+
+The strategy is what Lightning talks to and what both runtimes share: the options, skipping
+Lightning's backward when the schedule runs it, the optimizer step and its metrics, teardown.
+An engine builds this process's stages, runs a training step and an evaluation step on them,
+gathers or shards their state for checkpoints, and says which processes and devices exist.
+The defaults here are one process's.
+"""
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, cast
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_pipe.graph.capture import Captured
+from lightning_pipe.lightning.options import PipeOptions
+from lightning_pipe.measure.clock import StageClock
+from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.plan.plan import Plan
+from lightning_pipe.plan.profile import Profile
+from lightning_pipe.runtime.build import Policy
+
+__all__ = ["Engine", "policies_of", "state_to_param_devices"]
+
+
+class Engine:
+    """What a runtime implements for the strategy (see the module docstring)."""
+
+    def __init__(self, strategy: ParallelStrategy, options: PipeOptions) -> None:
+        self.strategy = strategy
+        self.options = options
+        self.plan: Plan | None = None
+        self.profile: Profile | None = None
+        self.meter: MemoryMeter | None = None
+        self.clock = StageClock(0)
+        self.stepping = False  # inside the optimizer step (its closure runs the training step)
+
+    # --- what the strategy holds ---------------------------------------------------------
+
+    @property
+    def module(self) -> LightningModule:
+        module = self.strategy.lightning_module
+        assert module is not None, "the Trainer has not connected a LightningModule yet"
+        return module
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return self.strategy.optimizers
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self.strategy.precision_plugin
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        devices = self.strategy.parallel_devices
+        assert devices, "the Trainer has not assigned devices to the strategy yet"
+        return devices
+
+    # --- processes and devices -----------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def is_distributed(self) -> bool:
+        return False
+
+    @property
+    def sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    def configure_launcher(self) -> None:
+        """Start the other processes, where this engine has any."""
+
+    def setup_ranks(self) -> None:
+        """Tell the cluster environment this process's rank, where this engine has several."""
+
+    def setup_environment(self) -> None:
+        """Join the other processes, where this engine has any."""
+
+    def tensor_init_context(self, empty_init: bool | None) -> AbstractContextManager[None] | None:
+        """Where ``trainer.init_module`` builds the model; ``None``: Lightning's own."""
+        return None
+
+    # --- the module and its stages -------------------------------------------------------
+
+    def check_setup(self, trainer: Trainer) -> None:
+        """Refuse what this engine cannot run, before anything is placed."""
+
+    def model_to_device(self) -> None:
+        """Place the module (or what of it this process holds) and route its ``forward``."""
+        raise NotImplementedError
+
+    def after_setup(self, trainer: Trainer) -> None:
+        """Once the optimizers and the precision exist."""
+
+    @property
+    def runs_backward(self) -> bool:
+        """Whether ``training_step`` runs the backward itself, so that Lightning must skip its own."""
+        raise NotImplementedError
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Plan or build at the first training batch (and again for a larger one)."""
+
+    def training_step(self, step: Callable[[], Any], forwards_only: bool, *args: Any, **kwargs: Any) -> Any:
+        """One training step; ``step`` runs the user's ``training_step`` as Lightning would.
+        ``forwards_only``: Lightning skips backward itself (an epoch of forwards, as SWA runs)."""
+        raise NotImplementedError
+
+    def eval_step(self, hook: str, step: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        """One ``validation_step``, ``test_step`` or ``predict_step``; ``step`` runs it as Lightning would."""
+        return step()
+
+    def before_optimizer_step(self) -> None:
+        """What gradients need once the step's backwards have run (reductions across ranks)."""
+
+    def log_step_metrics(self, step_ms: float) -> None:
+        """Per-stage time and memory of the step just taken, to the Trainer's loggers."""
+        raise NotImplementedError
+
+    def clip_grad_norm(self, max_norm: float) -> Tensor | None:
+        """Clip by the norm over every stage's gradients; ``None``: Lightning's own clipping."""
+        return None
+
+    # --- state ---------------------------------------------------------------------------
+
+    def module_state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH) -> bool:
+        """Write ``checkpoint`` where Lightning's own writing does not fit; whether it did."""
+        return False
+
+    def load_checkpoint(self, path: _PATH) -> dict[str, Any] | None:
+        """Read a checkpoint Lightning's own reading cannot; ``None``: Lightning reads it."""
+        return None
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        self.module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+            state_to_param_devices(optimizer)
+
+    # --- collectives ---------------------------------------------------------------------
+
+    def reduce(self, tensor: Tensor | Any, group: Any | None, reduce_op: Any) -> Tensor | Any:
+        return tensor
+
+    def reduce_boolean_decision(self, decision: bool, all: bool) -> bool:
+        return decision
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        return obj
+
+    def all_gather(self, tensor: Tensor, group: Any | None, sync_grads: bool) -> Tensor:
+        return tensor
+
+    def on_exception(self, exception: BaseException) -> None:
+        pass
+
+    def teardown(self, lightning_teardown: Callable[[], None]) -> None:
+        """Undo what ``model_to_device`` and the steps changed on the module, around
+        Lightning's own teardown (which moves the module and the optimizer state to the CPU)."""
+        lightning_teardown()
+
+    # --- reading the split ---------------------------------------------------------------
+
+    def describe(self) -> str:
+        """The per-stage split as a text table."""
+        raise NotImplementedError
+
+    def memory_summary(self) -> str:
+        """Metered bytes per stage now and at peak, by kind."""
+        raise NotImplementedError
+
+
+def policies_of(captured: Captured, plan: Plan) -> dict[str, Policy]:
+    """The plan's recompute and swap choices by node name."""
+    return {n.name: cast(Policy, p) for n, p in zip(captured.nodes, plan.policies) if p != "keep"}
+
+
+def state_to_param_devices(optimizer: Optimizer) -> None:
+    """Move each optimizer state tensor to its parameter's device (Lightning moves all of
+    them to the root device); ``step`` counters stay where the optimizer keeps them."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, Tensor):
+                state[key] = value.to(param.device)

@@ -1,0 +1,169 @@
+"""What a user chose for :class:`~lightning_pipe.lightning.strategy.MemoryPipeStrategy`, checked
+once: both engines read the same options, and a bad one is named before any device or process
+work starts."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import UnionType
+from typing import Literal, get_args
+
+from lightning_pipe.lightning.microlog import LossReduction
+from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
+from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.units import MemorySize, parse_bytes
+
+__all__ = ["PipeOptions", "Runtime", "StateDictType"]
+
+Runtime = Literal["local", "distributed"]
+StateDictType = Literal["full", "sharded"]
+
+
+@dataclass
+class PipeOptions:
+    """The strategy's arguments, checked and normalised (see its docstring for each)."""
+
+    chunks: int = 4
+    schedule: Schedule = "gpipe"
+    balance: list[int] | None = None
+    leaf_modules: list[str] = field(default_factory=list)
+    planner: Partitioner | None = "dawnpiper"
+    memory_limit: list[int] | None = None  # bytes: one for every stage, or one per stage
+    host_bandwidth: float | None = None
+    link_bandwidth: float | None = None
+    measure_memory: bool = False
+    deferred_batch_norm: bool = False
+    plan_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    loss_reduction: LossReduction = "mean"
+    runtime: Runtime = "local"
+    stages: int | None = None
+    virtual_stages: int = 1
+    timeout: timedelta = timedelta(minutes=30)
+    state_dict_type: StateDictType = "full"
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        chunks: int,
+        schedule: Schedule,
+        balance: list[int] | None,
+        leaf_modules: list[str] | None,
+        planner: Partitioner | None,
+        memory_limit: MemorySize | list[MemorySize] | None,
+        host_bandwidth: float | None,
+        link_bandwidth: float | None,
+        measure_memory: bool,
+        deferred_batch_norm: bool,
+        plan_shapes: dict[str, list[int]] | None,
+        loss_reduction: LossReduction,
+        runtime: Runtime,
+        stages: int | None,
+        virtual_stages: int,
+        timeout: timedelta | None,
+        state_dict_type: StateDictType,
+    ) -> "PipeOptions":
+        """The options, each checked; a bad one raises an error naming it and the fix.
+
+        Raises:
+            TypeError: an argument of the wrong type.
+            ValueError: a value out of range, or options that do not go together.
+        """
+        _check_types(chunks=(chunks, int), host_bandwidth=(host_bandwidth, float | None),
+                     link_bandwidth=(link_bandwidth, float | None),
+                     measure_memory=(measure_memory, bool), deferred_batch_norm=(deferred_batch_norm, bool))
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}.")
+        if schedule not in ("gpipe", "1f1b", "2bw"):
+            raise ValueError(f"schedule must be one of 'gpipe', '1f1b', '2bw', got {schedule!r}.")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(
+                f"loss_reduction must be 'mean' (training_step returns a per-sample mean) or 'sum' "
+                f"(a sum over the samples), got {loss_reduction!r}."
+            )
+        if planner is not None and planner not in PARTITIONERS:
+            raise ValueError(f"planner must be one of {list(PARTITIONERS)} or None, got {planner!r}.")
+        if host_bandwidth is not None and host_bandwidth <= 0:
+            raise ValueError(f"host_bandwidth must be positive (bytes per second), got {host_bandwidth}.")
+        if link_bandwidth is not None and link_bandwidth <= 0:
+            raise ValueError(f"link_bandwidth must be positive (bytes per second), got {link_bandwidth}.")
+        if plan_shapes is not None and not (
+            isinstance(plan_shapes, Mapping)
+            and all(isinstance(k, str) and isinstance(v, list | tuple) and v and all(
+                isinstance(n, int) and n > 0 for n in v) for k, v in plan_shapes.items())
+        ):
+            raise ValueError(
+                f"plan_shapes must map batch tensor paths to shapes of positive sizes, such as "
+                f"{{'input_ids': [8, 512]}}, got {plan_shapes!r}."
+            )
+        if balance is not None and any(b < 1 for b in balance):
+            raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
+        _check_runtime(runtime, stages, schedule, timeout, virtual_stages)
+        _check_state_dict_type(runtime, state_dict_type)
+        return cls(
+            chunks=chunks, schedule=schedule, balance=balance, leaf_modules=list(leaf_modules or []), planner=planner,
+            memory_limit=parse_limits(memory_limit), host_bandwidth=host_bandwidth, link_bandwidth=link_bandwidth,
+            measure_memory=measure_memory, deferred_batch_norm=deferred_batch_norm,
+            plan_shapes={k: tuple(v) for k, v in (plan_shapes or {}).items()}, loss_reduction=loss_reduction,
+            runtime=runtime, stages=stages, virtual_stages=virtual_stages, timeout=timeout or timedelta(minutes=30),
+            state_dict_type=state_dict_type,
+        )
+
+
+def parse_limits(limit: MemorySize | list[MemorySize] | None) -> list[int] | None:
+    """A memory limit as bytes: one for every stage, or one per stage."""
+    if limit is None:
+        return None
+    return [parse_bytes(v) for v in (limit if isinstance(limit, list) else [limit])]
+
+
+def _check_runtime(
+    runtime: Runtime, stages: int | None, schedule: Schedule, timeout: timedelta | None, virtual_stages: int
+) -> None:
+    if runtime not in ("local", "distributed"):
+        raise ValueError(f"runtime must be 'local' (one process) or 'distributed' (one per stage), got {runtime!r}.")
+    if runtime == "local" and (stages is not None or timeout is not None):
+        raise ValueError(
+            "stages and timeout apply to runtime='distributed' (processes); with runtime='local' every device is a "
+            "stage. Pass runtime='distributed' or leave them unset."
+        )
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+        raise ValueError(f"stages must be a positive int (the pipeline depth) or None, got {stages!r}.")
+    if runtime == "distributed" and schedule == "2bw":
+        raise ValueError(
+            "schedule='2bw' runs only with runtime='local': torch.distributed.pipelining flushes the pipeline every "
+            "step and has no two-version weights. Use schedule='1f1b' or 'gpipe' with runtime='distributed'."
+        )
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be a positive int (stages per process), got {virtual_stages!r}.")
+    if virtual_stages > 1 and (runtime != "distributed" or schedule != "1f1b"):
+        raise ValueError(
+            f"virtual_stages={virtual_stages} interleaves stages over processes, which Interleaved 1F1B needs: "
+            f"use runtime='distributed' and schedule='1f1b', or leave virtual_stages=1."
+        )
+
+
+def _check_state_dict_type(runtime: Runtime, state_dict_type: StateDictType) -> None:
+    if state_dict_type not in ("full", "sharded"):
+        raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
+    if state_dict_type == "sharded" and runtime != "distributed":
+        raise ValueError(
+            "state_dict_type='sharded' writes one shard per process: it needs runtime='distributed'. With "
+            "runtime='local' one process holds every stage; leave state_dict_type='full'."
+        )
+
+
+def _check_types(**arguments: tuple[object, type | UnionType]) -> None:
+    """Name an argument of the wrong type, the type it needs and the value it got, rather than
+    fail later on a comparison (``chunks="4"``). A bool is no int here; an int is a float."""
+    for name, (value, expected) in arguments.items():
+        kinds = get_args(expected) or (expected,)
+        if not any(_is_a(value, kind) for kind in kinds):
+            names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in kinds)
+            raise TypeError(f"{name} must be {names}, got {value!r} of type {type(value).__name__}.")
+
+
+def _is_a(value: object, kind: type) -> bool:
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, kind) or (kind is float and isinstance(value, int))
