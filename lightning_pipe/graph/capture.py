@@ -7,18 +7,20 @@ Hugging Face models). A model neither captures fails with one :class:`CaptureErr
 points, per front end, at the submodule and source line, and says what to change.
 """
 
+import operator
 import os
+import re
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch import fx, nn
+from torch import Tensor, fx, nn
 
 from lightning_pipe.graph.export import ExportError, Specialization, export_graph
 
-__all__ = ["CaptureError", "Captured", "NeedsExampleInputs", "capture", "get_attr"]
+__all__ = ["CaptureError", "Captured", "NeedsExampleInputs", "buffer_writes", "capture", "get_attr"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -152,11 +154,14 @@ def capture(
             f"{_example_names(module)} or a class name."
         )
     tracer = _Tracer(leaf_modules)
+    tracer.record_stack_traces = True  # a buffer written in forward is named with its line
+    before = _plain_attributes(module)
     try:
         graph = tracer.trace(module)
     except Exception as err:
         traced = _explain(module, tracer, err)
     else:
+        _refuse_changed_attributes(module, before)
         return _captured(module, fx.GraphModule(module, graph, class_name=type(module).__name__))
     if example_inputs is None:
         raise NeedsExampleInputs(traced) from None
@@ -187,6 +192,89 @@ def _captured(
     if not nodes:
         raise CaptureError(f"{type(module).__name__}.forward traced to a graph with no operations.")
     return Captured(graph_module, nodes, front_end, specialization)
+
+
+def buffer_writes(captured: Captured) -> dict[str, str]:
+    """Buffers the graph writes in place (``self.ema.mul_(0.9)``, ``self.count += 1``, an
+    exported graph's write-back of a mutated buffer), each with where ``forward`` does it.
+    BatchNorm's running statistics inside a leaf module do not show here."""
+    buffers = dict(captured.graph_module.named_buffers())
+    found: dict[str, str] = {}
+    for node in captured.graph_module.graph.nodes:
+        target = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if target is None or target.op != "get_attr" or target.target not in buffers or not _in_place(node):
+            continue
+        found.setdefault(str(target.target), _user_line(node.meta.get("stack_trace") or "") or str(node.target))
+    return found
+
+
+def _user_line(stack_trace: str) -> str | None:
+    """The last frame of a node's recorded stack that is the user's code, as ``file:line: code``."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', stack_trace)
+    own = [(path, line, code) for path, line, code in frames if not path.startswith((_TORCH_DIR, _OWN_DIR))]
+    if not own:
+        return None
+    path, line, code = own[-1]
+    return f"{os.path.basename(path)}:{line}: {code.strip()}"
+
+
+def _in_place(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).startswith("_")
+    if node.op != "call_function":
+        return False
+    if node.target in _IN_PLACE_OPERATORS:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.arguments and schema.arguments[0].alias_info is not None
+                and schema.arguments[0].alias_info.is_write)
+
+
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor}
+
+
+def _plain_attributes(module: nn.Module) -> dict[tuple[str, str], object]:
+    """Every submodule's plain number and string attributes and its buffers, by (submodule, name)."""
+    found: dict[tuple[str, str], object] = {}
+    for path, sub in module.named_modules():
+        found.update(((path, name), value) for name, value in vars(sub).items()
+                     if isinstance(value, int | float | str) and not name.startswith("_"))
+        found.update(((path, name), buffer) for name, buffer in sub._buffers.items())
+    return found
+
+
+def _refuse_changed_attributes(module: nn.Module, before: dict[tuple[str, str], object]) -> None:
+    """Tracing ran ``forward``'s Python code once; an attribute it changed (``self.calls += 1``)
+    would never change again, since the graph holds only tensor operations.
+
+    Raises:
+        CaptureError: naming the attribute (set back to its value before tracing) and the fix.
+    """
+    after = _plain_attributes(module)
+    changed = [key for key, value in before.items() if not _unchanged(value, after.get(key))]
+    for path, name in changed:
+        sub = module.get_submodule(path)
+        if name in sub._buffers:  # tracing assigned a Proxy to it (self.count += 1)
+            sub._buffers[name] = cast(Tensor, before[(path, name)])
+        else:
+            setattr(sub, name, before[(path, name)])
+    if changed:
+        path, name = changed[0]
+        owner = f"{path}.{name}" if path else name
+        old = before[changed[0]]
+        what = "buffer" if isinstance(old, Tensor) else f"Python attribute (it was {old!r})"
+        raise CaptureError(
+            f"{type(module).__name__}.forward assigns to the {what} {owner!r}: the captured graph holds only "
+            f"forward's tensor operations, so the pipeline would never make that assignment. Update it in "
+            f"training_step or a callback (on_train_batch_end), not in forward."
+        )
+
+
+def _unchanged(before: object, after: object) -> bool:
+    if isinstance(before, Tensor) or isinstance(after, Tensor | fx.Proxy):
+        return before is after
+    return before == after
 
 
 def _names(module: nn.Module) -> set[str]:

@@ -56,7 +56,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import batch_size, gather, scatter
 from lightning_pipe.graph.variants import Variants, follow_balance, in_mode
-from lightning_pipe.lightning.engine import Engine, policies_of, state_to_param_devices
+from lightning_pipe.lightning.engine import Engine, check_buffer_writes, policies_of, state_to_param_devices
 from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector, silenced
 from lightning_pipe.lightning.options import PipeOptions
@@ -264,6 +264,7 @@ class DistributedEngine(Engine):
         args, kwargs = self._forward_inputs(hook, batch, batch_idx)
         self._graphs = self._graphs or Variants(module, self.options.leaf_modules)
         captured = self._graphs.training_graph((args, kwargs))
+        check_buffer_writes(captured, module, self.options.chunks)  # on every rank, before any collective
         stages = self.num_stages * self.options.virtual_stages  # a process's stages share its memory
         _check_balance_entries(self.options.balance, self.num_stages, self.options.virtual_stages)
         fitting = module.trainer.state.fn == TrainerFn.FITTING
@@ -570,8 +571,6 @@ class DistributedEngine(Engine):
         """Every rank's time and metered peaks, gathered and logged by global rank 0 under the
         one-process runtime's names (replica 0's stages; the step time of the slowest rank)."""
         trainer = self.module.trainer
-        if not trainer.loggers or not trainer._logger_connector.should_update_logs:
-            return  # the same on every rank: it depends on the step only
         mine = {"step_ms": step_ms, "forward_ms": self.clock.forward_ms[0], "backward_ms": self.clock.backward_ms[0]}
         if self.meter is not None:
             mine.update(peak_bytes=self.meter.stages[0].peak,

@@ -18,10 +18,10 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.graph.capture import Captured
+from lightning_pipe.graph.capture import Captured, buffer_writes
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
@@ -29,7 +29,7 @@ from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.runtime.build import Policy
 
-__all__ = ["Engine", "policies_of", "state_to_param_devices"]
+__all__ = ["Engine", "check_buffer_writes", "policies_of", "state_to_param_devices"]
 
 
 class Engine:
@@ -138,16 +138,10 @@ class Engine:
         """One ``validation_step``, ``test_step`` or ``predict_step``; ``step`` runs it as Lightning would."""
         return step()
 
-    def before_optimizer_step(self) -> None:
-        """What gradients need once the step's backwards have run (reductions across ranks)."""
-
     def log_step_metrics(self, step_ms: float) -> None:
-        """Per-stage time and memory of the step just taken, to the Trainer's loggers."""
+        """Per-stage time and memory of the step just taken, to the Trainer's loggers; called
+        only at steps they take (reading the stage clocks waits for the device)."""
         raise NotImplementedError
-
-    def clip_grad_norm(self, max_norm: float) -> Tensor | None:
-        """Clip by the norm over every stage's gradients; ``None``: Lightning's own clipping."""
-        return None
 
     # --- state ---------------------------------------------------------------------------
 
@@ -207,6 +201,29 @@ class Engine:
     def memory_summary(self) -> str:
         """Metered bytes per stage now and at peak, by kind."""
         raise NotImplementedError
+
+
+def check_buffer_writes(captured: Captured, module: nn.Module, chunks: int) -> None:
+    """Refuse a ``forward`` that writes a buffer in place (a call counter, an EMA of
+    activations) when it runs once per micro-batch: the buffer would be updated ``chunks``
+    times a step, not once as on one device. BatchNorm's running statistics have their own
+    answer (``deferred_batch_norm``) and are left to it.
+
+    Raises:
+        ValueError: naming each buffer, where forward writes it, and the fix.
+    """
+    if chunks == 1:
+        return
+    norms = {name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    writes = {b: where for b, where in buffer_writes(captured).items() if b.rpartition(".")[0] not in norms}
+    if writes:
+        named = "; ".join(f"{buffer!r} ({where})" for buffer, where in writes.items())
+        raise ValueError(
+            f"forward writes the buffer {named} in place. The pipeline runs forward once per micro-batch, so with "
+            f"chunks={chunks} it would be updated {chunks} times a step, unlike training on one device. Update it "
+            f"in training_step (after self(...), from what forward returns) or a callback (on_train_batch_end), "
+            f"or train with chunks=1."
+        )
 
 
 def policies_of(captured: Captured, plan: Plan) -> dict[str, Policy]:

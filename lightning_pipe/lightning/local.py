@@ -26,7 +26,7 @@ from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.graph.shapes import Shapes, batch_shapes, grown, largest, show, tile
 from lightning_pipe.graph.variants import Variants, follow_balance
 from lightning_pipe.lightning.check import UncheckableStepError, fake_peaks
-from lightning_pipe.lightning.engine import Engine, policies_of, state_to_param_devices
+from lightning_pipe.lightning.engine import Engine, check_buffer_writes, policies_of, state_to_param_devices
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.microlog import silenced
 from lightning_pipe.lightning.options import PipeOptions
@@ -174,6 +174,7 @@ class LocalEngine(Engine):
         with not_charged():  # torch.export traces on fake tensors: no device's bytes
             captured = self.variants.training_graph(inputs)
         check_stage_count(len(captured.nodes), len(self.parallel_devices))
+        check_buffer_writes(captured, self.module, self.options.chunks)
         if self._batch_norm is not None and self._batch_norm.layers and captured.front_end != "torch.fx":
             raise ValueError(
                 "deferred_batch_norm=True needs BatchNorm layers as torch.fx leaf modules, but torch.fx could "

@@ -9,7 +9,7 @@ from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.schedule import Schedule, actions
 from lightning_pipe.plan.simulate import StageTime, simulate
 
-__all__ = ["log_step_metrics", "step_metrics"]
+__all__ = ["log_step_metrics", "logs_this_step", "step_metrics"]
 
 
 def step_metrics(
@@ -41,9 +41,13 @@ def step_metrics(
     return metrics
 
 
+def logs_this_step(trainer: Trainer) -> bool:
+    """Whether the Trainer's loggers take metrics at this step (``log_every_n_steps``): only
+    then are the stage clocks read, which on CUDA waits for the device."""
+    return bool(trainer.loggers) and trainer._logger_connector.should_update_logs
+
+
 def log_step_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
-    """Send ``metrics`` to every logger, at the Trainer's ``log_every_n_steps``."""
-    if not trainer.loggers or not trainer._logger_connector.should_update_logs:
-        return
+    """Send ``metrics`` to every logger."""
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)

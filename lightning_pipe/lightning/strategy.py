@@ -30,6 +30,7 @@ from typing_extensions import override
 from lightning_pipe.lightning.distributed import DistributedEngine
 from lightning_pipe.lightning.engine import Engine
 from lightning_pipe.lightning.local import LocalEngine
+from lightning_pipe.lightning.metrics import logs_this_step
 from lightning_pipe.lightning.microlog import LossReduction
 from lightning_pipe.lightning.options import PipeOptions, Runtime, StateDictType
 from lightning_pipe.measure.meter import MemoryMeter
@@ -329,7 +330,9 @@ class MemoryPipeStrategy(ParallelStrategy):
             output = step(closure) if engine.meter is None else engine.meter.step(step, closure)
         finally:
             engine.stepping = False
-        engine.log_step_metrics((time.perf_counter() - self._step_start) * 1e3)
+        module = self.lightning_module
+        if module is not None and logs_this_step(module.trainer):  # the same on every rank: it depends on the step
+            engine.log_step_metrics((time.perf_counter() - self._step_start) * 1e3)
         if engine.meter is not None:
             engine.meter.own_optimizer_state(optimizer)
         return output

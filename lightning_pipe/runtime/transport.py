@@ -1,9 +1,9 @@
 """Transport: how values travel from the stage that made them to the stage that uses them.
 
 A value goes straight from its producer to each consumer (no relaying through stages in
-between). A copy runs on a side stream (of the CUDA device it touches, the source's if
-both are) so it can overlap compute: the side stream first waits for the producer's stream,
-the consumer's stream then waits for the copy, and the allocator is told that the side
+between). A copy runs on side streams (the source's and the destination's, both current, as torchgpipe
+enters both) so it overlaps the compute of either device: the source's side stream first waits
+for the producer's stream, the consumer's stream then waits for the copy, and the allocator is told that the side
 stream reads the source and the consumer's stream uses the copy. On the CPU the same calls
 run and do nothing (:mod:`lightning_pipe.stream`).
 """
@@ -45,11 +45,13 @@ class _Copy(torch.autograd.Function):
 
 def _copy(x: Tensor, device: torch.device) -> Tensor:
     producer, consumer = current_stream(x.device), current_stream(device)
-    side = side_stream(x.device if x.device.type == "cuda" else device)
-    wait_stream(side, producer)
-    with use_stream(side):
+    source, target = side_stream(x.device), side_stream(device)
+    wait_stream(source, producer)
+    # both devices' side streams current: a copy between GPUs queues behind neither one's compute
+    with use_stream(source), use_stream(target):
         y = x.to(device, non_blocking=True)
-    record_stream(x, side)  # keep x's memory until the copy has read it
-    wait_stream(consumer, side)  # a CPU consumer blocks: it reads the host copy right away
+    record_stream(x, source)  # keep x's memory until the copy has read it
+    wait_stream(consumer, target)
+    wait_stream(consumer, source)  # a CPU consumer blocks: it reads the host copy right away
     record_stream(y, consumer)
     return y

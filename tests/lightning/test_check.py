@@ -149,7 +149,7 @@ class NeedsWidth(torch.optim.SGD):
         self.width = width
 
 
-OPTIMIZERS = {
+OPTIMIZERS = {  # SGD and Adam as well: the GPT families train with them (test_prediction checks those plans)
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),

@@ -237,9 +237,8 @@ def test_an_error_on_one_rank_ends_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_starts_the_ranks_and_training_equals_single_device(tmp_path):
-    launch = _launch(tmp_path, 2, str(STEPS), "gpt:1f1b:2", "denoiser:gpipe:2", torchrun=True)
+    launch = _launch(tmp_path, 2, str(STEPS), "gpt:1f1b:2", torchrun=True)
     _check(launch, 2, "gpt:1f1b:2")
-    _check_denoiser(launch, 2, "denoiser:gpipe:2")
 
 
 def test_stages_that_do_not_divide_the_processes_are_named_before_any_collective(tmp_path):

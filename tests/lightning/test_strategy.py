@@ -328,3 +328,71 @@ def test_a_step_that_never_calls_forward_is_named_under_every_setting(settings):
         trainer(MemoryPipeStrategy(chunks=2, **settings), 2, max_steps=1).fit(
             CallsSubmodules(), loader(TokenDataset(8), 4)
         )
+
+
+class _WritesInForward(GPT):
+    """GPT whose forward keeps state: an EMA of the embedding's mean in a buffer, or a count
+    of calls in a Python attribute."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__()
+        self.state = state
+        self.register_buffer("ema", torch.zeros(()))
+        self.calls = 0
+
+    def forward(self, batch):
+        logits = super().forward(batch)
+        if self.state == "ema":
+            self.ema.mul_(0.9).add_(0.1 * logits.detach().mean())
+        else:
+            self.calls += 1
+        return logits
+
+
+def test_a_buffer_written_in_forward_is_named_with_its_line_unless_one_micro_batch_makes_it_exact():
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"forward writes the buffer 'ema' \(test_strategy.py:\d+: self.ema.mul_"):
+        trainer(MemoryPipeStrategy(chunks=4, planner=None), 2, max_steps=1).fit(
+            _WritesInForward("ema"), loader(TokenDataset(8), 4)
+        )
+    # one micro-batch per step: forward runs once a step, as on one device
+    torch.manual_seed(0)
+    reference = _WritesInForward("ema")
+    trainer(max_steps=3).fit(reference, loader(TokenDataset(12), 4))
+    torch.manual_seed(0)
+    piped = _WritesInForward("ema")
+    trainer(MemoryPipeStrategy(chunks=1, planner=None), 2, max_steps=3).fit(piped, loader(TokenDataset(12), 4))
+    assert reference.ema != 0 and torch.allclose(piped.ema, reference.ema, rtol=1e-5)
+
+
+def test_a_python_attribute_changed_in_forward_is_named():
+    torch.manual_seed(0)
+    model = _WritesInForward("calls")
+    with pytest.raises(CaptureError, match=r"forward assigns to the Python attribute \(it was 0\) 'calls'"):
+        trainer(MemoryPipeStrategy(chunks=4, planner=None), 2, max_steps=1).fit(model, loader(TokenDataset(8), 4))
+    assert model.calls == 0  # tracing's change undone
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_stage_clocks_are_read_only_at_steps_the_loggers_take(schedule, monkeypatch, tmp_path):
+    """Reading a clock waits for the device on CUDA (the events' elapsed time): a step that
+    logs nothing must not."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_pipe.measure import clock
+
+    reads = []
+    real = clock.elapsed_ms
+    monkeypatch.setattr(clock, "elapsed_ms", lambda *args: reads.append(1) or real(*args))
+
+    def fit(**kwargs):
+        reads.clear()
+        model, data = make("gpt")
+        trainer(MemoryPipeStrategy(chunks=2, schedule=schedule, planner=None), 2, max_steps=4, **kwargs).fit(
+            model, loader(data, 4)
+        )
+        return len(reads)
+
+    assert fit() == 0  # no logger
+    assert fit(logger=CSVLogger(tmp_path), log_every_n_steps=50) == 0  # a logger, no step it takes
+    assert fit(logger=CSVLogger(tmp_path), log_every_n_steps=1) > 0  # read where it logs

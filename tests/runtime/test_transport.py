@@ -15,9 +15,11 @@ def test_move_keeps_structure_and_identity_on_same_device():
 
 def test_copy_waits_for_the_producer_and_makes_the_consumer_wait(monkeypatch):
     """The stream protocol, on stand-in streams (the CPU's are no-ops, so this is the code a
-    GPU runs): the side stream waits for the producer's stream before the copy is queued on
-    it, the source is recorded on the side stream that reads it, the consumer's stream waits
-    for the copy, and the copy is recorded on the consumer's stream."""
+    GPU runs): the source's side stream waits for the producer's stream, the copy is queued
+    with the source's and the destination's side streams both current (a copy between GPUs
+    then waits for neither device's queued compute), the source is recorded on the side stream
+    that reads it, the consumer's stream waits for the copy, and the copy is recorded on the
+    consumer's stream."""
     log = []
 
     @contextmanager
@@ -34,12 +36,15 @@ def test_copy_waits_for_the_producer_and_makes_the_consumer_wait(monkeypatch):
     x = torch.randn(3, requires_grad=True)
     y = move(x, torch.device("meta"))  # a second device type a CPU-only build has
     assert y.device.type == "meta" and y.requires_grad
-    assert log == [  # the side stream is the CUDA device's: here the target's
-        ("wait", "meta side", "cpu compute"),
+    assert log == [
+        ("wait", "cpu side", "cpu compute"),
+        ("use", "cpu side"),
         ("use", "meta side"),
         ("done", "meta side"),
-        ("record", x, "meta side"),
+        ("done", "cpu side"),
+        ("record", x, "cpu side"),
         ("wait", "meta compute", "meta side"),
+        ("wait", "meta compute", "cpu side"),
         ("record", y, "meta compute"),
     ]
 
