@@ -14,6 +14,7 @@ last stage logs and returns goes to every rank of its pipeline, so the progress 
 loggers and ``ModelCheckpoint(monitor=...)`` see it everywhere.
 """
 
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -725,11 +726,31 @@ class DistributedEngine(Engine):
         gloo's "Connection closed by peer"), and end the processes this one launched (for any
         Trainer's strategy: a later Trainer in the same script launches none): one may be
         blocked on a rank that never answers."""
+        waited = self._waited_for(exception)
+        if waited is not None and isinstance(exception, RuntimeError):  # as add_note would, on Python 3.10
+            exception.args = (f"{waited}\n{exception}",)
         first = _first_failure(self.global_rank, exception)
-        if first is not None and isinstance(exception, RuntimeError):  # as add_note would, on Python 3.10
+        if first is not None and isinstance(exception, RuntimeError):
             exception.args = (f"{exception}\n{first}",)
         for launcher in _LAUNCHERS:
             launcher.kill(_get_sigkill_signal())
+
+    def _waited_for(self, exception: BaseException) -> str | None:
+        """For a wait that timed out: this rank, the operation, and the ranks of its pipeline it
+        waits on (its stages' neighbours: a schedule talks only to adjacent stages)."""
+        text = str(exception)
+        coordinate = self._mesh.get_coordinate() if self._mesh is not None else None
+        if "timed out" not in text.lower() or coordinate is None or self._mesh is None:
+            return None
+        position, replica = coordinate
+        ranks, replicas = self._mesh.size(0), self._mesh.size(1)
+        peers = [str(q * replicas + replica) for q in (position - 1, position + 1) if 0 <= q < ranks]
+        operation = re.search(r"for (\w+) operation", text)
+        return (
+            f"rank {self.global_rank} (pipeline rank {position} of {ranks}, replica {replica}) timed out after "
+            f"{self.options.timeout} waiting{' in ' + operation.group(1) if operation else ''} on a rank of its "
+            f"pipeline that never answered: rank {' or '.join(peers)}"
+        )
 
     def teardown(self, lightning_teardown: Callable[[], None]) -> None:
         strategy = self.strategy

@@ -11,6 +11,7 @@ import contextlib
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -222,6 +223,12 @@ def test_a_rank_that_never_answers_ends_every_rank_after_the_timeout(four_ranks)
     # rank 2 waits for rank 3's gradients (timeout=5 s), ranks 1 and 0 for rank 2; then rank 0,
     # or Lightning's launcher, ends the sleeping rank 3
     assert "Timed out waiting 5000ms" in four_ranks.result.stderr, four_ranks.result.stderr[-3000:]
+    # the waiting rank names itself, the operation and the ranks it waits on (its pipeline's neighbours)
+    named = re.findall(r"rank (\d) \(pipeline rank (\d) of 4, replica 0\) timed out after 0:00:05 waiting in (\w+) on "
+                       r"a rank of its pipeline that never answered: rank (\d)(?: or (\d))?", four_ranks.result.stderr)
+    assert named, four_ranks.result.stderr[-3000:]
+    for rank, position, _, *peers in named:
+        assert rank == position and {int(p) for p in peers if p} <= {int(rank) - 1, int(rank) + 1}
     assert four_ranks.seconds_since("hang") < 45  # rank 3 sleeps an hour
 
 
