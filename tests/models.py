@@ -5,6 +5,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torchmetrics import MeanSquaredError
 from torchmetrics.classification import MulticlassAccuracy
@@ -167,3 +168,29 @@ class Denoiser(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class HookRecorder(Callback):
+    """Records the training hooks in the order they run: name, global step, batch index where
+    the hook has one, and the loss ``on_before_backward`` sees."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.calls.append(("on_train_batch_start", trainer.global_step, batch_idx))
+
+    def on_before_zero_grad(self, trainer, module, optimizer):
+        self.calls.append(("on_before_zero_grad", trainer.global_step))
+
+    def on_before_backward(self, trainer, module, loss):
+        self.calls.append(("on_before_backward", trainer.global_step, round(float(loss), 5)))
+
+    def on_after_backward(self, trainer, module):
+        self.calls.append(("on_after_backward", trainer.global_step))
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.calls.append(("on_before_optimizer_step", trainer.global_step, optimizer.param_groups[0]["lr"]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.calls.append(("on_train_batch_end", trainer.global_step, batch_idx, round(float(outputs["loss"]), 5)))

@@ -7,7 +7,7 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 A scenario is ``family:schedule:stages[:metered][:features][:vN]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
-``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``features``, ``sharded``,
+``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``hooks``, ``features``, ``sharded``,
 ``exported``, ``indivisible``, ``raise`` or ``hang``
 (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
 ``raise`` and ``hang``: each comes last. Every object collective fails on a tensor that is not a CPU copy.
@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from examples.models import ImageDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
-from tests.models import Denoiser, MetricUNet, make
+from tests.models import Denoiser, HookRecorder, MetricUNet, make
 
 BATCH, CHUNKS = 8, 4
 METRIC_STEPS = 4  # the metrics scenario validates every two steps
@@ -321,6 +321,20 @@ for _name, _payload in [("broadcast_object_list", "object_list"), ("all_gather_o
     setattr(dist, _name, _host_only(getattr(dist, _name), _payload))
 
 
+def hooks(out: Path, devices: int) -> None:
+    """The training hooks of four steps of the GPT under 1F1B, accumulating two batches a step,
+    clipping by norm and decaying the learning rate; every rank saves them in order."""
+    model, data = make("gpt")
+    with_scheduler(model)
+    recorder = HookRecorder()
+    strategy = MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner=None)
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, accumulate_grad_batches=2,
+                      gradient_clip_val=0.05, callbacks=[recorder], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(model, loader(data, BATCH))
+    (out / f"hooks-rank{trainer.global_rank}.json").write_text(json.dumps(recorder.calls))
+
+
 def indivisible(out: Path, devices: int) -> None:
     """Three stages asked of the processes (a depth that does not divide them): the start time
     is saved, then every rank fails."""
@@ -332,7 +346,8 @@ def indivisible(out: Path, devices: int) -> None:
     trainer.fit(model, loader(data, BATCH))
 
 
-SCENARIOS = {"indivisible": indivisible, "features": features, "sharded": sharded, "empty": empty, "exported": exported,
+SCENARIOS = {"hooks": hooks, "indivisible": indivisible, "features": features, "sharded": sharded, "empty": empty,
+             "exported": exported,
              "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
 

@@ -112,8 +112,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    scenarios = [str(STEPS), *PP2, *DENOISER_PP2, str(METRIC_STEPS), "metrics:gpipe:2", "features", "sharded", "empty",
-                 "exported"]
+    scenarios = [str(STEPS), *PP2, *DENOISER_PP2, str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded",
+                 "empty", "exported"]
     return _launch(tmp_path_factory.mktemp("two_ranks"), 2, *scenarios)
 
 
@@ -511,3 +511,15 @@ def test_a_step_drawing_noise_before_self_means_the_same_on_every_stage_at_pp4_a
 def test_a_step_drawing_noise_before_self_means_the_same_on_every_stage_at_pp2(two_ranks):
     for config in DENOISER_PP2:
         _check_denoiser(two_ranks, 2, config)
+
+
+@pytest.mark.slow
+def test_hooks_run_in_lightnings_order_with_its_values_on_every_rank(two_ranks):
+    """Every rank, every value: on_before_backward runs once the schedule has run, with the
+    batch's loss as Lightning gives it (the one-process 1F1B runs it before the first
+    micro-batch's backward, with that micro-batch's loss; tests/lightning/test_strategy.py)."""
+    from tests.lightning.test_strategy import _hooks
+
+    expected = [list(call) for call in _hooks()]
+    for rank in range(2):
+        assert json.loads(two_ranks.path(f"hooks-rank{rank}.json").read_text()) == expected, rank

@@ -396,3 +396,36 @@ def test_the_stage_clocks_are_read_only_at_steps_the_loggers_take(schedule, monk
     assert fit() == 0  # no logger
     assert fit(logger=CSVLogger(tmp_path), log_every_n_steps=50) == 0  # a logger, no step it takes
     assert fit(logger=CSVLogger(tmp_path), log_every_n_steps=1) > 0  # read where it logs
+
+
+def _hooks(strategy="auto", devices=1):
+    """The hooks of four steps of the GPT, accumulating two batches a step, clipping by norm and
+    decaying the learning rate every step."""
+    from tests.lightning.distributed_fit import with_scheduler
+    from tests.models import HookRecorder
+
+    model, data = make("gpt")
+    with_scheduler(model)
+    recorder = HookRecorder()
+    trainer(strategy, devices, max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.05,
+            callbacks=[recorder]).fit(model, loader(data, 8))
+    return recorder.calls
+
+
+def without_backward_loss(calls):
+    """The hooks with the loss on_before_backward saw left out: a schedule that runs backward
+    per micro-batch calls it before the first one's backward, with that micro-batch's loss."""
+    return [call[:2] if call[0] == "on_before_backward" else call for call in calls]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
+def test_hooks_run_in_lightnings_order_with_its_values(schedule):
+    expected, hooks = _hooks(), _hooks(MemoryPipeStrategy(chunks=4, schedule=schedule, planner=None), 2)
+    if schedule == "gpipe":  # Lightning's own backward: every value as on one device
+        assert hooks == expected
+    elif schedule == "1f1b":  # the losses of on_train_batch_end are the batch's, as on one device
+        assert without_backward_loss(hooks) == without_backward_loss(expected)
+    else:  # 2BW's gradients are the stale weights': the order, the steps and the learning rates are Lightning's
+        assert [call[:2] for call in hooks] == [call[:2] for call in expected]
+        assert [c for c in hooks if c[0] == "on_before_optimizer_step"] == [
+            c for c in expected if c[0] == "on_before_optimizer_step"]
