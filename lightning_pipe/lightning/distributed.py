@@ -56,8 +56,14 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import batch_size, gather, scatter
-from lightning_pipe.graph.variants import Variants, follow_balance, in_mode
-from lightning_pipe.lightning.engine import Engine, check_buffer_writes, policies_of, state_to_param_devices
+from lightning_pipe.graph.variants import Inputs, Variants, follow_balance, in_mode
+from lightning_pipe.lightning.engine import (
+    Engine,
+    check_buffer_writes,
+    device_memory,
+    policies_of,
+    state_to_param_devices,
+)
 from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector, silenced
 from lightning_pipe.lightning.options import PipeOptions
@@ -97,7 +103,7 @@ class DistributedEngine(Engine):
         self._planned = False  # the pipeline is the training one (else provisional, for evaluation)
         self._serve: Any = None  # what self(...) returns on the last stage
         self._mode: str | None = None  # "probe" or "serve" while a user step runs
-        self._probed: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._probed: Inputs | None = None
         self._step_loss: Callable[[Any, Tensor], Tensor] | None = None  # the running step's loss function
         self._sharded_from: Path | None = None  # a sharded checkpoint being resumed
         self._optimizers_from: Path | None = None  # ... whose optimizer state waits for the pipeline
@@ -262,7 +268,7 @@ class DistributedEngine(Engine):
         if self.pipe is not None and (self._planned or not training):
             return self.pipe
         module = self.module
-        args, kwargs = self._forward_inputs(hook, batch, batch_idx)
+        ((args, kwargs),) = self._forward_calls(hook, [batch], batch_idx, self._calls)
         self._graphs = self._graphs or Variants(module, self.options.leaf_modules)
         captured = self._graphs.training_graph((args, kwargs))
         check_buffer_writes(captured, module, self.options.chunks)  # on every rank, before any collective
@@ -352,9 +358,8 @@ class DistributedEngine(Engine):
     def _stage_capacities(self, stages: int) -> list[int]:
         limits = self.options.memory_limit
         if limits is None:
-            device = self.root_device
-            total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-                     else _host_memory() // max(1, self.num_processes))
+            device = self.root_device  # the host's RAM is shared by the processes on it
+            total = device_memory(device) // (1 if device.type == "cuda" else max(1, self.num_processes))
             return [total] * stages
         if len(limits) not in (1, stages):
             raise ValueError(f"memory_limit has {len(limits)} entries for {stages} stages; give one or one per stage.")
@@ -377,20 +382,26 @@ class DistributedEngine(Engine):
             "Call self(...) exactly once there."
         )
 
-    def _forward_inputs(self, hook: str, batch: Any, batch_idx: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The arguments the user's step passes to ``self(...)``: it runs up to that call, nothing
-        logged and no metric updated."""
-        self._mode, self._probed = "probe", None
-        try:
-            with torch.no_grad(), silenced(self.module):
-                getattr(self.module, hook)(batch, batch_idx)
-        except _Probed:
-            pass
-        finally:
-            self._mode = None
-        if self._probed is None:
-            raise RuntimeError(NO_FORWARD.format(hook=hook))
-        return self._probed
+    def _forward_calls(self, hook: str, batches: list[Any], batch_idx: int, turn: int) -> list[Inputs]:
+        """The arguments ``hook`` passes to ``self(...)`` for each of ``batches``: it runs up to
+        that call, batch ``i`` under the random state of micro-batch ``i`` of step ``turn``
+        (:meth:`_seeded`), without gradients, nothing logged and no metric updated (the
+        metrics copied once for all the batches)."""
+        calls: list[Inputs] = []
+        with torch.no_grad(), silenced(self.module):
+            for i, batch in enumerate(batches):
+                self._mode, self._probed = "probe", None
+                try:
+                    with self._seeded(turn, i):
+                        getattr(self.module, hook)(batch, batch_idx)
+                except _Probed:
+                    pass
+                finally:
+                    self._mode = None
+                if self._probed is None:
+                    raise RuntimeError(NO_FORWARD.format(hook=hook))
+                calls.append(self._probed)
+        return calls
 
     @contextmanager
     def _seeded(self, call: int, microbatch: int) -> Iterator[None]:
@@ -412,16 +423,14 @@ class DistributedEngine(Engine):
         pipe = self.pipe
         assert pipe is not None and self._graphs is not None
         bound = []
-        for i, microbatch in enumerate(microbatches):
-            with self._seeded(turn, i):
-                call = self._forward_inputs(hook, microbatch, batch_idx)
-            if self._graphs.known(call) is not self._pipe_graph:
+        for inputs in self._forward_calls(hook, microbatches, batch_idx, turn):
+            if self._graphs.known(inputs) is not self._pipe_graph:
                 raise RuntimeError(
                     f"{hook} called self(...) with arguments the captured graph does not admit (torch.export "
                     f"specialised it to the first step's non-tensor arguments), and under runtime='distributed' no "
                     f"rank holds the whole model to capture another. Pass a value that changes as a tensor."
                 )
-            bound.append(pipe.modules[0].program.bind(*call))
+            bound.append(pipe.modules[0].program.bind(*inputs))
         constants = {name: value for name, value in bound[0].items() if not _has_tensor(value)}
         for name, value in constants.items():
             others = [b[name] for b in bound[1:] if b[name] != value]
@@ -523,8 +532,7 @@ class DistributedEngine(Engine):
         count = len(scatter(batch, self.options.chunks))
         turn = self._calls
         self._calls += 1
-        with self._seeded(turn, 0):
-            forward_args, forward_kwargs = self._forward_inputs(hook, batch, batch_idx)
+        ((forward_args, forward_kwargs),) = self._forward_calls(hook, [batch], batch_idx, turn)
         runners = self._runners_for(pipe, forward_args, forward_kwargs)
         inputs = runners[0].program.bind(forward_args, forward_kwargs)
         microbatches = scatter(inputs, count) if pipe.is_first else None
@@ -658,7 +666,7 @@ class DistributedEngine(Engine):
             return None
         return load_meta(path)
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool) -> bool:
         if self.pipe is None and has_meta(self.module):  # nothing to load into yet (restored before setup)
             self._deferred = (None if self._sharded_from else checkpoint["state_dict"], None)
         elif self._sharded_from is not None:  # every tensor before the first batch, then the held ones
@@ -668,6 +676,7 @@ class DistributedEngine(Engine):
             self.module.load_state_dict(checkpoint["state_dict"], strict=strict)
         else:
             self.pipe.load_state_dict(checkpoint["state_dict"])
+        return True
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._deferred is not None and self._sharded_from is None:
@@ -861,7 +870,6 @@ class _MetricState:
 def _recording(module: LightningModule, logged: Logged) -> Iterator[None]:
     """Log as usual, and keep each call (a ``Metric`` as its state) to replay elsewhere."""
     log = module.log
-    paths = {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
 
     def recording(name: str, value: Any, **kwargs: Any) -> None:
         log(name, value, **kwargs)
@@ -872,7 +880,10 @@ def _recording(module: LightningModule, logged: Logged) -> Iterator[None]:
         yield
     finally:
         del module.log
-    for k, (name, value, kwargs) in enumerate(logged):  # the states once the hook has updated them all
+    paths = {}  # the states once the hook has updated them all, of the metrics logged
+    if any(isinstance(value, Metric) for _, value, _ in logged):
+        paths = {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
+    for k, (name, value, kwargs) in enumerate(logged):
         if isinstance(value, Metric) and id(value) in paths:
             value = _MetricState(paths[id(value)], to_host(value.metric_state), value._update_count,
                                  to_host(value._forward_cache))
@@ -894,12 +905,6 @@ def _replay(module: LightningModule, logged: Logged) -> None:
 
 def _has_tensor(value: Any) -> bool:
     return any(isinstance(leaf, Tensor) for leaf in tree_flatten(value)[0])
-
-
-def _host_memory() -> int:
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @contextmanager

@@ -9,6 +9,7 @@ gathers or shards their state for checkpoints, and says which processes and devi
 The defaults here are one process's.
 """
 
+import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, cast
@@ -29,7 +30,7 @@ from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.runtime.build import Policy
 
-__all__ = ["Engine", "check_buffer_writes", "policies_of", "state_to_param_devices"]
+__all__ = ["Engine", "check_buffer_writes", "device_memory", "policies_of", "state_to_param_devices"]
 
 
 class Engine:
@@ -145,11 +146,13 @@ class Engine:
 
     # --- state ---------------------------------------------------------------------------
 
-    def module_state_dict(self) -> dict[str, Any]:
-        return self.module.state_dict()
+    def module_state_dict(self) -> dict[str, Any] | None:
+        """The module's state for a checkpoint; ``None``: Lightning's own."""
+        return None
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any] | None:
+        """An optimizer's state for a checkpoint; ``None``: Lightning's own."""
+        return None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH) -> bool:
         """Write ``checkpoint`` where Lightning's own writing does not fit; whether it did."""
@@ -159,8 +162,9 @@ class Engine:
         """Read a checkpoint Lightning's own reading cannot; ``None``: Lightning reads it."""
         return None
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
-        self.module.load_state_dict(checkpoint["state_dict"], strict=strict)
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool) -> bool:
+        """Load the module's state where Lightning's own loading does not fit; whether it did."""
+        return False
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
@@ -201,6 +205,13 @@ class Engine:
     def memory_summary(self) -> str:
         """Metered bytes per stage now and at peak, by kind."""
         raise NotImplementedError
+
+
+def device_memory(device: torch.device) -> int:
+    """A device's memory in bytes: a GPU's capacity, the host's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_buffer_writes(captured: Captured, module: nn.Module, chunks: int) -> None:

@@ -7,7 +7,6 @@ order (:mod:`.steps`). With a planner, the first training batch profiles one mic
 (``_probe``), plans, checks the plan by a fake training step (:mod:`.check`) and splits again.
 """
 
-import os
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from functools import partial
@@ -26,7 +25,13 @@ from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.graph.shapes import Shapes, batch_shapes, grown, largest, show, tile
 from lightning_pipe.graph.variants import Variants, follow_balance
 from lightning_pipe.lightning.check import UncheckableStepError, fake_peaks
-from lightning_pipe.lightning.engine import Engine, check_buffer_writes, policies_of, state_to_param_devices
+from lightning_pipe.lightning.engine import (
+    Engine,
+    check_buffer_writes,
+    device_memory,
+    policies_of,
+    state_to_param_devices,
+)
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.microlog import silenced
 from lightning_pipe.lightning.options import PipeOptions
@@ -279,7 +284,8 @@ class LocalEngine(Engine):
         re-split to the plan."""
         assert self.options.planner is not None and self.parallel_devices and self.captured and self.profile
         devices = list(self.parallel_devices)
-        capacities = self._capacities() or _device_capacities(devices)
+        # each device's memory shared by the stages placed on it
+        capacities = self._capacities() or [device_memory(d) // devices.count(d) for d in devices]
         o, planner = self.options, self.options.planner
         assert planner is not None
         settings = (planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth)
@@ -452,14 +458,3 @@ def _probe_backward(loss: Any, output: Any) -> None:
 
 def _tensor_bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, Tensor))
-
-
-def _device_capacities(devices: list[torch.device]) -> list[int]:
-    """Each device's memory, shared evenly by the stages placed on it."""
-    total = {}
-    for device in set(devices):
-        if device.type == "cuda":
-            total[device] = torch.cuda.get_device_properties(device).total_memory
-        else:
-            total[device] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return [total[d] // devices.count(d) for d in devices]

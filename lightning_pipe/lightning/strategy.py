@@ -342,11 +342,13 @@ class MemoryPipeStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The plain module's ``state_dict`` keys, whatever the split."""
-        return self.engine.module_state_dict()
+        state = self.engine.module_state_dict()
+        return super().lightning_module_state_dict() if state is None else state
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self.engine.optimizer_state(optimizer)
+        state = self.engine.optimizer_state(optimizer)
+        return super().optimizer_state(optimizer) if state is None else state
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -360,7 +362,8 @@ class MemoryPipeStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.engine.load_model_state_dict(checkpoint, strict)
+        if not self.engine.load_model_state_dict(checkpoint, strict):
+            super().load_model_state_dict(checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
