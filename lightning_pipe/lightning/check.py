@@ -57,9 +57,16 @@ def fake_peaks(
             except NotImplementedError as error:  # an operator without a meta kernel
                 raise UncheckableStepError(f"an operator cannot run on fake tensors: {error}") from error
             except RuntimeError as error:
-                if "meta tensors" not in str(error):
-                    raise
-                raise UncheckableStepError(f"training_step reads a tensor's value: {error}") from error
+                text = str(error)
+                if "meta tensors" in text:
+                    raise UncheckableStepError(f"training_step reads a tensor's value: {error}") from error
+                if "meta" in text and ("expected device" in text or "same device" in text):
+                    # a tensor the step made on a fixed device, met with the batch's
+                    raise UncheckableStepError(
+                        f"training_step makes tensors on a fixed device, not the batch's (torch.rand(shape) rather "
+                        f"than torch.rand_like(x) or device=x.device): {error}"
+                    ) from error
+                raise
         return cast(Tensor, returned["loss"] if isinstance(returned, Mapping) else returned)
 
     shapes = tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x, batch)

@@ -217,6 +217,26 @@ class ReadsItsLoss(WithOptimizer):
         return loss
 
 
+class DrawsOnTheCPU(WithOptimizer):
+    """Masks tokens at random with a mask it makes on the CPU (``torch.rand(shape)``), not on
+    the batch's device: it trains on the CPU, but meets the check's meta batch."""
+
+    def training_step(self, batch, batch_idx):
+        keep = torch.rand(batch["input_ids"].shape) > 0.15
+        masked = {**batch, "input_ids": torch.where(keep, batch["input_ids"], torch.zeros_like(batch["input_ids"]))}
+        return super().training_step(masked, batch_idx)
+
+
+@pytest.mark.slow
+def test_a_step_that_makes_tensors_on_a_fixed_device_is_named_once_and_planned_by_the_flat_margin():
+    _, ample, _ = _checked_fit(OPTIMIZERS["adamw"])
+    limits = [int(s.peak.total / 0.97) for s in ample.plan.stages]
+    checks, strategy, unchecked = _checked_fit(OPTIMIZERS["adamw"], limits, model=DrawsOnTheCPU)
+    assert not checks and len(unchecked) == 1
+    assert "training_step makes tensors on a fixed device" in unchecked[0]
+    assert all(s.peak.total * (1 + PREDICTION_ERROR) <= limit for s, limit in zip(strategy.plan.stages, limits))
+
+
 @pytest.mark.slow
 def test_a_step_that_reads_a_value_is_named_once_and_planned_by_the_flat_margin():
     _, ample, _ = _checked_fit(OPTIMIZERS["adamw"])
