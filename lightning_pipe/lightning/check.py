@@ -14,18 +14,21 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
 from lightning_pipe.graph.capture import Captured
+from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.lightning.microlog import silenced
 from lightning_pipe.measure.optimizers import rebuild
 from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.schedule import Schedule
 from lightning_pipe.runtime.build import Policy
-from lightning_pipe.runtime.fake import fake_training, meta_copy
+from lightning_pipe.runtime.distributed import DistributedSchedule
+from lightning_pipe.runtime.fake import fake_rank_training, fake_training, meta_copy
 
-__all__ = ["UncheckableStepError", "fake_peaks"]
+__all__ = ["UncheckableStepError", "fake_peaks", "fake_rank_peak"]
 
 
 class UncheckableStepError(Exception):
@@ -51,25 +54,9 @@ def fake_peaks(
 
     def step(forward: Any, microbatch: Any) -> Tensor:
         replica.forward = forward  # type: ignore[method-assign]
-        with precision.train_step_context():
-            try:
-                returned = replica.training_step(microbatch, batch_idx)
-            except NotImplementedError as error:  # an operator without a meta kernel
-                raise UncheckableStepError(f"an operator cannot run on fake tensors: {error}") from error
-            except RuntimeError as error:
-                text = str(error)
-                if "meta tensors" in text:
-                    raise UncheckableStepError(f"training_step reads a tensor's value: {error}") from error
-                if "meta" in text and ("expected device" in text or "same device" in text):
-                    # a tensor the step made on a fixed device, met with the batch's
-                    raise UncheckableStepError(
-                        f"training_step makes tensors on a fixed device, not the batch's (torch.rand(shape) rather "
-                        f"than torch.rand_like(x) or device=x.device): {error}"
-                    ) from error
-                raise
-        return cast(Tensor, returned["loss"] if isinstance(returned, Mapping) else returned)
+        return _user_step(replica, precision, microbatch, batch_idx)
 
-    shapes = tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x, batch)
+    shapes = _on_meta(batch)
     # CPU autocast casts fake tensors standing on the CPU, not meta ones
     autocast = isinstance(precision, MixedPrecision) and precision.device == "cpu"
     with silenced(replica), torch.random.fork_rng(devices=[]):
@@ -77,6 +64,64 @@ def fake_peaks(
                               schedule=cast(Schedule, plan.schedule), chunks=plan.chunks,
                               tensors="cpu" if autocast else "meta")
     return meter.peaks()
+
+
+def fake_rank_peak(
+    module: LightningModule,
+    captured: Captured,
+    batch: Any,
+    batch_idx: int,
+    arguments: tuple[tuple[Any, ...], dict[str, Any]],
+    optimizer: torch.optim.Optimizer | None,
+    precision: Precision,
+    plan: Plan,
+    mesh: DeviceMesh,
+) -> int:
+    """This rank's metered peak when ``plan`` trains ``module`` under ``runtime="distributed"``
+    on batches shaped as ``batch`` (``arguments``: the forward's, for the whole batch), on
+    ``mesh`` (a :func:`~lightning_pipe.runtime.distributed.silent_mesh`): the user's step runs
+    on the last rank per micro-batch, as in training."""
+    replica, graph = _replica(module, captured)
+    twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(replica.parameters(), lr=0.0)
+    _inert_metrics(replica)
+    microbatches = scatter(_on_meta(batch), plan.chunks)
+
+    def loss(output: Any, i: int) -> Tensor:
+        replica.forward = lambda *args, **kwargs: output  # type: ignore[method-assign]
+        return _user_step(replica, precision, microbatches[i], batch_idx)
+
+    policies = {n.name: cast(Policy, p) for n, p in zip(graph.nodes, plan.policies) if p != "keep"}
+    with silenced(replica), torch.random.fork_rng(devices=[]):
+        meter = fake_rank_training(replica, graph, _on_meta(arguments), loss, twin, plan.balance, policies,
+                                   mesh, schedule=cast(DistributedSchedule, plan.schedule),
+                                   chunks=plan.chunks)
+    return meter.stages[0].peak
+
+
+def _on_meta(value: Any) -> Any:
+    return tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x, value)
+
+
+def _user_step(replica: LightningModule, precision: Precision, microbatch: Any, batch_idx: int) -> Tensor:
+    """The loss ``replica.training_step`` returns on fake tensors; what keeps it from running
+    there, as :class:`UncheckableStepError`."""
+    with precision.train_step_context():
+        try:
+            returned = replica.training_step(microbatch, batch_idx)
+        except NotImplementedError as error:  # an operator without a meta kernel
+            raise UncheckableStepError(f"an operator cannot run on fake tensors: {error}") from error
+        except RuntimeError as error:
+            text = str(error)
+            if "meta tensors" in text:
+                raise UncheckableStepError(f"training_step reads a tensor's value: {error}") from error
+            if "meta" in text and ("expected device" in text or "same device" in text):
+                # a tensor the step made on a fixed device, met with the batch's
+                raise UncheckableStepError(
+                    f"training_step makes tensors on a fixed device, not the batch's (torch.rand(shape) rather "
+                    f"than torch.rand_like(x) or device=x.device): {error}"
+                ) from error
+            raise
+    return cast(Tensor, returned["loss"] if isinstance(returned, Mapping) else returned)
 
 
 def _replica(module: LightningModule, captured: Captured) -> tuple[LightningModule, Captured]:

@@ -17,7 +17,7 @@ loggers and ``ModelCheckpoint(monitor=...)`` see it everywhere.
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -45,7 +45,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -57,6 +57,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import batch_size, gather, scatter
 from lightning_pipe.graph.variants import Inputs, Variants, follow_balance, in_mode
+from lightning_pipe.lightning.check import UncheckableStepError, fake_rank_peak
 from lightning_pipe.lightning.engine import (
     Engine,
     check_buffer_writes,
@@ -67,13 +68,15 @@ from lightning_pipe.lightning.engine import (
 from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector, silenced
 from lightning_pipe.lightning.options import PipeOptions
+from lightning_pipe.lightning.probe import probe_step
 from lightning_pipe.lightning.sharded import is_sharded, load_meta, load_optimizer, load_tensors, save_sharded
 from lightning_pipe.lightning.steps import NO_FORWARD, _loss_of
 from lightning_pipe.measure.clock import StageClock
-from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.measure.meter import MemoryMeter, learn_workspaces, observed_workspaces
 from lightning_pipe.measure.profiler import device_spec, profile_graph
 from lightning_pipe.plan.balance import balance_by_weight
-from lightning_pipe.plan.plan import PLANNING_HEADROOM, make_plan
+from lightning_pipe.plan.headroom import checked, flat
+from lightning_pipe.plan.plan import PREDICTION_ERROR, Plan, make_plan
 from lightning_pipe.plan.schedule import actions
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
@@ -82,6 +85,7 @@ from lightning_pipe.runtime.distributed import (
     StageRunner,
     cuts,
     pipeline_mesh,
+    silent_mesh,
     to_device,
     to_host,
 )
@@ -101,8 +105,8 @@ class DistributedEngine(Engine):
         self._mesh: DeviceMesh | None = None
         self.pipe: DistributedPipeline | None = None
         self._planned = False  # the pipeline is the training one (else provisional, for evaluation)
-        self._serve: Any = None  # what self(...) returns on the last stage
-        self._mode: str | None = None  # "probe" or "serve" while a user step runs
+        self._serve: Any = None  # what self(...) returns on the last stage (planning: the profiler)
+        self._mode: str | None = None  # "probe", "serve" or "profile" while a user step runs
         self._probed: Inputs | None = None
         self._step_loss: Callable[[Any, Tensor], Tensor] | None = None  # the running step's loss function
         self._sharded_from: Path | None = None  # a sharded checkpoint being resumed
@@ -118,6 +122,10 @@ class DistributedEngine(Engine):
         self._partial_state: RemovableHandle | None = None  # warns of a module read after training
         self._seed = 0  # global rank 0's: the random states of the user's steps derive from it (_seeded)
         self._calls = 0  # the user's steps run so far, the same count on every rank
+        self._silent: DeviceMesh | None = None  # the mesh of fake steps checking a plan (silent_mesh)
+        self._warned_unchecked = False
+        self._checked_peaks: list[int] | None = None  # per pipeline rank, of the plan's last check
+        self._metering = ExitStack()  # the meter, entered while the pipeline it meters trains
 
     # --- ranks and processes, as Lightning's multi-process strategies ---------------------
 
@@ -276,23 +284,13 @@ class DistributedEngine(Engine):
         _check_balance_entries(self.options.balance, self.num_stages, self.options.virtual_stages)
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
+        planning = training and self.options.planner is not None and self.options.balance is None
+        plan = self._plan(captured, batch, batch_idx, (args, kwargs)) if planning else None
         box: list[Any] = [None]
         if self.global_rank == 0:
             sample = scatter((args, kwargs), self.options.chunks)[0]
             if self._empty:  # shapes are all a model without storage can give
                 sample = tree_map(lambda x: x.to("meta") if isinstance(x, Tensor) else x, sample)
-            plan = None
-            planner = self.options.planner
-            if training and planner is not None and self.options.balance is None:
-                optimizer = self.optimizers[0] if self.optimizers else None
-                with torch.enable_grad():  # fake tensors (times from a roofline) for a model without storage
-                    self.profile = profile_graph(captured, *sample, optimizer=optimizer, fake=self._empty,
-                                                 device=device_spec(self.root_device))
-                o = self.options
-                capacity = [c // o.virtual_stages for c in self._stage_capacities(self.num_stages)]
-                capacity = [capacity[s % self.num_stages] for s in range(stages)]
-                plan = make_plan(self.profile, [int(c * PLANNING_HEADROOM) for c in capacity], planner,
-                                 o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth, carry=True)
             balance = plan.balance if plan else self.options.balance or balance_by_weight(captured.param_bytes(),
                                                                                            stages)
             policies = policies_of(captured, plan) if plan else {}
@@ -316,11 +314,14 @@ class DistributedEngine(Engine):
         self._planned = final
         self._pipe_graph, self._runners = captured, {}
         self.clock = StageClock(1)  # this rank's stages as stage 0
+        self._metering.close()  # a provisional pipeline's
         self.meter = MemoryMeter(1) if self.options.measure_memory else None
         for stage in self.pipe.modules:
             stage.clock, stage.meter = self.clock, self.meter
-        if self.meter is not None:
+        if self.meter is not None:  # from here on, as the local engine meters: the optimizer step too
             self.meter.own(0, self.pipe.held)
+            self._metering.enter_context(self.meter)
+            self._metering.enter_context(self.meter.saved_tensors_hooks())
         if final:
             for optimizer in self.optimizers:  # state of tensors another rank holds
                 for param in [p for p in optimizer.state if p.numel() == 0 or p.is_meta]:
@@ -355,15 +356,140 @@ class DistributedEngine(Engine):
                 optimizer.load_state_dict(saved)
             self._deferred = None
 
-    def _stage_capacities(self, stages: int) -> list[int]:
+    def _stage_capacities(self) -> list[int]:
+        """Each stage's memory limit: ``memory_limit``, else the least memory any replica of
+        the stage's process has (``device_memory``; the host's RAM shared by the processes on
+        it), shared by the process's stages."""
+        stages = self.num_stages * self.options.virtual_stages
         limits = self.options.memory_limit
-        if limits is None:
-            device = self.root_device  # the host's RAM is shared by the processes on it
-            total = device_memory(device) // (1 if device.type == "cuda" else max(1, self.num_processes))
-            return [total] * stages
-        if len(limits) not in (1, stages):
+        if limits is not None and len(limits) not in (1, stages):
             raise ValueError(f"memory_limit has {len(limits)} entries for {stages} stages; give one or one per stage.")
-        return limits * stages if len(limits) == 1 else limits
+        if limits is not None:
+            return limits * stages if len(limits) == 1 else limits
+        device = self.root_device
+        mine = device_memory(device) // (1 if device.type == "cuda" else max(1, self.num_processes))
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        replicas = self.world_size // self.num_stages
+        process = [min(every[p * replicas : (p + 1) * replicas]) for p in range(self.num_stages)]
+        return [process[s % self.num_stages] // self.options.virtual_stages for s in range(stages)]
+
+    def _plan(
+        self, captured: Captured, batch: Any, batch_idx: int, arguments: Inputs
+    ) -> Plan | None:
+        """Global rank 0 profiles one micro-batch and plans; every rank checks each plan by a
+        fake training step of its own stages (:func:`~lightning_pipe.lightning.check.fake_rank_peak`),
+        and rank 0 plans again below the limits where a rank went over
+        (:func:`~lightning_pipe.plan.headroom.checked`). The plan on rank 0, ``None`` elsewhere."""
+        capacities = self._stage_capacities()
+        self._silent = self._silent or silent_mesh(self.num_stages, self.world_size // self.num_stages)
+        check = partial(self._check_rank, captured, batch, batch_idx, arguments)
+        if self.global_rank != 0:
+            while True:
+                box: list[Any] = [None]
+                dist.broadcast_object_list(box, src=0)
+                kind, value, workspaces = box[0]
+                if kind == "failed":
+                    raise RuntimeError(f"Global rank 0 could not plan: {value}")
+                if kind == "done":
+                    return None
+                learn_workspaces(workspaces)
+                self._gather_checks(check(value))
+        try:
+            plan = self._plan_on_rank_zero(captured, batch, batch_idx, arguments, capacities, check)
+        except BaseException as error:
+            dist.broadcast_object_list([("failed", f"{type(error).__name__}: {error}", None)], src=0)
+            raise
+        dist.broadcast_object_list([("done", None, None)], src=0)
+        return plan
+
+    def _plan_on_rank_zero(
+        self, captured: Captured, batch: Any, batch_idx: int, arguments: Inputs, capacities: list[int],
+        check: Callable[[Plan], int | str],
+    ) -> Plan:
+        optimizer = self.optimizers[0] if self.optimizers else None
+        device = device_spec(self.root_device)
+        if self._empty:  # no storage: the forward profiled on fake tensors (times from a roofline); the
+            # loss, which would meet real labels, is seen by the fake checks
+            sample = tree_map(lambda x: x.to("meta") if isinstance(x, Tensor) else x,
+                              scatter(arguments, self.options.chunks)[0])
+            with torch.enable_grad():
+                self.profile = profile_graph(captured, *sample, optimizer=optimizer, fake=True, device=device)
+        else:  # the first micro-batch's step, its self(...) answered by the profiler (probe_step)
+            meter, output = MemoryMeter(1), list[Any]()
+
+            def profiled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                with torch.enable_grad(), meter.running(None):
+                    self.profile = profile_graph(captured, args, kwargs, optimizer=optimizer, output=output,
+                                                 device=device)
+                return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, output[0])
+
+            self._mode, self._serve = "profile", profiled
+            try:
+                with self._seeded(self._calls, 0):
+                    step = probe_step(self.module, scatter(batch, self.options.chunks)[0], batch_idx, meter,
+                                      [self.root_device], lambda: output[0])
+            finally:
+                self._mode, self._serve = None, None
+            assert self.profile is not None, "the step called self(...) (_forward_calls)"
+            step.record(self.profile)
+        o = self.options
+        assert o.planner is not None
+        settings = (o.planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth)
+        profile = self.profile
+
+        def checked_on_every_rank(plan: Plan) -> list[int]:
+            # with the workspaces of the operators rank 0 ran for real: the fake steps charge them
+            dist.broadcast_object_list([("check", plan, observed_workspaces())], src=0)
+            return self._stage_peaks(plan, self._gather_checks(check(plan)))
+
+        # a check is one fake step on each rank at once: every plan is checked
+        return checked(lambda targets: make_plan(profile, targets, *settings, carry=True), capacities,
+                       checked_on_every_rank, always=True)
+
+    def _check_rank(
+        self, captured: Captured, batch: Any, batch_idx: int, arguments: Inputs, plan: Plan
+    ) -> int | str:
+        """This rank's peak when ``plan`` trains, from a fake training step; a reason where
+        the user's step cannot run on fake tensors."""
+        optimizer = self.optimizers[0] if self.optimizers else None
+        assert self._silent is not None
+        try:
+            return fake_rank_peak(self.module, captured, batch, batch_idx, arguments, optimizer,
+                                  self.precision_plugin, plan, self._silent)
+        except UncheckableStepError as error:
+            return str(error)
+
+    def _gather_checks(self, mine: int | str) -> list[int | str]:
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        return every
+
+    def _stage_peaks(self, plan: Plan, checks: list[int | str]) -> list[int]:
+        """Each stage's share of its process's checked peak, by the stages' predicted peaks
+        (the largest of its replicas'); where a rank could not check, the flat
+        headroom (:func:`~lightning_pipe.plan.headroom.flat`), said once."""
+        why = next((c for c in checks if isinstance(c, str)), None)
+        replicas = self.world_size // self.num_stages
+        self._checked_peaks = None if why else [
+            max(cast(list[int], checks[p * replicas : (p + 1) * replicas])) for p in range(self.num_stages)
+        ]
+        if why is not None:
+            if not self._warned_unchecked:
+                self._warned_unchecked = True
+                rank_zero_warn(
+                    f"MemoryPipeStrategy cannot check its plan by a training step on fake tensors ({why}); it plans "
+                    f"{PREDICTION_ERROR:.0%} below the memory limit instead, a margin measured on other models."
+                )
+            return flat(plan)
+        predicted, rank_peaks = [s.peak.total for s in plan.stages], self._checked_peaks
+        assert rank_peaks is not None
+        peaks = []
+        for s, stage in enumerate(predicted):
+            position = s % self.num_stages
+            mine = predicted[position :: self.num_stages]
+            peaks.append(round(rank_peaks[position] * stage / max(1, sum(mine))))
+        return peaks
 
     # --- the user's steps -------------------------------------------------------------------
 
@@ -376,6 +502,9 @@ class DistributedEngine(Engine):
         if self._mode == "serve":
             self._mode = None
             return self._serve
+        if self._mode == "profile":  # planning: the profiler runs the graph on these arguments
+            self._mode = None
+            return self._serve(args, kwargs)
         raise RuntimeError(
             "Under runtime='distributed' the module's forward runs through the pipeline only as the "
             "self(...) call of training_step, validation_step, test_step or predict_step, once per step. "
@@ -494,10 +623,7 @@ class DistributedEngine(Engine):
             inputs = gather(bound, self.root_device) if pipe.is_first else None
             _before_step(module, optimizer, batch_idx)
             self.clock.reset()
-            with ExitStack() as metering:
-                if self.meter is not None:
-                    for context in (self.meter, self.meter.saved_tensors_hooks(), self.meter.running(0)):
-                        metering.enter_context(context)
+            with self._running():
                 pipe.rank.train_step(inputs)
             logged: Logged = []
             if pipe.is_last:
@@ -510,10 +636,15 @@ class DistributedEngine(Engine):
         call._call_callback_hooks(module.trainer, "on_before_backward", loss / accumulate)
         call._call_lightning_module_hook(module.trainer, "on_before_backward", loss / accumulate)
         if self.stepping:
-            pipe.sync_gradients()
+            with self._running():
+                pipe.sync_gradients()
         call._call_callback_hooks(module.trainer, "on_after_backward")
         call._call_lightning_module_hook(module.trainer, "on_after_backward")
         return cast(Tensor, loss).to(self.root_device)
+
+    def _running(self) -> AbstractContextManager[None]:
+        """What is allocated inside is this rank's (its stages are the meter's stage 0)."""
+        return self.meter.running(0) if self.meter is not None else nullcontext()
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
         assert self._step_loss is not None, "the last stage computes losses only inside training_step"
@@ -600,6 +731,8 @@ class DistributedEngine(Engine):
             if self.plan is not None:  # the rank's stages' peaks added: they need not coincide
                 rank_stages = self.plan.stages[s :: self.num_stages]
                 metrics[f"pipe/stage{s}/predicted_peak_bytes"] = sum(stage.peak.total for stage in rank_stages)
+            if self._checked_peaks is not None:  # the fake step of the plan, on that rank
+                metrics[f"pipe/stage{s}/checked_peak_bytes"] = self._checked_peaks[s]
         if self.options.virtual_stages == 1:  # the simulator knows no interleaved schedule
             chunks = self.options.chunks
             times = [StageTime(p["forward_ms"] / chunks, p["backward_ms"] / chunks) for p in stages]
@@ -762,6 +895,9 @@ class DistributedEngine(Engine):
         )
 
     def teardown(self, lightning_teardown: Callable[[], None]) -> None:
+        self._metering.close()
+        if self.meter is not None:
+            self.meter.close()
         strategy = self.strategy
         module = strategy._lightning_module
         if module is not None and self.pipe is not None and self.pipe.released and self._partial_state is None:

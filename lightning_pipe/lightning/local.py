@@ -7,7 +7,7 @@ order (:mod:`.steps`). With a planner, the first training batch profiles one mic
 (``_probe``), plans, checks the plan by a fake training step (:mod:`.check`) and splits again.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
 from typing import Any
@@ -33,8 +33,8 @@ from lightning_pipe.lightning.engine import (
     state_to_param_devices,
 )
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
-from lightning_pipe.lightning.microlog import silenced
 from lightning_pipe.lightning.options import PipeOptions
+from lightning_pipe.lightning.probe import probe_step
 from lightning_pipe.lightning.steps import NO_FORWARD, ScheduledStep
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, not_charged
@@ -414,29 +414,18 @@ class LocalEngine(Engine):
         planning = self._needs_plan
         sample = scatter(batch, self.options.chunks)[0]
         self._probing, self._probe_meter = True, MemoryMeter(1)
-        meter = self._probe_meter
-        cuda = [d for d in self.parallel_devices or [] if d.type == "cuda"]
-        loss: Any = None
-        forward_peak = 0
         calls = self._forward_calls
+        step = None
         try:
-            with (
-                torch.random.fork_rng(cuda), torch.set_grad_enabled(planning), silenced(module), meter,
-                meter.saved_tensors_hooks(),
-            ):
-                returned = meter.run_as(0, partial(module.training_step, sample, batch_idx))
-                loss = returned["loss"] if isinstance(returned, Mapping) else returned
-                forward_peak = meter.stages[0].peak
-                meter.reset_peaks()
-                _probe_backward(loss, self._probe_output)
+            step = probe_step(module, sample, batch_idx, self._probe_meter, self.parallel_devices or [],
+                              lambda: self._probe_output, grad=planning)
         except _Probed:
             pass
         finally:
             self._probing, self._probe_output = False, None
         if planning and self.profile is not None and not self._needs_plan:
-            self.profile.batch_bytes = _tensor_bytes(sample)
-            self.profile.loss_bytes, self.profile.loss_backward_bytes = forward_peak, meter.stages[0].peak
-            self.profile.loss_kept_bytes = loss.untyped_storage().nbytes() if isinstance(loss, Tensor) else 0
+            assert step is not None, "a planning probe runs the whole step"
+            step.record(self.profile)
             self._plan(batch, batch_idx)
         if self._forward_calls == calls:
             raise RuntimeError(NO_FORWARD.format(hook="training_step"))
@@ -446,15 +435,3 @@ class LocalEngine(Engine):
 
 class _Probed(Exception):
     """Ends a probing ``training_step`` at its first ``self(...)`` (see ``_probe``)."""
-
-
-def _probe_backward(loss: Any, output: Any) -> None:
-    """Run the backward of the loss a probing ``training_step`` returned down to the graph's
-    ``output``, which the probe made a leaf (nothing when it returned no loss)."""
-    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
-    if isinstance(loss, Tensor) and loss.requires_grad and leaves:
-        torch.autograd.grad(loss, leaves, allow_unused=True)
-
-
-def _tensor_bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, Tensor))

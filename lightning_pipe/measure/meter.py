@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -32,7 +32,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_pipe.measure.meta import meta_call, on_meta
 
-__all__ = ["KINDS", "MemoryMeter", "StageMemory", "StageOutOfMemoryError", "not_charged"]
+__all__ = [
+    "KINDS", "MemoryMeter", "StageMemory", "StageOutOfMemoryError", "learn_workspaces", "not_charged",
+    "observed_workspaces",
+]
 
 #: What a stage's bytes are: parameters and buffers, their gradients, optimizer state,
 #: activations kept for backward, values on their way to another stage, and the rest
@@ -395,6 +398,27 @@ def _workspace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: l
     if key is not None:
         _WORKSPACE[key] = workspace
     return out, workspace
+
+
+def observed_workspaces() -> dict[Hashable, int]:
+    """The workspaces this process has observed, by signature, to send to another process
+    (an operator by its name): a fake run there charges what real calls here showed. Only
+    those of some bytes (a fake run counts none for an unknown signature), and none of an
+    operator on a process group (a collective's, which no fake run makes)."""
+    return {
+        (str(key[0]), *key[1:]): nbytes  # type: ignore[index]
+        for key, nbytes in _WORKSPACE.items()
+        if nbytes and not any(isinstance(x, torch.ScriptObject) for x in key)  # type: ignore[attr-defined]
+    }
+
+
+def learn_workspaces(observed: dict[Hashable, int]) -> None:
+    """Take the workspaces another process observed (:func:`observed_workspaces`)."""
+    for key, nbytes in observed.items():
+        name, *rest = cast(tuple[Any, ...], key)
+        namespace, op, overload = str(name).split(".")
+        func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
+        _WORKSPACE.setdefault((func, *rest), nbytes)
 
 
 def _observed(run: Callable[[], Any], cuda: bool) -> tuple[Any, int]:

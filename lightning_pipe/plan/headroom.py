@@ -35,12 +35,14 @@ ROUNDS = 6
 _STEP = 1e-4
 
 
-def checked(plan_for: Callable[[list[int]], Plan], limits: Sequence[int], check: Check) -> Plan:
+def checked(
+    plan_for: Callable[[list[int]], Plan], limits: Sequence[int], check: Check, *, always: bool = False
+) -> Plan:
     """The plan ``plan_for(targets)`` makes for the first targets whose plan fits ``limits``
     (bytes per stage) when ``check`` runs it: the limits themselves, then the limits less the
     largest under-prediction seen so far; where no plan fits those, less half as much
     (the error was one plan's: another split may be predicted better). A first plan within
-    the flat headroom is taken unchecked.
+    the flat headroom is taken unchecked, unless ``always``.
 
     Raises:
         InfeasiblePlanError: ``plan_for`` finds no plan at the limits, or none of
@@ -57,7 +59,7 @@ def checked(plan_for: Callable[[list[int]], Plan], limits: Sequence[int], check:
             error = (went_over + error) / 2
             continue
         predicted = [s.peak.total for s in plan.stages]
-        if not peaks and all(p <= limit * PLANNING_HEADROOM for p, limit in zip(predicted, limits)):
+        if not always and not peaks and all(p <= limit * PLANNING_HEADROOM for p, limit in zip(predicted, limits)):
             return plan  # the flat headroom covers it, and no error of this model says otherwise
         peaks = check(plan)
         if all(p <= limit for p, limit in zip(peaks, limits)):

@@ -38,7 +38,7 @@ from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, 
 
 __all__ = [
     "Cut", "DistributedPipeline", "DistributedSchedule", "PipelineRank", "StageModule", "StageRunner", "TensorMeta",
-    "cuts", "pipeline_mesh", "to_device", "to_host",
+    "cuts", "pipeline_mesh", "silent_mesh", "to_device", "to_host",
 ]
 
 DistributedSchedule = Literal["gpipe", "1f1b"]
@@ -174,11 +174,13 @@ class PipelineRank:
     schedule: InitVar[DistributedSchedule]
     chunks: int
     loss_fn: Callable[[Any, Tensor], Tensor]
+    fake: bool = False  # on a silent mesh (DistributedPipeline's fake)
 
     def __post_init__(self, schedule: DistributedSchedule) -> None:
         self.ranks = dist.get_world_size(self.group)
+        stage_type = _SilentStage if self.fake else _TimedStage
         stages: list[_PipelineStageBase] = [
-            _TimedStage(
+            stage_type(
                 module, index, self.num_stages, self.device,
                 input_args=module.inputs.examples(requires_grad=index > 0),
                 output_args=module.outputs.examples(requires_grad=index < self.num_stages - 1),
@@ -256,6 +258,18 @@ class _TimedStage(PipelineStage):
             super().backward_one_chunk(*args, **kwargs)
 
 
+class _SilentStage(_TimedStage):
+    """A stage on a silent mesh, where no peer's vote arrives: it takes the static shapes every
+    stage votes for when given its input and output metadata, as each stage here is. (The
+    vote is ``pipelining``'s private warm-up, which would read a tensor without data.)"""
+
+    def _warmup_forward_vote(self, has_backward: bool, received_acc: Tensor | None = None) -> Tensor:
+        return torch.ones(1, dtype=torch.int32)
+
+    def _warmup_backward_result(self, received_result: Tensor | None = None) -> Tensor:
+        return torch.ones(1, dtype=torch.int32)
+
+
 def to_host(value: Any) -> Any:
     """``value`` with every tensor detached and copied to the CPU: what an object collective
     may carry (it unpickles a CUDA tensor on the sender's device index, another GPU on the
@@ -287,6 +301,10 @@ class DistributedPipeline:
     pipeline, for evaluation before the planned one is built). ``timeout``: how long the
     gradient reductions of tied parameters wait (default: ``torch.distributed``'s).
 
+    ``fake``: ``root`` is a :func:`~lightning_pipe.runtime.fake.meta_copy` and ``mesh`` a
+    :func:`silent_mesh`: a training step of this rank as it would run, on tensors without data
+    (:func:`~lightning_pipe.runtime.fake.fake_rank_training`).
+
     A model built on the meta device (:mod:`~lightning_pipe.runtime.materialize`) is never
     whole in any process: rank 0 initialises it module by module (``init``, called with each
     module whose tensors it has just given storage) and sends each tensor on before the next
@@ -310,6 +328,7 @@ class DistributedPipeline:
         timeout: timedelta | None = None,
         previous: Sequence[set[int]] | None = None,
         init: Callable[[nn.Module], None] | None = None,
+        fake: bool = False,
     ) -> None:
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
@@ -331,10 +350,14 @@ class DistributedPipeline:
         self.held_by_rank = held
         meta_built = has_meta(root)
         self.released = release or meta_built
-        self._distribute(root, held, previous, init, device, meta_built)
-        self._tied = self._tied_groups(root, held, timeout)
+        if fake:  # a meta copy on a silent mesh: nothing to send; tied copies reduce over the pipeline's group
+            tied = [p for p in self._shared(root, held) if id(p) in held[self.position]]
+            self._tied = [(mesh.get_group("pp"), tied)] if tied else []
+        else:
+            self._distribute(root, held, previous, init, device, meta_built)
+            self._tied = self._tied_groups(root, held, timeout)
         self.rank = PipelineRank(
-            self.modules, self.stages, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn
+            self.modules, self.stages, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn, fake
         )
 
     @property
@@ -440,11 +463,9 @@ class DistributedPipeline:
         """A process group per replica and set of pipeline ranks sharing parameters; every rank
         creates every group, in the same order, as ``new_group`` requires."""
         shared: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        for param in _unique(root):
-            if isinstance(param, nn.Parameter) and param.requires_grad:
-                positions = tuple(p for p in range(self.ranks) if id(param) in held[p])
-                if len(positions) > 1:
-                    shared.setdefault(positions, []).append(param)
+        for param in self._shared(root, held):
+            positions = tuple(p for p in range(self.ranks) if id(param) in held[p])
+            shared.setdefault(positions, []).append(param)
         groups = []
         for positions, params in sorted(shared.items(), key=lambda item: item[0]):
             for replica in range(self.replicas):
@@ -452,6 +473,13 @@ class DistributedPipeline:
                 if replica == self.replica and self.position in positions:
                     groups.append((group, params))
         return groups
+
+    def _shared(self, root: nn.Module, held: list[set[int]]) -> list[nn.Parameter]:
+        """Trainable parameters several pipeline ranks hold (a tied embedding)."""
+        return [
+            p for p in _unique(root)
+            if isinstance(p, nn.Parameter) and p.requires_grad and sum(id(p) in ids for ids in held) > 1
+        ]
 
     def sync_gradients(self) -> None:
         """Sum tied parameters' gradients over the stages holding them, then average every
@@ -520,12 +548,14 @@ class DistributedPipeline:
                     tensor.copy_(state[name])
 
 
-def pipeline_mesh(stages: int, replicas: int, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
+def pipeline_mesh(
+    stages: int, replicas: int, device_type: str, timeout: timedelta | None = None, backend: str | None = None
+) -> DeviceMesh:
     """The ``("pp", "dp")`` device mesh of ``stages`` pipeline ranks times ``replicas``
     data-parallel copies (global rank = ``stage * replicas + replica``) over every rank of the
     default process group, its groups new ones that wait ``timeout`` for a peer
     (``init_device_mesh`` would reuse the default group, or give ``torch.distributed``'s default
-    of 30 minutes)."""
+    of 30 minutes), of ``backend`` (default: the default group's)."""
     grid = torch.arange(stages * replicas).view(stages, replicas)
     world, me = dist.get_world_size(), dist.get_rank()
     if grid.numel() != world:
@@ -533,10 +563,30 @@ def pipeline_mesh(stages: int, replicas: int, device_type: str, timeout: timedel
     mine: list[dist.ProcessGroup] = []
     for lines in (grid.t(), grid):  # a pipeline's ranks are a column, a stage's replicas a row
         for ranks in lines.tolist():  # every rank creates every group, in the same order
-            group = dist.new_group(ranks, timeout=timeout)
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
             if me in ranks:
                 mine.append(group)
     return DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=("pp", "dp"))
+
+
+def silent_mesh(stages: int, replicas: int) -> DeviceMesh:
+    """:func:`pipeline_mesh` whose groups send nothing and wait for no one: each rank runs its
+    stages' training step alone, on tensors without data, with every message the real one
+    sends (:func:`~lightning_pipe.runtime.fake.fake_rank_training`)."""
+    if not hasattr(dist.Backend, _SILENT.upper()):
+        dist.Backend.register_backend(_SILENT, _silent_group, extended_api=True, devices=["cpu", "cuda", "meta"])
+    return pipeline_mesh(stages, replicas, "cpu", backend=_SILENT)
+
+
+_SILENT = "lightning_pipe_silent"
+
+
+def _silent_group(common: Any, options: Any) -> Any:
+    # torch's FakeProcessGroup (private: it backs torch's own tests of distributed code on one
+    # process) answers every collective and point-to-point call at once and moves no data.
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    return FakeProcessGroup._create_internal(common.group_rank, common.group_size)
 
 
 def _unique(root: nn.Module) -> list[Tensor]:
@@ -544,8 +594,9 @@ def _unique(root: nn.Module) -> list[Tensor]:
 
 
 def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool) -> None:
-    """Sum (or average) the gradients of ``params`` over ``group``, one flat buffer per dtype;
-    a missing gradient counts as zeros."""
+    """Sum (or average) the gradients of ``params`` over ``group``, in flat buckets of at most
+    :data:`BUCKET_BYTES` per dtype (a larger gradient is a bucket of its own); a missing
+    gradient counts as zeros."""
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is None:
@@ -553,12 +604,31 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, a
         by_dtype.setdefault(p.dtype, []).append(p)
     size = dist.get_world_size(group)
     for ps in by_dtype.values():
-        grads = [cast(Tensor, p.grad) for p in ps]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat /= size
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        for bucket in _buckets([cast(Tensor, p.grad) for p in ps]):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            if average:
+                flat /= size
+            offset = 0
+            for grad in bucket:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+
+#: The most bytes one flat copy of gradients takes while they are reduced: DDP's default
+#: bucket (``bucket_cap_mb=25``). One flat copy of all of them would add a stage's whole
+#: gradient size to its peak.
+BUCKET_BYTES = 25 * 2**20
+
+
+def _buckets(grads: Sequence[Tensor]) -> list[list[Tensor]]:
+    buckets: list[list[Tensor]] = [[]]
+    size = 0
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
+        if buckets[-1] and size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += nbytes
+    return [b for b in buckets if b]

@@ -35,6 +35,7 @@ from weakref import WeakSet
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.graph.capture import Captured
@@ -43,11 +44,12 @@ from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.plan.schedule import Schedule, actions, global_order
 from lightning_pipe.runtime import swap
 from lightning_pipe.runtime.build import Policy, Program, build
+from lightning_pipe.runtime.distributed import DistributedPipeline, DistributedSchedule, cuts
 from lightning_pipe.runtime.gpipe import Pipeline
 from lightning_pipe.runtime.scheduled import ScheduledPipeline
 from lightning_pipe.runtime.versions import WeightVersions
 
-__all__ = ["TrainingStep", "fake_training", "meta_copy"]
+__all__ = ["TrainingStep", "fake_rank_training", "fake_training", "meta_copy"]
 
 #: ``training_step(forward, batch)``: the loss of ``batch`` (a whole batch under GPipe, a
 #: micro-batch under 1F1B and 2BW), calling the pipelined ``forward`` as ``self(...)`` would.
@@ -130,6 +132,56 @@ def fake_training(
                     meter.own_optimizer_state(optimizer)
         finally:
             meter.close()
+    return meter
+
+
+def fake_rank_training(
+    root: nn.Module,
+    captured: Captured,
+    arguments: tuple[tuple[Any, ...], dict[str, Any]],
+    loss_fn: Callable[[Any, int], Tensor],
+    optimizer: torch.optim.Optimizer,
+    balance: Sequence[int],
+    policies: Mapping[str, Policy],
+    mesh: DeviceMesh,
+    *,
+    schedule: DistributedSchedule,
+    chunks: int,
+) -> MemoryMeter:
+    """This rank's training steps under ``runtime="distributed"``, on ``meta`` tensors, metered:
+    the stages ``balance`` gives its place in ``mesh`` (a
+    :func:`~lightning_pipe.runtime.distributed.silent_mesh`: every message is sent, none
+    arrives, none is waited for), ``torch.distributed.pipelining``'s schedule with its receive
+    buffers, the values carried through the rank, the gradient reductions and the optimizer
+    step. ``root`` is a :func:`meta_copy` and ``optimizer`` over its parameters; ``arguments``:
+    the forward's for the whole batch (``meta`` tensors), ``loss_fn`` the loss of micro-batch
+    ``i``'s output (the last rank's). Two steps run, the second with
+    the first's gradients freed and its optimizer state alive: the meter's peak is a steady
+    step's."""
+    device = torch.device("meta")
+    program = build(captured, root, balance, [device] * len(balance), policies, place=False)
+    boundaries = cuts(program, root, *scatter(arguments, chunks)[0])
+    pipe = DistributedPipeline(program, root, boundaries, mesh, schedule, chunks,
+                               lambda output, target: loss_fn(output, int(target)) / chunks, device, fake=True)
+    meter = MemoryMeter(1)
+    for stage in pipe.modules:
+        stage.meter = meter
+    meter.own(0, pipe.held)
+    bound = program.bind(*arguments)
+    pipe.set_arguments({n: v for n, v in bound.items() if not any(isinstance(x, Tensor) for x in tree_flatten(v)[0])})
+    received = bound if pipe.is_first else None
+    try:
+        with meter, meter.saved_tensors_hooks():
+            for _ in range(2):
+                optimizer.zero_grad()
+                with meter.running(0):
+                    pipe.rank.train_step(received)
+                    pipe.sync_gradients()
+                with meter.stepping():
+                    optimizer.step()
+                meter.own_optimizer_state(optimizer)
+    finally:
+        meter.close()
     return meter
 
 
