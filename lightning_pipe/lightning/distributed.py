@@ -422,7 +422,7 @@ class DistributedEngine(Engine):
                 with torch.enable_grad(), meter.running(None):
                     self.profile = profile_graph(captured, args, kwargs, optimizer=optimizer, output=output,
                                                  device=device)
-                return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, output[0])
+                return output[0]  # as the schedule hands the loss the stage's output: no copy
 
             self._mode, self._serve = "profile", profiled
             try:
@@ -444,8 +444,9 @@ class DistributedEngine(Engine):
             return self._stage_peaks(plan, self._gather_checks(check(plan)))
 
         # a check is one fake step on each rank at once: every plan is checked
-        return checked(lambda targets: make_plan(profile, targets, *settings, carry=True), capacities,
-                       checked_on_every_rank, always=True)
+        replicas = self.world_size // self.num_stages
+        return checked(lambda targets: make_plan(profile, targets, *settings, carry=True, replicas=replicas),
+                       capacities, checked_on_every_rank, always=True)
 
     def _check_rank(
         self, captured: Captured, batch: Any, batch_idx: int, arguments: Inputs, plan: Plan

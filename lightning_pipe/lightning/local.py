@@ -276,7 +276,9 @@ class LocalEngine(Engine):
         if not self.module.automatic_optimization:
             raise _Probed  # training_step would step the optimizers itself
         self._probe_output = output[0]
-        # A copy, as the merged output is: the probe meters how long the loss keeps it.
+        if self.options.schedule != "gpipe":  # the schedule hands the loss each micro-batch's output itself
+            return output[0]
+        # GPipe merges the micro-batches' outputs into a copy: the probe meters how long the loss keeps it.
         return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, output[0])
 
     def _plan(self, batch: Any, batch_idx: int) -> None:

@@ -27,17 +27,19 @@ __all__ = ["StepBytes", "probe_step"]
 @dataclass
 class StepBytes:
     """What one micro-batch's step holds outside the graph, on the last stage: the batch,
-    the loss's peak over the output in forward and in backward, and the loss itself."""
+    the loss's peak over the output in forward and in backward, the loss itself, and the
+    gradients the loss's backward makes for the graph's outputs."""
 
     batch: int
     loss: int
     loss_backward: int
     loss_kept: int
+    loss_grads: int
 
     def record(self, profile: Profile) -> None:
         profile.batch_bytes = self.batch
         profile.loss_bytes, profile.loss_backward_bytes = self.loss, self.loss_backward
-        profile.loss_kept_bytes = self.loss_kept
+        profile.loss_kept_bytes, profile.loss_grad_bytes = self.loss_kept, self.loss_grads
 
 
 def probe_step(
@@ -64,8 +66,10 @@ def probe_step(
         forward = meter.stages[0].peak
         meter.reset_peaks()
         leaves = [t for t in tree_flatten(output())[0] if isinstance(t, Tensor) and t.requires_grad]
+        grads: Sequence[Tensor | None] = []
         if isinstance(loss, Tensor) and loss.requires_grad and leaves:
-            torch.autograd.grad(loss, leaves, allow_unused=True)
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     batch = sum(t.numel() * t.element_size() for t in tree_flatten(sample)[0] if isinstance(t, Tensor))
     kept = loss.untyped_storage().nbytes() if isinstance(loss, Tensor) else 0
-    return StepBytes(batch, forward, meter.stages[0].peak, kept)
+    made = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
+    return StepBytes(batch, forward, meter.stages[0].peak, kept, made)

@@ -43,7 +43,7 @@ from typing import Literal, TypeAlias, TypeVar
 import numpy as np
 
 from lightning_pipe.plan.profile import NodeProfile, Profile
-from lightning_pipe.plan.schedule import BackwardState, Schedule
+from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, BackwardState, Schedule
 
 __all__ = ["CodedPolicies", "CostModel", "Policy", "StagePeak", "predict_peaks", "stage_ranges"]
 
@@ -126,11 +126,12 @@ class CostModel:
 
     def __init__(
         self, profile: Profile, link_bandwidth: float | None = None, *, schedule: Schedule = "1f1b", chunks: int = 1,
-        carry: int = 0,
+        carry: int = 0, replicas: int = 1,
     ) -> None:
         nodes = profile.nodes
         self.profile = profile
         self.carry = carry  # micro-batches whose carried values a stage holds (see carried, static)
+        self.replicas = replicas  # data-parallel copies of each stage, which reduce its gradients
         self.link_bandwidth = link_bandwidth  # bytes per second between stage devices
         self.n = len(nodes)
         # GPipe: a stage's outputs wait for the next stage, the last stage's for the merge
@@ -413,8 +414,10 @@ class CostModel:
             if loss_backward is not None:  # it begins the stage's backward: what waits then waits with it
                 backward.append(loss_backward.waiting(max((w for _, w in waiting[1]), default=0)))
         # the optimizer's step: the stage's state, the step's temporaries (the last: the batch)
-        step = StagePeak(static, 0, self.step(lo, hi), self.batch if hi == self.n else 0)
-        return max([p.waiting(waiting[0]) for p in forward] + backward + [step], key=lambda p: p.total)
+        step = [StagePeak(static, 0, self.step(lo, hi), self.batch if hi == self.n else 0)]
+        if self.replicas > 1:  # before it, the gradients' reduction over the replicas: a bucket copied flat
+            step.append(StagePeak(static, 0, min(self._step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
+        return max([p.waiting(waiting[0]) for p in forward] + backward + step, key=lambda p: p.total)
 
     def backward_peak_runs(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> list[int]:
         """The nodes of ``[lo, hi)`` in the runs of one policy (kept runs aside) holding a node
@@ -502,14 +505,15 @@ class CostModel:
 
     def _last_backward(self, lo: int, in_flight: float) -> int:
         """What the last stage holds besides its own during its backward: the batch, the
-        gradient of its outputs and the losses; one micro-batch's output too when the loss's
-        graph keeps it (per micro-batch, the loss reads the output itself). Under GPipe no
+        gradient of the outputs the loss reads and the losses; one micro-batch's output too
+        when the loss's graph keeps it (per micro-batch, the loss reads the output itself). Under GPipe no
         loss: Lightning backs ``loss / accumulate_grad_batches``, a new scalar, and drops the
         returned loss (with ``F.mse_loss``, a view of every unreduced value) before it."""
-        out = self._final_outputs(lo)
+        out, p = self._final_outputs(lo), self.profile
         if self.merges:
             return self.batch + round(in_flight * out)
-        return self.batch + 2 * out + self.chunks * self.profile.loss_kept_bytes
+        grads = out if p.loss_grad_bytes is None else min(out, p.loss_grad_bytes)  # of the outputs the loss reads
+        return self.batch + out + grads + self.chunks * p.loss_kept_bytes
 
     def _final_outputs(self, lo: int) -> int:
         return self._to_graph_output[self.n] - self._to_graph_output[lo]

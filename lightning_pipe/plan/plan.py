@@ -149,18 +149,21 @@ def make_plan(
     *,
     optimise_memory: bool = True,
     carry: bool = False,
+    replicas: int = 1,
 ) -> Plan:
     """Plan ``profile`` over one stage per planning target in ``capacities`` (bytes): split
     with ``partitioner``, then fit every stage with recompute and, given ``host_bandwidth``
     (bytes/s), swap (``optimise_memory`` false: neither). ``link_bandwidth`` (bytes/s between
     stage devices) prices the values crossing each cut. ``carry``: stages pass on what later
-    stages read, holding it for every micro-batch of a step (``runtime="distributed"``).
+    stages read, holding it for every micro-batch of a step (``runtime="distributed"``), and
+    reduce their gradients over ``replicas`` data-parallel copies.
 
     Raises:
         InfeasiblePlanError: a stage does not fit even with memory optimisation.
     """
     stages, balance, optima = _attempt(
-        profile, capacities, partitioner, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory, carry
+        profile, capacities, partitioner, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory, carry,
+        replicas,
     )
     if not all(o.fits for o in optima):
         raise _infeasible(stages, partitioner, balance, optima)
@@ -356,11 +359,13 @@ def planning_stages(
     link_bandwidth: float | None = None,
     optimise_memory: bool = True,
     carry: bool = False,
+    replicas: int = 1,
 ) -> Stages:
     """What :func:`make_plan` hands its partitioner (:func:`~lightning_pipe.plan.partitioners.split`)."""
     count = len(capacities)
     return Stages(
-        CostModel(profile, link_bandwidth, schedule=schedule, chunks=chunks, carry=chunks if carry else 0),
+        CostModel(profile, link_bandwidth, schedule=schedule, chunks=chunks, carry=chunks if carry else 0,
+                  replicas=replicas),
         list(capacities),
         in_flight(schedule, chunks, count),
         weight_versions(schedule), host_bandwidth, gradient_waits(schedule, chunks, count),
@@ -380,10 +385,11 @@ def _attempt(
     link_bandwidth: float | None,
     optimise_memory: bool,
     carry: bool = False,
+    replicas: int = 1,
 ) -> tuple[Stages, list[int], list[StageOptimum]]:
     """Split and optimise every stage; the caller checks whether all fit."""
     stages = planning_stages(
-        profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory, carry
+        profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory, carry, replicas
     )
     return stages, *_chosen(stages, partitioner)
 

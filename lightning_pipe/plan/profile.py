@@ -116,6 +116,9 @@ class Profile:
         loss_kept_bytes: of those, the bytes the returned loss holds (a loss may be a view of
             its unreduced values): kept until the step ends, for every micro-batch when
             ``training_step`` runs per micro-batch.
+        loss_grad_bytes: bytes of the gradients the loss's backward makes for the graph's
+            outputs (none for an output the loss does not read, as a Hugging Face model's
+            logits when it computes the loss itself); ``None``: not measured, every output's.
     """
 
     nodes: list[NodeProfile]
@@ -131,6 +134,7 @@ class Profile:
     loss_backward_bytes: int = 0
     loss_kept_bytes: int = 0
     step_grouped: bool = False
+    loss_grad_bytes: int | None = None
 
     def scaled(self, microbatch_size: int) -> "Profile":
         """Predict the profile at another micro-batch size: activation, output and
@@ -164,6 +168,7 @@ class Profile:
             self, nodes=nodes, microbatch_size=microbatch_size, input_bytes=scale(self.input_bytes),
             batch_bytes=scale(self.batch_bytes), loss_bytes=scale(self.loss_bytes),
             loss_backward_bytes=scale(self.loss_backward_bytes), loss_kept_bytes=scale(self.loss_kept_bytes),
+            loss_grad_bytes=None if self.loss_grad_bytes is None else scale(self.loss_grad_bytes),
         )
 
     def to_json(self) -> str:

@@ -23,6 +23,11 @@ def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[
 
 Schedule = Literal["gpipe", "1f1b", "2bw"]
 
+#: The most bytes one flat copy of gradients takes while a distributed step reduces them over
+#: data-parallel replicas: DDP's default bucket (``bucket_cap_mb=25``). One flat copy of them
+#: all would add a stage's whole gradient size to its peak.
+GRADIENT_BUCKET_BYTES = 25 * 2**20
+
 
 class Action(NamedTuple):
     """One task of one stage: a micro-batch's forward or backward, or the stage's weight update

@@ -33,6 +33,7 @@ from lightning_pipe.graph.capture import get_attr
 from lightning_pipe.graph.microbatch import gather
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES
 from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, to_meta
 
@@ -595,8 +596,8 @@ def _unique(root: nn.Module) -> list[Tensor]:
 
 def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool) -> None:
     """Sum (or average) the gradients of ``params`` over ``group``, in flat buckets of at most
-    :data:`BUCKET_BYTES` per dtype (a larger gradient is a bucket of its own); a missing
-    gradient counts as zeros."""
+    :data:`~lightning_pipe.plan.schedule.GRADIENT_BUCKET_BYTES` per dtype (a larger gradient
+    is a bucket of its own); a missing gradient counts as zeros."""
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is None:
@@ -615,18 +616,12 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, a
                 offset += grad.numel()
 
 
-#: The most bytes one flat copy of gradients takes while they are reduced: DDP's default
-#: bucket (``bucket_cap_mb=25``). One flat copy of all of them would add a stage's whole
-#: gradient size to its peak.
-BUCKET_BYTES = 25 * 2**20
-
-
 def _buckets(grads: Sequence[Tensor]) -> list[list[Tensor]]:
     buckets: list[list[Tensor]] = [[]]
     size = 0
     for grad in grads:
         nbytes = grad.numel() * grad.element_size()
-        if buckets[-1] and size + nbytes > BUCKET_BYTES:
+        if buckets[-1] and size + nbytes > GRADIENT_BUCKET_BYTES:
             buckets.append([])
             size = 0
         buckets[-1].append(grad)

@@ -25,6 +25,7 @@ import warnings
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
+from examples.hf_gpt2 import GPT2LM, Counting
 from examples.models import ImageDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
 from tests.models import Denoiser, HookRecorder, MetricUNet, make
@@ -48,7 +50,7 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
     and decay the learning rate every step (:func:`with_scheduler`). ``virtual``: stages per
     process (Interleaved 1F1B)."""
-    model, data = make(family)
+    model, data = _make(family)
     if features:
         with_scheduler(model)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
@@ -71,6 +73,14 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     if virtual > 1 and replicas == 1:  # evaluation through every rank's stages in turn (one replica: all data)
         result["val"] = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(result))
+
+
+def _make(family: str) -> tuple[LightningModule, Any]:
+    """A model of :data:`tests.models.FAMILIES`, or ``hf``: a Hugging Face GPT-2 from a config
+    (torch.export captures it), with its dataset."""
+    if family == "hf":
+        return GPT2LM(layers=2, dim=32, heads=2, vocab=256, context=16, dropout=0.0), Counting(64, 256, 16)
+    return make(family)
 
 
 def with_scheduler(model: LightningModule) -> None:

@@ -49,13 +49,18 @@ ROOT = Path(__file__).parents[2]
 SCRIPT = Path(__file__).with_name("distributed_fit.py")
 STEPS = 3
 # every family under each schedule at each layout (pp=4 and pp=2 x dp=2 on four ranks, pp=2 on
-# two), and Interleaved 1F1B (two stages per process, ":v2"); GPT under 1F1B and the U-Net
-# under GPipe at pp=4, and the U-Net interleaved at pp=2, are planned and log metered metrics
+# two), and Interleaved 1F1B (two stages per process, ":v2"); at each layout each family once
+# (Hugging Face GPT-2 too, "hf") is planned and logs metered metrics (MEMORY), and the U-Net
+# interleaved at pp=2
 FAMILIES = ["gpt:gpipe", "unet:1f1b", "encdec:gpipe", "gpt:1f1b", "unet:gpipe", "encdec:1f1b"]
-PP4 = ["gpt:1f1b:4:metered", "unet:gpipe:4:metered", "encdec:1f1b:4", "gpt:gpipe:4", "unet:1f1b:4", "encdec:gpipe:4",
-       "encdec:1f1b:4:v2"]
-PP2_DP2 = [f"{f}:2" for f in FAMILIES] + ["gpt:1f1b:2:v2"]
-PP2 = [f"{f}:2" for f in FAMILIES] + ["gpt:1f1b:2:v2", "unet:1f1b:2:metered:v2"]
+PP4 = ["gpt:1f1b:4:metered", "unet:gpipe:4:metered", "encdec:1f1b:4:metered", "gpt:gpipe:4", "unet:1f1b:4",
+       "encdec:gpipe:4", "encdec:1f1b:4:v2"]
+PP2_DP2 = [f"{f}:2" + (":metered" if k < 3 else "") for k, f in enumerate(FAMILIES)] + ["gpt:1f1b:2:v2"]
+PP2 = [f"{f}:2" + (":metered" if k < 3 else "") for k, f in enumerate(FAMILIES)] + ["gpt:1f1b:2:v2",
+                                                                                    "unet:1f1b:2:metered:v2"]
+# per-rank predicted and checked peaks against the meter: four families at each layout
+MEMORY_PP4 = ["gpt-1f1b-4", "unet-gpipe-4", "encdec-1f1b-4", "hf-1f1b-4"]
+MEMORY_PP2 = ["gpt-gpipe-2", "unet-1f1b-2", "encdec-gpipe-2"]  # and hf-gpipe-2 at dp=2, hf-1f1b-2 at pp=2
 # a step drawing noise before self(...): pp=4 under GPipe and 1F1B, interleaved at pp=2 x dp=2; pp=2
 DENOISER_PP4 = ["denoiser:gpipe:4", "denoiser:1f1b:4", "denoiser:1f1b:2:v2"]
 DENOISER_PP2 = ["denoiser:gpipe:2", "denoiser:1f1b:2"]
@@ -106,14 +111,15 @@ def _launch(out: Path, devices: int, *scenarios: str, torchrun: bool = False) ->
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, "gpt:1f1b:2:features",
+    return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, "hf:1f1b:4:metered",
+                   "hf:gpipe:2:metered", "gpt:1f1b:2:features",
                    *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    scenarios = [str(STEPS), *PP2, *DENOISER_PP2, str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded",
-                 "empty", "exported"]
+    scenarios = [str(STEPS), *PP2, "hf:1f1b:2:metered", *DENOISER_PP2, str(METRIC_STEPS), "metrics:gpipe:2", "hooks",
+                 "features", "sharded", "empty", "exported"]
     return _launch(tmp_path_factory.mktemp("two_ranks"), 2, *scenarios)
 
 
@@ -174,20 +180,30 @@ def _check_metrics(launch: Launch, stages: int) -> None:
     assert "pipe/step_ms" in header and "pipe/bubble_fraction" in header
 
 
-def _check_predicted_peaks(launch: Launch) -> None:
-    """Every rank's metered peak is its predicted one within 10%, at pp=4: each rank holds the
-    runtime's receive and gradient buffers for every micro-batch (the U-Net's middle stages
-    carry its skips to the decoder), its outputs until their backward, and the last GPT stage
-    its copy of the tied embedding with a gradient and optimizer state of its own. Counting
-    only the skips passed on, the first U-Net stage was 28% under; without the tied copy's
-    state, the last GPT stage 8%."""
-    for name in ("unet-gpipe-4", "gpt-1f1b-4"):
+def _check_predicted_peaks(launch: Launch, names: list[str]) -> None:
+    """Every rank's metered peak is its predicted one within 10%, and the one its fake
+    training step checked the plan at (every rank of the pipeline runs its own) within 7%.
+
+    The prediction counts what the distributed runtime holds: each rank's receive and gradient
+    buffers for every micro-batch (the U-Net's middle stages carry its skips to the decoder),
+    its outputs until their backward, the last GPT stage's copy of the tied embedding with a
+    gradient and optimizer state of its own, and a bucket of gradients copied flat while the
+    replicas reduce them. Counting only the skips passed on, the first U-Net stage was 28%
+    under; without the tied copy's state, the last GPT stage 8%; without the bucket, the
+    encoder-decoder's last stage at dp=2 12%; charging the gradient of every output, Hugging
+    Face GPT-2's last stage (whose loss is computed in forward) 10% over. Measured worst on
+    the families here: predicted -4.4% (GPT, pp=4), checked -6.2% (U-Net, pp=4: operators'
+    workspaces observed only after the check, in the accumulating backward)."""
+    for name in names:
         (path,) = (launch.out / name).rglob("metrics.csv")
         with path.open() as f:
             last = [row for row in csv.DictReader(f) if row["pipe/stage1/peak_bytes"]][-1]
-        for s in range(4):
-            metered, predicted = (float(last[f"pipe/stage{s}/{key}"]) for key in ("peak_bytes", "predicted_peak_bytes"))
+        ranks = int(name.split("-")[-1])
+        for s in range(ranks):
+            metered, predicted, fake = (float(last[f"pipe/stage{s}/{key}_bytes"]) for key in ("peak", "predicted_peak",
+                                                                                               "checked_peak"))
             assert abs(predicted - metered) <= 0.10 * metered, (name, s, predicted, metered)
+            assert abs(fake - metered) <= 0.07 * metered, (name, s, fake, metered)
 
 
 @pytest.mark.slow
@@ -195,7 +211,7 @@ def test_pp4_and_pp2_dp2_equal_single_device(four_ranks):
     for config in PP4 + PP2_DP2:
         _check(four_ranks, 4, config)
     _check_metrics(four_ranks, 4)
-    _check_predicted_peaks(four_ranks)
+    _check_predicted_peaks(four_ranks, MEMORY_PP4 + MEMORY_PP2 + ["hf-gpipe-2"])
     # accumulation, clipping and a step-wise LR scheduler under pp=2 x dp=2
     state = torch.load(four_ranks.path("gpt-1f1b-2-features.ckpt"), weights_only=False)
     for key, value in _reference("gpt", 2, features=True).items():
@@ -207,6 +223,7 @@ def test_pp4_and_pp2_dp2_equal_single_device(four_ranks):
 def test_pp2_equals_single_device(two_ranks):
     for config in PP2:
         _check(two_ranks, 2, config)
+    _check_predicted_peaks(two_ranks, MEMORY_PP2 + ["hf-1f1b-2"])
     # interleaved: a process's prediction adds its two stages' peaks, which do not coincide
     (path,) = (two_ranks.out / "unet-1f1b-2-v2").rglob("metrics.csv")
     with path.open() as f:

@@ -42,6 +42,23 @@ def test_a_plan_far_below_the_limits_is_not_checked():
     assert asked == [[10 * CAP] * STAGES] and plan.targets == [10 * CAP] * STAGES
 
 
+def test_always_checks_a_plan_within_the_flat_headroom_and_plans_again_where_it_goes_over():
+    profile = cnn_like()
+    unbounded = make_plan(profile, [1 << 40] * STAGES, "dawnpiper", "1f1b", 4)
+    limits = [int(max(s.peak.total for s in unbounded.stages) / 0.85)] * STAGES  # predicted within the headroom
+    plan_for, asked = _planner(profile)
+    checks = []
+
+    def over_once(plan):  # the first plan's check finds it 20% over its prediction, over the limits
+        checks.append(plan)
+        return [math.ceil(s.peak.total * (1.2 if len(checks) == 1 else 1)) for s in plan.stages]
+
+    assert checked(plan_for, limits, over_once) is not None and not checks  # the headroom trusted
+    plan = checked(plan_for, limits, over_once, always=True)
+    assert len(checks) >= 2 and plan is checks[-1]
+    assert all(a < limit for a, limit in zip(asked[-1], limits))  # planned below the limits
+
+
 def test_a_plan_within_its_error_is_kept_at_the_limits():
     limits = _tight(cnn_like())
     plan_for, asked = _planner(cnn_like())
