@@ -194,3 +194,22 @@ class HookRecorder(Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.calls.append(("on_train_batch_end", trainer.global_step, batch_idx, round(float(outputs["loss"]), 5)))
+
+
+class WritesInForward(GPT):
+    """GPT whose forward keeps state: an EMA of the embedding's mean in a buffer, or a count
+    of calls in a Python attribute."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__()
+        self.state = state
+        self.register_buffer("ema", torch.zeros(()))
+        self.calls = 0
+
+    def forward(self, batch):
+        logits = super().forward(batch)
+        if self.state == "ema":
+            self.ema.mul_(0.9).add_(0.1 * logits.detach().mean())
+        else:
+            self.calls += 1
+        return logits

@@ -22,17 +22,25 @@ from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.lightning.microlog import silenced
 from lightning_pipe.measure.optimizers import rebuild
-from lightning_pipe.plan.plan import Plan
+from lightning_pipe.plan.plan import PREDICTION_ERROR, Plan
 from lightning_pipe.plan.schedule import Schedule
 from lightning_pipe.runtime.build import Policy
 from lightning_pipe.runtime.distributed import DistributedSchedule
 from lightning_pipe.runtime.fake import fake_rank_training, fake_training, meta_copy
 
-__all__ = ["UncheckableStepError", "fake_peaks", "fake_rank_peak"]
+__all__ = ["UncheckableStepError", "fake_peaks", "fake_rank_peak", "unchecked_warning"]
 
 
 class UncheckableStepError(Exception):
     """The user's training step cannot run on fake tensors; the message says why."""
+
+
+def unchecked_warning(why: str) -> str:
+    """What an engine says, once, when it plans by the flat headroom for want of a check."""
+    return (
+        f"MemoryPipeStrategy cannot check its plan by a training step on fake tensors ({why}); it plans "
+        f"{PREDICTION_ERROR:.0%} below the memory limit instead, a margin measured on other models."
+    )
 
 
 def fake_peaks(

@@ -57,7 +57,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import batch_size, gather, scatter
 from lightning_pipe.graph.variants import Inputs, Variants, follow_balance, in_mode
-from lightning_pipe.lightning.check import UncheckableStepError, fake_rank_peak
+from lightning_pipe.lightning.check import UncheckableStepError, fake_rank_peak, unchecked_warning
 from lightning_pipe.lightning.engine import (
     Engine,
     check_buffer_writes,
@@ -76,7 +76,7 @@ from lightning_pipe.measure.meter import MemoryMeter, learn_workspaces, observed
 from lightning_pipe.measure.profiler import device_spec, profile_graph
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.headroom import checked, flat
-from lightning_pipe.plan.plan import PREDICTION_ERROR, Plan, make_plan
+from lightning_pipe.plan.plan import Plan, make_plan
 from lightning_pipe.plan.schedule import actions
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
@@ -478,10 +478,7 @@ class DistributedEngine(Engine):
         if why is not None:
             if not self._warned_unchecked:
                 self._warned_unchecked = True
-                rank_zero_warn(
-                    f"MemoryPipeStrategy cannot check its plan by a training step on fake tensors ({why}); it plans "
-                    f"{PREDICTION_ERROR:.0%} below the memory limit instead, a margin measured on other models."
-                )
+                rank_zero_warn(unchecked_warning(why))
             return flat(plan)
         predicted, rank_peaks = [s.peak.total for s in plan.stages], self._checked_peaks
         assert rank_peaks is not None

@@ -208,9 +208,12 @@ class Engine:
 
 
 def device_memory(device: torch.device) -> int:
-    """A device's memory in bytes: a GPU's capacity, the host's RAM for the CPU."""
+    """The bytes of ``device`` this process's tensors can use: on a GPU, what is free now plus
+    what this process's allocator already holds (its model's tensors among them), not what
+    other processes or the CUDA context take; for the CPU, the host's RAM."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

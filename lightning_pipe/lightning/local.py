@@ -24,7 +24,7 @@ from lightning_pipe.graph.capture import Captured, NeedsExampleInputs
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.graph.shapes import Shapes, batch_shapes, grown, largest, show, tile
 from lightning_pipe.graph.variants import Variants, follow_balance
-from lightning_pipe.lightning.check import UncheckableStepError, fake_peaks
+from lightning_pipe.lightning.check import UncheckableStepError, fake_peaks, unchecked_warning
 from lightning_pipe.lightning.engine import (
     Engine,
     check_buffer_writes,
@@ -42,7 +42,7 @@ from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan import report
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.headroom import checked, flat
-from lightning_pipe.plan.plan import PREDICTION_ERROR, Plan, make_plan
+from lightning_pipe.plan.plan import Plan, make_plan
 from lightning_pipe.runtime.batchnorm import DeferredBatchNorm
 from lightning_pipe.runtime.build import Policy, Program, build
 from lightning_pipe.runtime.gpipe import Pipeline
@@ -321,10 +321,7 @@ class LocalEngine(Engine):
     def _unchecked(self, plan: Plan, why: str) -> list[int]:
         if not self._warned_unchecked:
             self._warned_unchecked = True
-            rank_zero_warn(
-                f"MemoryPipeStrategy cannot check its plan by a training step on fake tensors ({why}); it plans "
-                f"{PREDICTION_ERROR:.0%} below the memory limit instead, a margin measured on other models."
-            )
+            rank_zero_warn(unchecked_warning(why))
         return flat(plan)
 
     def _own_memory(self) -> None:

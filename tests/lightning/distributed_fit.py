@@ -7,7 +7,7 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 A scenario is ``family:schedule:stages[:metered][:features][:vN]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
-``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``hooks``, ``features``, ``sharded``,
+``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``hooks``, ``features``, ``sharded``, ``refused``,
 ``exported``, ``indivisible``, ``raise`` or ``hang``
 (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
 ``raise`` and ``hang``: each comes last. Every object collective fails on a tensor that is not a CPU copy.
@@ -35,9 +35,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.hf_gpt2 import GPT2LM, Counting
-from examples.models import ImageDataset, UNet, loader
+from examples.models import ImageDataset, TokenDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
-from tests.models import Denoiser, HookRecorder, MetricUNet, make
+from tests.models import Denoiser, HookRecorder, MetricUNet, WritesInForward, make
 
 BATCH, CHUNKS = 8, 4
 METRIC_STEPS = 4  # the metrics scenario validates every two steps
@@ -356,8 +356,28 @@ def indivisible(out: Path, devices: int) -> None:
     trainer.fit(model, loader(data, BATCH))
 
 
-SCENARIOS = {"hooks": hooks, "indivisible": indivisible, "features": features, "sharded": sharded, "empty": empty,
-             "exported": exported,
+def refused(out: Path, devices: int) -> None:
+    """Bad input every rank refuses before any collective, each saving its error: a buffer
+    written in forward, a batch smaller than ``chunks`` per replica. Under torchrun, which
+    leaves each rank to go on after a failed fit (Lightning's launcher's rank 0 ends the others)."""
+    cases = {
+        "buffer": (WritesInForward("ema"), loader(TokenDataset(16), 8)),
+        "small": (make("gpt")[0], loader(TokenDataset(16), 2)),  # 2 samples a replica (pp=2), chunks=4
+    }
+    for name, (model, data) in cases.items():
+        strategy = MemoryPipeStrategy(runtime="distributed", chunks=CHUNKS, planner=None)
+        trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        try:
+            trainer.fit(model, data)
+            error = "no error"
+        except Exception as e:  # the test reads it
+            error = f"{type(e).__name__}: {e}"
+        (out / f"refused-{name}-rank{trainer.global_rank}.txt").write_text(error)
+
+
+SCENARIOS = {"hooks": hooks, "refused": refused, "indivisible": indivisible, "features": features, "sharded": sharded,
+             "empty": empty, "exported": exported,
              "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
 

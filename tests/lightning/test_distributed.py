@@ -260,9 +260,16 @@ def test_an_error_on_one_rank_ends_every_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_starts_the_ranks_and_training_equals_single_device(tmp_path):
-    launch = _launch(tmp_path, 2, str(STEPS), "gpt:1f1b:2", torchrun=True)
+def test_torchrun_starts_the_ranks_and_training_equals_single_device_and_bad_input_is_named_on_every_rank(tmp_path):
+    launch = _launch(tmp_path, 2, str(STEPS), "gpt:1f1b:2", "refused", torchrun=True)
     _check(launch, 2, "gpt:1f1b:2")
+    for rank in range(2):  # both refused at the first batch, before any collective (the ranks went on)
+        buffer = launch.path(f"refused-buffer-rank{rank}.txt").read_text()
+        assert re.match(r"ValueError: forward writes the buffer 'ema' \(models.py:\d+: self.ema.mul_", buffer), buffer
+        small = launch.path(f"refused-small-rank{rank}.txt").read_text()
+        assert small.startswith("ValueError: runtime='distributed' needs every training batch to split into "
+                                "chunks=4 equal micro-batches"), small
+        assert "a batch of 2 samples on this replica (micro-batches [1, 1])" in small
 
 
 def test_stages_that_do_not_divide_the_processes_are_named_before_any_collective(tmp_path):

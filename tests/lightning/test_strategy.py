@@ -6,7 +6,7 @@ from torch.utils.data import DataLoader, Subset
 from examples.models import GPT, ImageDataset, TokenDataset, UNet, loader
 from lightning_pipe import CaptureError, MemoryPipeStrategy
 from tests.helpers import max_rel_diff, trainer
-from tests.models import Untraceable, make
+from tests.models import Untraceable, WritesInForward, make
 
 
 def _fit(family, strategy="auto", devices=1, batch_size=8, **model_kwargs):
@@ -330,44 +330,25 @@ def test_a_step_that_never_calls_forward_is_named_under_every_setting(settings):
         )
 
 
-class _WritesInForward(GPT):
-    """GPT whose forward keeps state: an EMA of the embedding's mean in a buffer, or a count
-    of calls in a Python attribute."""
-
-    def __init__(self, state: str) -> None:
-        super().__init__()
-        self.state = state
-        self.register_buffer("ema", torch.zeros(()))
-        self.calls = 0
-
-    def forward(self, batch):
-        logits = super().forward(batch)
-        if self.state == "ema":
-            self.ema.mul_(0.9).add_(0.1 * logits.detach().mean())
-        else:
-            self.calls += 1
-        return logits
-
-
 def test_a_buffer_written_in_forward_is_named_with_its_line_unless_one_micro_batch_makes_it_exact():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=r"forward writes the buffer 'ema' \(test_strategy.py:\d+: self.ema.mul_"):
         trainer(MemoryPipeStrategy(chunks=4, planner=None), 2, max_steps=1).fit(
-            _WritesInForward("ema"), loader(TokenDataset(8), 4)
+            WritesInForward("ema"), loader(TokenDataset(8), 4)
         )
     # one micro-batch per step: forward runs once a step, as on one device
     torch.manual_seed(0)
-    reference = _WritesInForward("ema")
+    reference = WritesInForward("ema")
     trainer(max_steps=3).fit(reference, loader(TokenDataset(12), 4))
     torch.manual_seed(0)
-    piped = _WritesInForward("ema")
+    piped = WritesInForward("ema")
     trainer(MemoryPipeStrategy(chunks=1, planner=None), 2, max_steps=3).fit(piped, loader(TokenDataset(12), 4))
     assert reference.ema != 0 and torch.allclose(piped.ema, reference.ema, rtol=1e-5)
 
 
 def test_a_python_attribute_changed_in_forward_is_named():
     torch.manual_seed(0)
-    model = _WritesInForward("calls")
+    model = WritesInForward("calls")
     with pytest.raises(CaptureError, match=r"forward assigns to the Python attribute \(it was 0\) 'calls'"):
         trainer(MemoryPipeStrategy(chunks=4, planner=None), 2, max_steps=1).fit(model, loader(TokenDataset(8), 4))
     assert model.calls == 0  # tracing's change undone
