@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
         spawn(_rank, args.stages, args, out)

@@ -34,7 +34,7 @@ from lightning_pipe.lightning.engine import (
 )
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.options import PipeOptions
-from lightning_pipe.lightning.probe import probe_step
+from lightning_pipe.lightning.probe import StepBytes, probe_step
 from lightning_pipe.lightning.steps import NO_FORWARD, ScheduledStep
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, not_charged
@@ -423,8 +423,8 @@ class LocalEngine(Engine):
         finally:
             self._probing, self._probe_output = False, None
         if planning and self.profile is not None and not self._needs_plan:
-            assert step is not None, "a planning probe runs the whole step"
-            step.record(self.profile)
+            # (a step stopped at a self(...): manual optimization, or a second call of forward)
+            (step or StepBytes.batch_only(sample)).record(self.profile)
             self._plan(batch, batch_idx)
         if self._forward_calls == calls:
             raise RuntimeError(NO_FORWARD.format(hook="training_step"))

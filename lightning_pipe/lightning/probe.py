@@ -34,7 +34,12 @@ class StepBytes:
     loss: int
     loss_backward: int
     loss_kept: int
-    loss_grads: int
+    loss_grads: int | None
+
+    @classmethod
+    def batch_only(cls, sample: Any) -> "StepBytes":
+        """A step that stopped at its ``self(...)``: the batch is known, the loss is not."""
+        return cls(_bytes(sample), 0, 0, 0, None)
 
     def record(self, profile: Profile) -> None:
         profile.batch_bytes = self.batch
@@ -69,7 +74,11 @@ def probe_step(
         grads: Sequence[Tensor | None] = []
         if isinstance(loss, Tensor) and loss.requires_grad and leaves:
             grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    batch = sum(t.numel() * t.element_size() for t in tree_flatten(sample)[0] if isinstance(t, Tensor))
+    batch = _bytes(sample)
     kept = loss.untyped_storage().nbytes() if isinstance(loss, Tensor) else 0
     made = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
     return StepBytes(batch, forward, meter.stages[0].peak, kept, made)
+
+
+def _bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, Tensor))

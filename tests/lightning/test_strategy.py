@@ -332,7 +332,7 @@ def test_a_step_that_never_calls_forward_is_named_under_every_setting(settings):
 
 def test_a_buffer_written_in_forward_is_named_with_its_line_unless_one_micro_batch_makes_it_exact():
     torch.manual_seed(0)
-    with pytest.raises(ValueError, match=r"forward writes the buffer 'ema' \(test_strategy.py:\d+: self.ema.mul_"):
+    with pytest.raises(ValueError, match=r"forward writes the buffer 'ema' \(models.py:\d+: self.ema.mul_"):
         trainer(MemoryPipeStrategy(chunks=4, planner=None), 2, max_steps=1).fit(
             WritesInForward("ema"), loader(TokenDataset(8), 4)
         )
