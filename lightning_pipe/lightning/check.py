@@ -92,7 +92,8 @@ def fake_rank_peak(
     replica, graph = _replica(module, captured)
     twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(replica.parameters(), lr=0.0)
     _inert_metrics(replica)
-    microbatches = scatter(_on_meta(batch), plan.chunks)
+    batch = _on_meta(batch)
+    microbatches = scatter(batch, plan.chunks)
 
     def loss(output: Any, i: int) -> Tensor:
         replica.forward = lambda *args, **kwargs: output  # type: ignore[method-assign]
@@ -100,7 +101,7 @@ def fake_rank_peak(
 
     policies = {n.name: cast(Policy, p) for n, p in zip(graph.nodes, plan.policies) if p != "keep"}
     with silenced(replica), torch.random.fork_rng(devices=[]):
-        meter = fake_rank_training(replica, graph, _on_meta(arguments), loss, twin, plan.balance, policies,
+        meter = fake_rank_training(replica, graph, batch, _on_meta(arguments), loss, twin, plan.balance, policies,
                                    mesh, schedule=cast(DistributedSchedule, plan.schedule),
                                    chunks=plan.chunks)
     return meter.stages[0].peak

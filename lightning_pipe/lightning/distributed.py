@@ -588,6 +588,8 @@ class DistributedEngine(Engine):
                 f"drop_last=True in the DataLoader."
             )
         self._ensure_pipeline("training_step", batch, batch_idx, training=True)
+        if self.meter is not None:  # every rank loads the batch
+            self.meter.charge_batch(0, [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)])
 
     def training_step(self, step: Callable[[], Any], forwards_only: bool, *args: Any, **kwargs: Any) -> Any:
         return self._training_step(*args, **kwargs)
@@ -618,7 +620,8 @@ class DistributedEngine(Engine):
 
             self._step_loss = loss_fn
             bound = self._step_inputs("training_step", microbatches, batch_idx, turn)
-            inputs = gather(bound, self.root_device) if pipe.is_first else None
+            with self._running():  # a copy: the first rank holds it beside the batch
+                inputs = gather(bound, self.root_device) if pipe.is_first else None
             _before_step(module, optimizer, batch_idx)
             self.clock.reset()
             with self._running():

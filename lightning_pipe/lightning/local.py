@@ -112,7 +112,7 @@ class LocalEngine(Engine):
             self._probe(batch if to_plan is None else to_plan, batch_idx)
         if self.meter is not None:  # the batch lives on the root device, the last stage's
             tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)]
-            self.meter.own(len(self.meter.stages) - 1, tensors, "boundary")
+            self.meter.charge_batch(len(self.meter.stages) - 1, tensors)
 
     def training_step(self, step: Callable[[], Any], forwards_only: bool, *args: Any, **kwargs: Any) -> Any:
         self.clock.reset()

@@ -120,6 +120,7 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._lock = threading.RLock()  # finalizers may fire inside a locked update
         self._total = 0  # bytes charged to any stage now
         self.process_peak = 0  # the most bytes charged to all stages together at one moment
+        self._batch: list[_Entry] = []  # the training batch's storages (charge_batch)
 
     # -- what runs now ---------------------------------------------------------------------
 
@@ -201,6 +202,25 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     self._hooks.append(t.register_post_accumulate_grad_hook(self._own_grad))  # type: ignore[no-untyped-call]
                 self._owner[t] = stage
             self._charge(t, stage, kind, movable=False)
+
+    def charge_batch(self, stage: int, tensors: Iterable[Tensor]) -> None:
+        """Charge this step's training batch to ``stage`` and stop charging the last step's:
+        a batch the data loader keeps alive is the loader's, once its step is done. One
+        seen again (a loader cycling over held batches) is charged again."""
+        with self._lock:
+            for entry in self._batch:  # its finalizer, when the storage dies, subtracts nothing
+                self._release(entry)
+                entry.nbytes = 0
+        self._batch = []
+        for t in tensors:
+            storage = t.untyped_storage()
+            released = self._entries.get(storage)
+            if released is not None and released.nbytes == 0:
+                released.nbytes, released.stage, released.kind = storage.nbytes(), stage, "boundary"
+                self._add(stage, "boundary", released.nbytes)
+            else:
+                self._charge(t, stage, "boundary", movable=False)
+            self._batch.append(self._entries[storage])
 
     def _own_grad(self, param: Tensor) -> None:
         if param.grad is not None:
@@ -364,7 +384,10 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks that charge tensors autograd saves to the saving stage as stashed activations
-        (:meth:`keep`)."""
+        (:meth:`keep`). What they keep is a detached alias (same storage): a tensor saved as
+        its own operator's output, kept itself, would keep its ``grad_fn`` and so itself alive
+        (a reference cycle only a backward breaks, which a forward never backwarded, as a
+        profiler's timing runs, never gets)."""
 
         def pack(t: Tensor) -> Tensor:
             saver = getattr(self._local, "stage", None)
@@ -372,7 +395,7 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             entry = self._entries.get(t.untyped_storage())
             if entry is not None and saver is not None:
                 self.last_saver[entry.stage] = max(self.last_saver.get(entry.stage, -1), saver)
-            return t
+            return t.detach()
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 

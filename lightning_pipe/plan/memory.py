@@ -138,7 +138,9 @@ class CostModel:
         # (stages as processes run a loss and a backward per micro-batch, as 1F1B does).
         self.merges = schedule == "gpipe" and not carry
         self.chunks = chunks
-        self.batch = chunks * (profile.batch_bytes or profile.input_bytes)  # the training batch, on the last stage
+        self.batch = chunks * (profile.batch_bytes or profile.input_bytes)  # the training batch
+        # on the last stage's device; stages as processes each load it (see static)
+        self._last_batch = 0 if carry else self.batch
         self._arrays = _NodeArrays(profile)
         self._kept: dict[tuple[int, int], _Live] = {}
         self._priced: dict[tuple[int, int, bytes], _Live] = {}  # with policies; a search prices many twice
@@ -337,11 +339,13 @@ class CostModel:
     def static(self, lo: int, hi: int, weight_versions: int = 1) -> int:
         """Bytes held all along: parameters, their state, borrowed copies and, with ``carry``
         (stages as processes), the buffers of carried values (allocated once, kept across
-        steps) and the state of the borrowed copies: each process steps its own."""
+        steps), the state of the borrowed copies (each process steps its own) and the batch
+        (each process loads it; the first also gathers the forward's arguments from it)."""
         held = weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo] + self.borrowed(lo, hi)
         if not self.carry:
             return held
-        return held + self.carry * self.carried(lo, hi) + round(self.borrowed(lo, hi) * self._state_per_param)
+        batch = self.batch + (self.chunks * self.profile.input_bytes if lo == 0 else 0)
+        return held + self.carry * self.carried(lo, hi) + round(self.borrowed(lo, hi) * self._state_per_param) + batch
 
     def region_inputs(self, a: int, b: int, lo: int, hi: int, policies: Mapping[int, Policy]) -> int:
         """Bytes a recomputed region ``[a, b)`` of a stage on ``[lo, hi)`` keeps, if it saves
@@ -414,7 +418,7 @@ class CostModel:
             if loss_backward is not None:  # it begins the stage's backward: what waits then waits with it
                 backward.append(loss_backward.waiting(max((w for _, w in waiting[1]), default=0)))
         # the optimizer's step: the stage's state, the step's temporaries (the last: the batch)
-        step = [StagePeak(static, 0, self.step(lo, hi), self.batch if hi == self.n else 0)]
+        step = [StagePeak(static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0)]
         if self.replicas > 1:  # before it, the gradients' reduction over the replicas: a bucket copied flat
             step.append(StagePeak(static, 0, min(self._step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
         return max([p.waiting(waiting[0]) for p in forward] + backward + step, key=lambda p: p.total)
@@ -497,7 +501,7 @@ class CostModel:
                 StagePeak(static, stashed, 0, round(in_flight * max(out + live.leaving, p.loss_bytes)) + self.batch),
                 StagePeak(static - grads, stashed, 0, round(in_flight * p.loss_backward_bytes) + self.batch),
             ], None
-        kept = (self.chunks - 1) * p.loss_kept_bytes + self.batch  # the earlier losses and the batch
+        kept = (self.chunks - 1) * p.loss_kept_bytes + self._last_batch  # the earlier losses and the batch
         return [
             self._forward_peak(in_flight, live, static, kept),
             StagePeak(static, stashed, 0, live.leaving + kept + p.loss_bytes),
@@ -513,7 +517,7 @@ class CostModel:
         if self.merges:
             return self.batch + round(in_flight * out)
         grads = out if p.loss_grad_bytes is None else min(out, p.loss_grad_bytes)  # of the outputs the loss reads
-        return self.batch + out + grads + self.chunks * p.loss_kept_bytes
+        return self._last_batch + out + grads + self.chunks * p.loss_kept_bytes
 
     def _final_outputs(self, lo: int) -> int:
         return self._to_graph_output[self.n] - self._to_graph_output[lo]

@@ -138,6 +138,7 @@ def fake_training(
 def fake_rank_training(
     root: nn.Module,
     captured: Captured,
+    batch: Any,
     arguments: tuple[tuple[Any, ...], dict[str, Any]],
     loss_fn: Callable[[Any, int], Tensor],
     optimizer: torch.optim.Optimizer,
@@ -153,9 +154,10 @@ def fake_rank_training(
     :func:`~lightning_pipe.runtime.distributed.silent_mesh`: every message is sent, none
     arrives, none is waited for), ``torch.distributed.pipelining``'s schedule with its receive
     buffers, the values carried through the rank, the gradient reductions and the optimizer
-    step. ``root`` is a :func:`meta_copy` and ``optimizer`` over its parameters; ``arguments``:
-    the forward's for the whole batch (``meta`` tensors), ``loss_fn`` the loss of micro-batch
-    ``i``'s output (the last rank's). Two steps run, the second with
+    step. ``root`` is a :func:`meta_copy` and ``optimizer`` over its parameters; ``batch``:
+    the training batch every rank loads, ``arguments`` the forward's for the whole batch (the
+    first rank's copy), both ``meta`` tensors; ``loss_fn`` the loss of micro-batch ``i``'s
+    output (the last rank's). Two steps run, the second with
     the first's gradients freed and its optimizer state alive: the meter's peak is a steady
     step's."""
     device = torch.device("meta")
@@ -167,9 +169,11 @@ def fake_rank_training(
     for stage in pipe.modules:
         stage.meter = meter
     meter.own(0, pipe.held)
+    meter.own(0, [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)], "boundary")
     bound = program.bind(*arguments)
     pipe.set_arguments({n: v for n, v in bound.items() if not any(isinstance(x, Tensor) for x in tree_flatten(v)[0])})
     received = bound if pipe.is_first else None
+    meter.own(0, [t for t in tree_flatten(received)[0] if isinstance(t, Tensor)], "boundary")
     try:
         with meter, meter.saved_tensors_hooks():
             for _ in range(2):

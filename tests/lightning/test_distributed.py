@@ -203,7 +203,7 @@ def _check_predicted_peaks(launch: Launch, names: list[str]) -> None:
             metered, predicted, fake = (float(last[f"pipe/stage{s}/{key}_bytes"]) for key in ("peak", "predicted_peak",
                                                                                                "checked_peak"))
             assert abs(predicted - metered) <= 0.10 * metered, (name, s, predicted, metered)
-            assert abs(fake - metered) <= 0.07 * metered, (name, s, fake, metered)
+            assert abs(fake - metered) <= 0.05 * metered, (name, s, fake, metered)
 
 
 @pytest.mark.slow
