@@ -207,10 +207,8 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Charge this step's training batch to ``stage`` and stop charging the last step's:
         a batch the data loader keeps alive is the loader's, once its step is done. One
         seen again (a loader cycling over held batches) is charged again."""
-        with self._lock:
-            for entry in self._batch:  # its finalizer, when the storage dies, subtracts nothing
-                self._release(entry)
-                entry.nbytes = 0
+        for entry in self._batch:  # (its storage may have died already: released then)
+            self._release(entry)
         self._batch = []
         for t in tensors:
             storage = t.untyped_storage()
@@ -310,9 +308,11 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.process_peak = max(self.process_peak, self._total + extra)
 
     def _release(self, entry: _Entry) -> None:
+        """Stop charging ``entry`` (its storage died, or :meth:`charge_batch`); once only."""
         with self._lock:
             self.stages[entry.stage].current[entry.kind] -= entry.nbytes
             self._total -= entry.nbytes
+            entry.nbytes = 0
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

@@ -150,7 +150,8 @@ def test_the_plan_counts_what_each_stage_carries_for_every_microbatch(stages, un
     """Under the distributed runtime every stage holds, per micro-batch of the step, a buffer
     for each value it receives (U-Net skips, the encoder's output) and for the gradient of
     each it sends: the bytes each stage holds all along grow by exactly those bytes times the
-    micro-batches, but for the received values its nodes save (already its activations)."""
+    micro-batches, but for the received values its nodes save (already its activations), and
+    by the batch each process loads (the first also the forward's arguments gathered from it)."""
     model, captured, microbatch, profile = unet_profile
     balance = balance_by_weight(captured.param_bytes(), stages)
     program = build(captured, model, balance, [torch.device("cpu")] * stages, place=False)
@@ -159,7 +160,8 @@ def test_the_plan_counts_what_each_stage_carries_for_every_microbatch(stages, un
     # what a stage holds all along (the local GPipe's one backward also sums the micro-batches'
     # weight gradients, which the distributed runtime's backward per micro-batch does not)
     grown = [distributed.static(r.start, r.stop) - local.static(r.start, r.stop) for r in stage_ranges(balance)]
-    assert grown == [CHUNKS * _buffer_bytes(program, model, microbatch, s) for s in range(stages)]
+    loaded = [distributed.batch + (CHUNKS * profile.input_bytes if s == 0 else 0) for s in range(stages)]
+    assert grown == [CHUNKS * _buffer_bytes(program, model, microbatch, s) + loaded[s] for s in range(stages)]
     assert all(g > 0 for g in grown)
     plan = make_plan(profile, [1 << 40] * stages, "params", "gpipe", CHUNKS, carry=True)
     assert plan.stages[1].peak.total == distributed.peak(plan.stages[1].start, plan.stages[1].stop, CHUNKS).total
