@@ -127,9 +127,7 @@ def fake_training(
                     else:
                         _scheduled_step(program, root, device, schedule, step_chunks, meter, step_batch,
                                         training_step, optimizer, versions)
-                    with meter.stepping():
-                        optimizer.step()
-                    meter.own_optimizer_state(optimizer)
+                    _optimizer_step(meter, optimizer)
         finally:
             meter.close()
     return meter
@@ -181,12 +179,18 @@ def fake_rank_training(
                 with meter.running(0):
                     pipe.rank.train_step(received)
                     pipe.sync_gradients()
-                with meter.stepping():
-                    optimizer.step()
-                meter.own_optimizer_state(optimizer)
+                _optimizer_step(meter, optimizer)
     finally:
         meter.close()
     return meter
+
+
+def _optimizer_step(meter: MemoryMeter, optimizer: torch.optim.Optimizer) -> None:
+    """The step, as the strategy runs it: its temporaries and new state charged to the stages
+    owning the parameters."""
+    with meter.stepping():
+        optimizer.step()
+    meter.own_optimizer_state(optimizer)
 
 
 def meta_copy(root: nn.Module, captured: Captured, shared: Iterable[object] = ()) -> tuple[nn.Module, Captured]:
