@@ -489,6 +489,15 @@ class DistributedEngine(Engine):
             peaks.append(round(rank_peaks[position] * stage / max(1, sum(mine))))
         return peaks
 
+    def set_memory_limit(self, limits: list[int] | None) -> None:
+        if self.pipe is not None:
+            raise RuntimeError(
+                "Under runtime='distributed' the memory limit is planned for once, at the first training batch, "
+                "every rank its own stages; assigning strategy.memory_limit after that is not supported. Pass "
+                "memory_limit to MemoryPipeStrategy, or use runtime='local', which plans again for a new limit."
+            )
+        self.options.memory_limit = limits
+
     # --- the user's steps -------------------------------------------------------------------
 
     def run_forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -191,6 +191,10 @@ class Engine:
     def on_exception(self, exception: BaseException) -> None:
         pass
 
+    def set_memory_limit(self, limits: list[int] | None) -> None:
+        """A new memory limit per stage (``strategy.memory_limit = ...``), for the next plan."""
+        self.options.memory_limit = limits
+
     def teardown(self, lightning_teardown: Callable[[], None]) -> None:
         """Undo what ``model_to_device`` and the steps changed on the module, around
         Lightning's own teardown (which moves the module and the optimizer state to the CPU)."""

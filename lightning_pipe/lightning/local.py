@@ -292,9 +292,12 @@ class LocalEngine(Engine):
         assert planner is not None
         settings = (planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth)
         profile = self.profile
+        before = self.plan
         self.plan = checked(
             lambda targets: make_plan(profile, targets, *settings), capacities, partial(self._check, batch, batch_idx)
         )
+        if before is not None:
+            rank_zero_info(f"The stages are split again: balance {before.balance} -> {self.plan.balance}.")
         self.plan.input_shapes = {path: list(shape) for path, shape in self._shapes_to_plan.items()}
         self._install(self.captured, self.plan.balance, policies_of(self.captured, self.plan))
         if self.meter is not None:
@@ -358,6 +361,24 @@ class LocalEngine(Engine):
             rows.append(row + (f"  {mib(cuda[k])}" if cuda else ""))
         return "\n".join(rows)
 
+    def set_memory_limit(self, limits: list[int] | None) -> None:
+        """Enforce ``limits`` from now on and, with a planner, plan for them at the next
+        training batch: the stages are split again, parameters and optimizer state moved."""
+        previous = self.options.memory_limit
+        self.options.memory_limit = limits
+        if not self.parallel_devices:  # before setup: the first plan is for them
+            return
+        try:
+            capacities = self._capacities()
+        except ValueError:
+            self.options.memory_limit = previous
+            raise
+        if self.meter is not None:
+            enforced: list[int | None] = [*capacities] if capacities else [None] * len(self.meter.stages)
+            self.meter.capacities = enforced
+        if self.plan is not None and self.options.planner is not None and self.options.balance is None:
+            self._needs_plan = True
+
     def _capacities(self) -> list[int] | None:
         assert self.parallel_devices
         stages = len(self.parallel_devices)
@@ -382,7 +403,10 @@ class LocalEngine(Engine):
         """The batch to plan from before this training batch runs: the first one (grown to
         ``plan_shapes``), or one larger than the plan was made for; ``None`` while the plan holds."""
         now = batch_shapes(batch)
-        if self._needs_plan:
+        if self._needs_plan and self.plan is not None:  # the memory limit changed (set_memory_limit)
+            target = largest({path: tuple(shape) for path, shape in self.plan.input_shapes.items()}, now)
+            rank_zero_info(f"memory_limit is now {self.options.memory_limit}: planning again for {show(target)}.")
+        elif self._needs_plan:
             target = largest(now, self.options.plan_shapes)
         elif self.plan is not None and self.options.planner is not None and self.options.balance is None:
             planned = {path: tuple(shape) for path, shape in self.plan.input_shapes.items()}

@@ -32,7 +32,7 @@ from lightning_pipe.lightning.engine import Engine
 from lightning_pipe.lightning.local import LocalEngine
 from lightning_pipe.lightning.metrics import logs_this_step
 from lightning_pipe.lightning.microlog import LossReduction
-from lightning_pipe.lightning.options import PipeOptions, Runtime, StateDictType
+from lightning_pipe.lightning.options import PipeOptions, Runtime, StateDictType, parse_limits
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.plan.partitioners import Partitioner
 from lightning_pipe.plan.plan import Plan
@@ -172,6 +172,17 @@ class MemoryPipeStrategy(ParallelStrategy):
     def profile(self) -> Profile | None:
         """The profile the plan was made from."""
         return self.engine.profile
+
+    @property
+    def memory_limit(self) -> list[int] | None:
+        """Each stage's memory limit in bytes (one for every stage, or one per stage; ``None``:
+        the devices' memory). Assign it while training, in any form the constructor takes,
+        when the memory a job may use changes: the next training batch plans for it."""
+        return self.options.memory_limit
+
+    @memory_limit.setter
+    def memory_limit(self, limit: MemorySize | list[MemorySize] | None) -> None:
+        self.engine.set_memory_limit(parse_limits(limit))
 
     @property
     def meter(self) -> MemoryMeter | None:

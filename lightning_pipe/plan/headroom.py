@@ -30,8 +30,10 @@ __all__ = ["Check", "checked", "checked_max_microbatch", "flat"]
 #: Each stage's peak (bytes) when a plan trains, as a fake training step of it meters them.
 Check = Callable[[Plan], list[int]]
 
-#: Plans made before giving up.
+#: Plans checked before giving up.
 ROUNDS = 6
+#: Plans made before giving up, checked or not (a plan made again is not checked again).
+_ATTEMPTS = 4 * ROUNDS
 _STEP = 1e-4
 
 
@@ -39,38 +41,53 @@ def checked(
     plan_for: Callable[[list[int]], Plan], limits: Sequence[int], check: Check, *, always: bool = False
 ) -> Plan:
     """The plan ``plan_for(targets)`` makes for the first targets whose plan fits ``limits``
-    (bytes per stage) when ``check`` runs it: the limits themselves, then the limits less the
-    largest under-prediction seen so far; where no plan fits those, less half as much
-    (the error was one plan's: another split may be predicted better). A first plan within
-    the flat headroom is taken unchecked, unless ``always``.
+    (bytes per stage) when ``check`` runs it: the limits themselves, then each stage that went
+    over planned below its limit by its own under-prediction (the largest seen at that stage);
+    where no plan fits those, each half as far (the error was one plan's: another split may be
+    predicted better). A plan made again that a check already rejected is not checked again:
+    its stages over are planned further below. A first plan within the flat headroom is taken
+    unchecked, unless ``always``.
 
     Raises:
         InfeasiblePlanError: ``plan_for`` finds no plan at the limits, or none of
-            :data:`ROUNDS` plans fits.
+            :data:`ROUNDS` plans checked fits.
     """
-    went_over = error = 0.0  # the largest error at which a plan went over; the error to plan at
+    stages = len(limits)
+    errors = [0.0] * stages  # each stage's error to plan at
+    went_over = [0.0] * stages  # the errors at which a plan last went over
+    rejected: dict[tuple[tuple[int, ...], tuple[str, ...]], list[int]] = {}  # a plan's checked peaks
     peaks: list[int] = []
-    for _ in range(ROUNDS):
+    checks = 0
+    for _ in range(_ATTEMPTS):
         try:
-            plan = plan_for(_targets(limits, 1 / (1 + error)))
+            plan = plan_for([int(limit / (1 + e)) for limit, e in zip(limits, errors)])
         except InfeasiblePlanError:
             if not peaks:
                 raise
-            error = (went_over + error) / 2
+            errors = [(w + e) / 2 for w, e in zip(went_over, errors)]
             continue
         predicted = [s.peak.total for s in plan.stages]
         if not always and not peaks and all(p <= limit * PLANNING_HEADROOM for p, limit in zip(predicted, limits)):
             return plan  # the flat headroom covers it, and no error of this model says otherwise
-        peaks = check(plan)
-        if all(p <= limit for p, limit in zip(peaks, limits)):
-            return plan
+        key = (tuple(plan.balance), tuple(plan.policies))
+        if key not in rejected:
+            if checks == ROUNDS:
+                break
+            checks += 1
+            peaks = check(plan)
+            if all(p <= limit for p, limit in zip(peaks, limits)):
+                return plan
+            rejected[key] = peaks
+        peaks = rejected[key]
         # a step past the error seen, so that a plan just at it is not made again
-        went_over, error = error, max(error, *(m / p - 1 for m, p in zip(peaks, predicted))) + _STEP
-    stage = max(range(len(limits)), key=lambda s: peaks[s] / limits[s])
+        went_over = list(errors)
+        errors = [max(e, m / p - 1) + _STEP if m > limit else e
+                  for e, m, p, limit in zip(errors, peaks, predicted, limits)]
+    stage = max(range(stages), key=lambda s: peaks[s] / limits[s])
     raise InfeasiblePlanError(
-        f"no plan fits the memory limits {list(limits)} when run: of {ROUNDS} plans, each planned below the "
-        f"limits by the memory model's error measured so far (up to {error:.1%}), a fake training step of each "
-        f"went over, or none was found that far below; stage {stage} of the last that ran peaked at "
+        f"no plan fits the memory limits {list(limits)} when run: of {checks} plans checked, each stage planned "
+        f"below its limit by the memory model's error measured there (up to {max(errors):.1%}), a fake training "
+        f"step of each went over, or none was found that far below; stage {stage} of the last that ran peaked at "
         f"{peaks[stage]} bytes. Lower the micro-batch size, add stages or device memory.",
         peaks[stage], stage,
     )
@@ -107,7 +124,3 @@ def flat(plan: Plan) -> list[int]:
     plus the memory model's worst under-prediction measured over the model families
     (:data:`~lightning_pipe.plan.plan.PREDICTION_ERROR`), which plans to the flat headroom."""
     return [math.ceil(s.peak.total * (1 + PREDICTION_ERROR)) for s in plan.stages]
-
-
-def _targets(limits: Sequence[int], share: float) -> list[int]:
-    return [int(limit * share) for limit in limits]
