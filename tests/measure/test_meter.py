@@ -138,14 +138,16 @@ def test_the_process_peak_is_the_allocator_s(family, schedule):
 def test_with_the_planner_on_the_process_peak_is_the_allocator_s_over_five_steps(held):
     """Planning profiles and probes inside the first step, charged to no stage: nothing it
     made may outlive it (a tensor autograd saved as its own output did, through the meter's
-    hook). A batch the loader keeps alive is charged for its step only (it was charged again
-    each step, never released): held batches were made before the profiler session, so the
-    allocator never sees the one a step holds, which the meter charges. Within 1%."""
+    hook: the meter was 20% under the allocator). A batch the loader keeps alive is charged for
+    its step only (it was charged again each step and never released): held batches were made
+    before the profiler session, so the allocator never sees the one a step holds, which the
+    meter charges. Within 1%. (The planner splits by parameter bytes: a split by measured
+    times changes with the machine's load, and with it the peak.)"""
     data = make("unet")[1]  # images: a batch is a tenth of a stage's peak
     batches = [default_collate([data[i] for i in range(4 * k, 4 * k + 4)]) for k in range(5)]
 
     def fit():
-        strategy = MemoryPipeStrategy(chunks=2, schedule="1f1b", planner="dawnpiper", measure_memory=True)
+        strategy = MemoryPipeStrategy(chunks=2, schedule="1f1b", planner="params", measure_memory=True)
         trainer(strategy, 2, max_steps=5).fit(make("unet")[0], DataLoader(batches, batch_size=None) if held
                                               else loader(data, 4))
         return strategy
@@ -153,11 +155,8 @@ def test_with_the_planner_on_the_process_peak_is_the_allocator_s_over_five_steps
     fit()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         strategy = fit()
-    batch = sum(t.untyped_storage().nbytes() for t in tree_flatten(batches[0])[0])
-    if held:  # the batch a step holds was made before the session: the allocator never sees it
-        assert strategy.meter.process_peak == pytest.approx(_allocator_peak(prof) + batch, rel=0.01)
-    else:  # Lightning fetches the next batch ahead, on the host: the allocator sees it, no device holds it
-        assert strategy.meter.process_peak + batch == pytest.approx(_allocator_peak(prof), rel=0.01)
+    unseen = sum(t.untyped_storage().nbytes() for t in tree_flatten(batches[0])[0]) if held else 0
+    assert strategy.meter.process_peak == pytest.approx(_allocator_peak(prof) + unseen, rel=0.01)
 
 
 def test_an_optimizer_steps_temporaries_are_charged_to_the_stage_of_their_parameter():
