@@ -213,3 +213,31 @@ class WritesInForward(GPT):
         else:
             self.calls += 1
         return logits
+
+
+class FlashAttention(nn.Module):
+    """Causal self-attention through ``F.scaled_dot_product_attention``: on the CPU it runs
+    the flash kernel, on ``meta`` tensors the math one (other memory)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class FlashGPT(GPT):
+    """The GPT family with its attention through ``scaled_dot_product_attention``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for block in self.blocks:
+            block.attn = FlashAttention(block.attn.qkv.in_features, block.attn.heads)
+

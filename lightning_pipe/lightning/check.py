@@ -51,9 +51,12 @@ def fake_peaks(
     optimizer: torch.optim.Optimizer | None,
     precision: Precision,
     plan: Plan,
+    on_cpu: bool = False,
 ) -> list[int]:
     """Each stage's metered peak when ``plan`` trains ``module`` on batches shaped as
-    ``batch``, with an optimizer of ``optimizer``'s kind and settings (none: no state)."""
+    ``batch``, with an optimizer of ``optimizer``'s kind and settings (none: no state).
+    ``on_cpu``: the stages train on the CPU; the fake tensors stand there, and run the kernels
+    it picks (``scaled_dot_product_attention``'s flash one; ``meta`` tensors run the math one)."""
     replica, graph = _replica(module, captured)
     params = list(replica.parameters())
     twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(params, lr=0.0)
@@ -66,11 +69,11 @@ def fake_peaks(
 
     shapes = _on_meta(batch)
     # CPU autocast casts fake tensors standing on the CPU, not meta ones
-    autocast = isinstance(precision, MixedPrecision) and precision.device == "cpu"
+    on_cpu = on_cpu or (isinstance(precision, MixedPrecision) and precision.device == "cpu")
     with silenced(replica), torch.random.fork_rng(devices=[]):
         meter = fake_training(replica, graph, shapes, step, twin, plan.balance, policies,
                               schedule=cast(Schedule, plan.schedule), chunks=plan.chunks,
-                              tensors="cpu" if autocast else "meta")
+                              tensors="cpu" if on_cpu else "meta")
     return meter.peaks()
 
 

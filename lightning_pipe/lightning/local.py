@@ -317,7 +317,8 @@ class LocalEngine(Engine):
             return self._unchecked(plan, "manual optimization steps the optimizers inside training_step")
         optimizer = self.optimizers[0] if self.optimizers else None
         try:
-            return fake_peaks(module, self.captured, batch, batch_idx, optimizer, self.precision_plugin, plan)
+            on_cpu = all(d.type == "cpu" for d in self.parallel_devices or [])
+            return fake_peaks(module, self.captured, batch, batch_idx, optimizer, self.precision_plugin, plan, on_cpu)
         except UncheckableStepError as error:
             return self._unchecked(plan, str(error))
 

@@ -8,7 +8,9 @@ charges a real one and enforces each stage's capacity at real sizes: a stage tha
 fit raises :class:`~lightning_pipe.measure.meter.StageOutOfMemoryError` where training would.
 Meta tensors go straight to PyTorch's meta kernels. A run may ask for
 :class:`~torch._subclasses.fake_tensor.FakeTensorMode` tensors standing on the CPU instead,
-which CPU autocast (``bf16-mixed``) casts and meta tensors it does not; they add a Python
+which CPU autocast (``bf16-mixed``) casts and meta tensors it does not, and which run the
+kernels the CPU picks where an operator chooses by device (``scaled_dot_product_attention``:
+flash on the CPU, the math kernel, keeping other tensors, on meta); they add a Python
 dispatch and a cache lookup per operator (a transformer's run takes about twice as long; a
 CNN's about as long, as that cache skips the Python meta kernels of repeated convolutions).
 

@@ -1,6 +1,7 @@
 """The strategy checks a plan near the memory limit by a fake training step of the module."""
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from lightning_pipe.lightning.check import fake_peaks
 from lightning_pipe.measure.meter import StageOutOfMemoryError
 from lightning_pipe.plan.plan import PREDICTION_ERROR
 from tests.helpers import trainer
+from tests.models import FlashGPT
 
 STAGES, CHUNKS, BATCH = 2, 4, 16
 
@@ -120,6 +122,20 @@ def test_under_cpu_autocast_the_check_meters_what_training_does():
     peaks = fake_peaks(model, strategy.engine.captured, batch, 0, strategy.optimizers[0], strategy.precision_plugin,
                        strategy.plan)
     assert peaks == strategy.meter.peaks()
+
+
+def test_on_cpu_stages_the_check_runs_the_attention_kernel_training_runs():
+    # scaled_dot_product_attention runs flash on the CPU and the math kernel on meta tensors
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b", measure_memory=True)
+    torch.manual_seed(0)
+    model = FlashGPT(optimizer="adam")
+    trainer(strategy, STAGES, max_steps=2).fit(model, loader(TokenDataset(2 * BATCH), BATCH))
+    model.forward = strategy.engine.run_forward
+    batch = next(iter(loader(TokenDataset(BATCH), BATCH)))
+    check = partial(fake_peaks, model, strategy.engine.captured, batch, 0, strategy.optimizers[0],
+                    strategy.precision_plugin, strategy.plan)
+    assert check(on_cpu=True) == strategy.meter.peaks()
+    assert check(on_cpu=False) != strategy.meter.peaks()
 
 
 class Lion(torch.optim.Optimizer):

@@ -16,7 +16,7 @@ from lightning_pipe.plan.plan import make_plan
 from lightning_pipe.runtime import swap
 from lightning_pipe.runtime.fake import fake_training, meta_copy
 from tests.helpers import trainer
-from tests.models import make
+from tests.models import FlashGPT, make
 
 STAGES, CHUNKS, BATCH = 3, 4, 8
 # memopt on: keep, recompute and swap in turn along the graph, two nodes each
@@ -45,6 +45,9 @@ def _real_run(monkeypatch, family, schedule, memopt):
 
 
 def _model(family):
+    if family == "flash":
+        torch.manual_seed(0)
+        return FlashGPT(optimizer="adam"), make("gpt")[1]
     model, data = make(family, optimizer="adam")
     if family == "unet":
         # The CPU's mse_loss returns its mean inside the storage of the elementwise losses, a
@@ -68,6 +71,25 @@ def test_fake_run_meters_the_same_peaks_as_a_real_run(monkeypatch, family, sched
                           model.configure_optimizers(), plan.balance, policies, schedule=schedule, chunks=CHUNKS)
     assert meter.peaks() == real
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_fake_tensors_on_the_cpu_run_the_attention_kernel_the_cpu_runs(monkeypatch):
+    """``scaled_dot_product_attention`` picks its kernel by device: flash on the CPU, the math
+    one on ``meta`` tensors, which keeps other tensors. Fake tensors standing on the CPU pick
+    flash, as training does: their peaks are the real run's; meta tensors' are not."""
+    real, plan = _real_run(monkeypatch, "flash", "1f1b", False)
+    model, data = _model("flash")
+    captured = capture(model)
+    batch = default_collate([data[i] for i in range(BATCH)])
+
+    def peaks(tensors):
+        copy, graph = meta_copy(model, captured)
+        step = lambda forward, mb: copy.criterion(forward(*copy.inputs(mb)), mb)  # noqa: E731
+        return fake_training(copy, graph, batch, step, copy.configure_optimizers(), plan.balance, schedule="1f1b",
+                             chunks=CHUNKS, tensors=tensors).peaks()
+
+    assert peaks("cpu") == real
+    assert peaks("meta") != real
 
 
 def test_fake_run_enforces_capacities_and_leaves_the_host_pool_alone(monkeypatch):
