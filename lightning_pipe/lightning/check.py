@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map
 from torchmetrics import Metric
@@ -122,6 +123,10 @@ def _user_step(replica: LightningModule, precision: Precision, microbatch: Any, 
             returned = replica.training_step(microbatch, batch_idx)
         except NotImplementedError as error:  # an operator without a meta kernel
             raise UncheckableStepError(f"an operator cannot run on fake tensors: {error}") from error
+        except DataDependentOutputException as error:  # fake tensors standing on the CPU
+            raise UncheckableStepError(f"training_step reads a tensor's value ({error})") from error
+        except DynamicOutputShapeException as error:
+            raise UncheckableStepError(f"an operator's output shape depends on values ({error})") from error
         except RuntimeError as error:
             text = str(error)
             if "meta tensors" in text:

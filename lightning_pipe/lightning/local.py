@@ -318,7 +318,8 @@ class LocalEngine(Engine):
         optimizer = self.optimizers[0] if self.optimizers else None
         try:
             on_cpu = all(d.type == "cpu" for d in self.parallel_devices or [])
-            return fake_peaks(module, self.captured, batch, batch_idx, optimizer, self.precision_plugin, plan, on_cpu)
+            return fake_peaks(module, self.captured, batch, batch_idx, optimizer, self.precision_plugin, plan,
+                              on_cpu=on_cpu)
         except UncheckableStepError as error:
             return self._unchecked(plan, str(error))
 
