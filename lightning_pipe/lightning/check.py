@@ -29,11 +29,23 @@ from lightning_pipe.runtime.build import Policy
 from lightning_pipe.runtime.distributed import DistributedSchedule
 from lightning_pipe.runtime.fake import fake_rank_training, fake_training, meta_copy
 
-__all__ = ["UncheckableStepError", "fake_peaks", "fake_rank_peak", "unchecked_warning"]
+__all__ = ["UncheckableStepError", "fake_peaks", "fake_rank_peak", "picks_kernel_by_device", "unchecked_warning"]
+
+#: Operators that pick their kernel, and so what they keep, by the device of their inputs:
+#: on ``meta`` tensors they run another one (``scaled_dot_product_attention``: the math kernel,
+#: where the CPU runs flash). A graph torch.export captured holds the kernel already chosen.
+_BY_DEVICE = frozenset({"scaled_dot_product_attention"})
 
 
 class UncheckableStepError(Exception):
     """The user's training step cannot run on fake tensors; the message says why."""
+
+
+def picks_kernel_by_device(captured: Captured) -> bool:
+    """Whether the graph calls an operator that picks its kernel by device (:data:`_BY_DEVICE`):
+    its check must run on fake tensors standing on the device (slower than ``meta`` ones)."""
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in _BY_DEVICE
+               for n in captured.graph_module.graph.nodes)
 
 
 def unchecked_warning(why: str) -> str:
@@ -56,8 +68,8 @@ def fake_peaks(
 ) -> list[int]:
     """Each stage's metered peak when ``plan`` trains ``module`` on batches shaped as
     ``batch``, with an optimizer of ``optimizer``'s kind and settings (none: no state).
-    ``on_cpu``: the stages train on the CPU; the fake tensors stand there, and run the kernels
-    it picks (``scaled_dot_product_attention``'s flash one; ``meta`` tensors run the math one)."""
+    ``on_cpu``: the fake tensors stand on the CPU, and run the kernels it picks
+    (``scaled_dot_product_attention``'s flash one; ``meta`` tensors run the math one)."""
     replica, graph = _replica(module, captured)
     params = list(replica.parameters())
     twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(params, lr=0.0)

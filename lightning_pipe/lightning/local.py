@@ -24,7 +24,12 @@ from lightning_pipe.graph.capture import Captured, NeedsExampleInputs
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.graph.shapes import Shapes, batch_shapes, grown, largest, show, tile
 from lightning_pipe.graph.variants import Variants, follow_balance
-from lightning_pipe.lightning.check import UncheckableStepError, fake_peaks, unchecked_warning
+from lightning_pipe.lightning.check import (
+    UncheckableStepError,
+    fake_peaks,
+    picks_kernel_by_device,
+    unchecked_warning,
+)
 from lightning_pipe.lightning.engine import (
     Engine,
     check_buffer_writes,
@@ -317,7 +322,8 @@ class LocalEngine(Engine):
             return self._unchecked(plan, "manual optimization steps the optimizers inside training_step")
         optimizer = self.optimizers[0] if self.optimizers else None
         try:
-            on_cpu = all(d.type == "cpu" for d in self.parallel_devices or [])
+            # (on meta tensors where no operator picks its kernel by device: they run faster)
+            on_cpu = all(d.type == "cpu" for d in self.parallel_devices or []) and picks_kernel_by_device(self.captured)
             return fake_peaks(module, self.captured, batch, batch_idx, optimizer, self.precision_plugin, plan,
                               on_cpu=on_cpu)
         except UncheckableStepError as error:

@@ -11,7 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 import lightning_pipe.lightning.local as strategy_module
 from examples.models import GPT, TokenDataset, loader
 from lightning_pipe import MemoryPipeStrategy
-from lightning_pipe.lightning.check import UncheckableStepError, fake_peaks
+from lightning_pipe.graph.capture import capture
+from lightning_pipe.lightning.check import fake_peaks, picks_kernel_by_device
 from lightning_pipe.measure.meter import StageOutOfMemoryError
 from lightning_pipe.plan.plan import PREDICTION_ERROR
 from tests.helpers import trainer
@@ -136,6 +137,9 @@ def test_on_cpu_stages_the_check_runs_the_attention_kernel_training_runs():
                     strategy.precision_plugin, strategy.plan)
     assert check(on_cpu=True) == strategy.meter.peaks()
     assert check(on_cpu=False) != strategy.meter.peaks()
+    # the strategy checks on CPU fake tensors where a graph calls such an operator, else on meta (faster)
+    assert picks_kernel_by_device(strategy.engine.captured)
+    assert not picks_kernel_by_device(capture(GPT()))
 
 
 class Lion(torch.optim.Optimizer):
@@ -244,19 +248,13 @@ class DrawsOnTheCPU(WithOptimizer):
 
 
 @pytest.mark.slow
-def test_a_step_that_makes_tensors_on_a_fixed_device_is_checked_there_and_named_on_another():
+def test_a_step_that_makes_tensors_on_a_fixed_device_is_named_once_and_planned_by_the_flat_margin():
     _, ample, _ = _checked_fit(OPTIMIZERS["adamw"])
     limits = [int(s.peak.total / 0.97) for s in ample.plan.stages]
     checks, strategy, unchecked = _checked_fit(OPTIMIZERS["adamw"], limits, model=DrawsOnTheCPU)
-    # the stages are on the CPU: so are the check's fake tensors, which meet the CPU's mask
-    assert checks and not unchecked
-    assert checks[-1] == pytest.approx(strategy.meter.peaks(), abs=256)
-    # on meta tensors (as for stages on a GPU) the check names why it cannot run
-    model = strategy.lightning_module
-    batch = next(iter(loader(TokenDataset(BATCH), BATCH)))
-    with pytest.raises(UncheckableStepError, match="training_step makes tensors on a fixed device"):
-        fake_peaks(model, strategy.engine.captured, batch, 0, strategy.optimizers[0], strategy.precision_plugin,
-                   strategy.plan, on_cpu=False)
+    assert not checks and len(unchecked) == 1
+    assert "training_step makes tensors on a fixed device" in unchecked[0]
+    assert all(s.peak.total * (1 + PREDICTION_ERROR) <= limit for s, limit in zip(strategy.plan.stages, limits))
 
 
 @pytest.mark.slow
