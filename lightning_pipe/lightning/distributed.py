@@ -83,6 +83,7 @@ from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.distributed import (
     DistributedPipeline,
     StageRunner,
+    constants,
     cuts,
     pipeline_mesh,
     silent_mesh,
@@ -567,15 +568,15 @@ class DistributedEngine(Engine):
                     f"rank holds the whole model to capture another. Pass a value that changes as a tensor."
                 )
             bound.append(pipe.modules[0].program.bind(*inputs))
-        constants = {name: value for name, value in bound[0].items() if not _has_tensor(value)}
-        for name, value in constants.items():
+        fixed = constants(bound[0])
+        for name, value in fixed.items():
             others = [b[name] for b in bound[1:] if b[name] != value]
             if others:
                 raise ValueError(
                     f"{hook} passed self(...) {name}={value!r} on one micro-batch and {others[0]!r} on another of the "
                     f"same batch: a non-tensor argument must be one value per step. Pass it as a tensor."
                 )
-        pipe.set_arguments(constants)
+        pipe.set_arguments(fixed)
         return bound
 
     @contextmanager
@@ -1047,10 +1048,6 @@ def _replay(module: LightningModule, logged: Logged) -> None:
             metric._forward_cache = to_device(value.step_value, device)
             value = metric
         module.log(name, to_device(value, device), **kwargs)
-
-
-def _has_tensor(value: Any) -> bool:
-    return any(isinstance(leaf, Tensor) for leaf in tree_flatten(value)[0])
 
 
 @contextmanager

@@ -39,7 +39,7 @@ from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, 
 
 __all__ = [
     "Cut", "DistributedPipeline", "DistributedSchedule", "PipelineRank", "StageModule", "StageRunner", "TensorMeta",
-    "cuts", "pipeline_mesh", "silent_mesh", "to_device", "to_host",
+    "constants", "cuts", "pipeline_mesh", "silent_mesh", "to_device", "to_host",
 ]
 
 DistributedSchedule = Literal["gpipe", "1f1b"]
@@ -269,6 +269,14 @@ class _SilentStage(_TimedStage):
 
     def _warmup_backward_result(self, received_result: Tensor | None = None) -> Tensor:
         return torch.ones(1, dtype=torch.int32)
+
+
+def constants(bound: dict[str, Any]) -> dict[str, Any]:
+    """The forward arguments of a binding that hold no tensor: cuts carry only tensors, so
+    every rank's stages read these (:meth:`DistributedPipeline.set_arguments`)."""
+    return {
+        name: value for name, value in bound.items() if not any(isinstance(x, Tensor) for x in tree_flatten(value)[0])
+    }
 
 
 def to_host(value: Any) -> Any:

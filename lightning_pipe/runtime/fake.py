@@ -46,7 +46,7 @@ from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.plan.schedule import Schedule, actions, global_order
 from lightning_pipe.runtime import swap
 from lightning_pipe.runtime.build import Policy, Program, build
-from lightning_pipe.runtime.distributed import DistributedPipeline, DistributedSchedule, cuts
+from lightning_pipe.runtime.distributed import DistributedPipeline, DistributedSchedule, constants, cuts
 from lightning_pipe.runtime.gpipe import Pipeline
 from lightning_pipe.runtime.scheduled import ScheduledPipeline
 from lightning_pipe.runtime.versions import WeightVersions
@@ -171,7 +171,7 @@ def fake_rank_training(
     meter.own(0, pipe.held)
     meter.own(0, [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)], "boundary")
     bound = program.bind(*arguments)
-    pipe.set_arguments({n: v for n, v in bound.items() if not any(isinstance(x, Tensor) for x in tree_flatten(v)[0])})
+    pipe.set_arguments(constants(bound))
     received = bound if pipe.is_first else None
     meter.own(0, [t for t in tree_flatten(received)[0] if isinstance(t, Tensor)], "boundary")
     try:
