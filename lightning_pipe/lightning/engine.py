@@ -9,10 +9,11 @@ gathers or shards their state for checkpoints, and says which processes and devi
 The defaults here are one process's.
 """
 
+import gc
 import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from lightning.fabric.utilities.types import _PATH
@@ -24,11 +25,14 @@ from torch.optim import Optimizer
 
 from lightning_pipe.graph.capture import Captured, buffer_writes
 from lightning_pipe.lightning.options import PipeOptions
+from lightning_pipe.lightning.recovery import Failure, RecoveryError, UndoPoint, failure_of
 from lightning_pipe.measure.clock import StageClock
-from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
 from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.runtime.build import Policy
+
+_T = TypeVar("_T")
 
 __all__ = ["Engine", "check_buffer_writes", "device_memory", "policies_of", "state_to_param_devices"]
 
@@ -138,6 +142,40 @@ class Engine:
     def eval_step(self, hook: str, step: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
         """One ``validation_step``, ``test_step`` or ``predict_step``; ``step`` runs it as Lightning would."""
         return step()
+
+    def surviving(self, step: Callable[[], _T]) -> _T:
+        """Run one optimizer ``step`` (Lightning's closure inside: the training step, its
+        backward), and where a stage runs out of memory in it, undo the attempt, plan again
+        (:meth:`recover`) and run it again (:mod:`~lightning_pipe.lightning.recovery`)."""
+        undo = UndoPoint(self.module, self.parallel_devices, self.written_buffers())
+        while True:
+            try:
+                return step()
+            except (StageOutOfMemoryError, torch.OutOfMemoryError) as error:
+                failure = failure_of(error, self.parallel_devices)
+            # Out of the handler the failed attempt's frames are unreachable, but cycles through
+            # them (a traceback's frames, autograd's saved tensors) keep its tensors until collected.
+            gc.collect()
+            undo.restore()
+            self.recover(failure)
+
+    def written_buffers(self) -> list[Tensor]:
+        """Buffers a training step writes in place (BatchNorm's statistics): an attempt that
+        fails is undone by putting them back."""
+        return [b for m in self.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                for b in m.buffers(recurse=False)]
+
+    def recover(self, failure: Failure) -> None:
+        """Plan and build the stages again after ``failure``, so the step can run again.
+
+        Raises:
+            RecoveryError: no new plan can be made, or ``max_replans`` were made already.
+        """
+        raise RecoveryError(f"{failure.message} This runtime does not plan again after running out of memory.")
+
+    def after_step(self) -> None:
+        """After a step that succeeded: plan again before the next where a stage's metered peak
+        drifted past its prediction (:data:`~lightning_pipe.lightning.recovery.DRIFT`)."""
 
     def log_step_metrics(self, step_ms: float) -> None:
         """Per-stage time and memory of the step just taken, to the Trainer's loggers; called

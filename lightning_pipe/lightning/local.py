@@ -40,6 +40,7 @@ from lightning_pipe.lightning.engine import (
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.probe import StepBytes, probe_step
+from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError
 from lightning_pipe.lightning.steps import NO_FORWARD, ScheduledStep
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, not_charged
@@ -47,7 +48,7 @@ from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan import report
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.headroom import checked, flat
-from lightning_pipe.plan.plan import Plan, make_plan
+from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.runtime.batchnorm import DeferredBatchNorm
 from lightning_pipe.runtime.build import Policy, Program, build
 from lightning_pipe.runtime.gpipe import Pipeline
@@ -81,6 +82,10 @@ class LocalEngine(Engine):
         self._versions: WeightVersions | None = None
         self._step: ScheduledStep | None = None
         self._metering = ExitStack()
+        self._batch: tuple[Any, int] | None = None  # this training batch and its index
+        self._checks: dict[tuple[tuple[int, ...], tuple[str, ...]], list[int]] = {}  # each checked plan's peaks
+        self._checked: list[int] = []  # what the plan's check said each stage peaks at
+        self._corrections: Corrections | None = None  # what training showed the check misses
 
     @property
     def root_device(self) -> torch.device:
@@ -112,6 +117,7 @@ class LocalEngine(Engine):
             self._metering.enter_context(self.meter.saved_tensors_hooks())
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch = batch, batch_idx
         to_plan = self._batch_to_plan(batch)
         if to_plan is not None or (self.options.schedule != "gpipe" and self._step is None):
             self._probe(batch if to_plan is None else to_plan, batch_idx)
@@ -291,17 +297,17 @@ class LocalEngine(Engine):
         re-split to the plan."""
         assert self.options.planner is not None and self.parallel_devices and self.captured and self.profile
         devices = list(self.parallel_devices)
-        # each device's memory shared by the stages placed on it
-        capacities = self._capacities() or [device_memory(d) // devices.count(d) for d in devices]
         o, planner = self.options, self.options.planner
         assert planner is not None
         settings = (planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth)
         profile = self.profile
         before = self.plan
-        self.plan = checked(
-            lambda targets: make_plan(profile, targets, *settings), capacities, partial(self._check, batch, batch_idx)
-        )
-        if before is not None:
+        corrections = self._corrections
+        limits = self._limits() if corrections is None else corrections.limits(self._limits())
+        self.plan = checked(lambda targets: make_plan(profile, targets, *settings), limits,
+                            partial(self._check, batch, batch_idx), always=corrections is not None)
+        self._checked = self._checks.get(_key(self.plan)) or [s.peak.total for s in self.plan.stages]
+        if before is not None and corrections is None:
             rank_zero_info(f"The stages are split again: balance {before.balance} -> {self.plan.balance}.")
         self.plan.input_shapes = {path: list(shape) for path, shape in self._shapes_to_plan.items()}
         self._install(self.captured, self.plan.balance, policies_of(self.captured, self.plan))
@@ -324,10 +330,12 @@ class LocalEngine(Engine):
         try:
             # (on meta tensors where no operator picks its kernel by device: they run faster)
             on_cpu = all(d.type == "cpu" for d in self.parallel_devices or []) and picks_kernel_by_device(self.captured)
-            return fake_peaks(module, self.captured, batch, batch_idx, optimizer, self.precision_plugin, plan,
-                              on_cpu=on_cpu)
+            peaks = fake_peaks(module, self.captured, batch, batch_idx, optimizer, self.precision_plugin, plan,
+                               on_cpu=on_cpu)
         except UncheckableStepError as error:
-            return self._unchecked(plan, str(error))
+            peaks = self._unchecked(plan, str(error))
+        self._checks[_key(plan)] = peaks
+        return peaks
 
     def _unchecked(self, plan: Plan, why: str) -> list[int]:
         if not self._warned_unchecked:
@@ -336,13 +344,16 @@ class LocalEngine(Engine):
         return flat(plan)
 
     def _own_memory(self) -> None:
-        """Charge parameters, buffers and 2BW's stale weights to the stage owning them."""
+        """Charge parameters, buffers, 2BW's stale weights, gradients and optimizer state to
+        the stage owning them."""
         if self.meter is None or self.program is None:
             return
         stale = dict(zip(map(id, self._versions.params), self._versions.stale)) if self._versions else {}
         for stage in self.program.stages:
             self.meter.own(stage.index, stage.owned)
             self.meter.own(stage.index, [stale[id(t)] for t in stage.owned if id(t) in stale])
+        for optimizer in self.optimizers:  # a new split moves them with their parameters
+            self.meter.own_optimizer_state(optimizer)
 
     def describe(self) -> str:
         """The per-stage split as a text table."""
@@ -386,6 +397,85 @@ class LocalEngine(Engine):
             self.meter.capacities = enforced
         if self.plan is not None and self.options.planner is not None and self.options.balance is None:
             self._needs_plan = True
+
+    def _limits(self) -> list[int]:
+        """Each stage's memory limit: the user's, else its device's memory shared by the stages
+        placed on it; less where the meter enforces less (memory another job took)."""
+        devices = list(self.parallel_devices)
+        limits = self._capacities() or [device_memory(d) // devices.count(d) for d in devices]
+        if self.meter is None:
+            return limits
+        enforced = self.meter.capacities
+        return [limit if cap is None else min(limit, cap) for limit, cap in zip(limits, enforced)]
+
+    def recover(self, failure: Failure) -> None:
+        """Plan again below the memory the failed step showed each stage takes, and rebuild."""
+        o = self.options
+        if self.plan is None or o.planner is None or o.balance is not None or self._batch is None:
+            raise RecoveryError(f"{failure.message} Without a planner (planner=None or a balance) nothing plans again: "
+                                f"lower the micro-batch size, or raise memory_limit.")
+        if self._batch[1] % self.module.trainer.accumulate_grad_batches:
+            raise RecoveryError(
+                f"{failure.message} It ran out within a window of accumulate_grad_batches, after earlier batches' "
+                f"gradients were added: the failed step changed them, so it cannot run again. Lower the micro-batch "
+                f"size or memory_limit (the planner then leaves more room)."
+            )
+        self._replan(lambda c: c.learn_failure(failure, self._checked), failure.message)
+
+    def after_step(self) -> None:
+        plan, meter, o = self.plan, self.meter, self.options
+        if plan is None or meter is None or o.planner is None or o.balance is not None or self._batch is None:
+            return
+        corrections = self._corrections or Corrections.none(len(plan.stages))
+        peaks = meter.peaks()
+        # (a drift already planned for, with the plan unchanged, is not planned for again)
+        drifted = [s for s, (peak, stage, target) in enumerate(zip(peaks, plan.stages, plan.targets))
+                   if peak > (1 + DRIFT) * stage.peak.total and peak > target
+                   and peak > corrections.factors[s] * self._checked[s]]
+        if not drifted or corrections.replans >= o.max_replans:
+            return
+
+        def learn(c: Corrections) -> None:
+            for s in drifted:
+                c.learn(s, peaks[s], self._checked[s])
+
+        why = "; ".join(f"stage {s} peaked at {peaks[s]:,} bytes, {peaks[s] / plan.stages[s].peak.total - 1:.1%} over "
+                        f"its prediction and past its target of {plan.targets[s]:,}" for s in drifted)
+        self._replan(learn, why)
+
+    def _replan(self, learn: Callable[[Corrections], None], why: str) -> None:
+        """Plan again with what ``learn`` takes from training, rebuild, and say why."""
+        assert self.plan is not None and self._batch is not None and self.parallel_devices
+        o = self.options
+        corrections = self._corrections or Corrections.none(len(self.parallel_devices))
+        if corrections.replans >= o.max_replans:
+            raise RecoveryError(
+                f"{why} The stages were planned again {corrections.replans} times already (max_replans="
+                f"{o.max_replans}). Lower the micro-batch size, raise memory_limit or add stages; or raise max_replans."
+            )
+        learn(corrections)
+        corrections.replans += 1
+        self._corrections = corrections
+        if self._scheduled is not None:
+            self._scheduled.abandon()
+        if self._batch_norm is not None:
+            self._batch_norm.discard()
+        before = self.plan
+        batch, batch_idx = self._batch
+        planned = {path: tuple(shape) for path, shape in before.input_shapes.items()}
+        target = largest(planned, batch_shapes(batch))
+        self._shapes_to_plan = target
+        to_plan = tile(batch, {path: shape for path, shape in target.items() if shape != batch_shapes(batch).get(path)})
+        try:
+            self._plan(to_plan, batch_idx)
+        except InfeasiblePlanError as error:
+            raise RecoveryError(f"{why} No plan keeps every stage under its limit: {error}") from error
+        after = self.plan
+        message = (f"Planned again ({corrections.replans} of at most {o.max_replans}): {why.rstrip('.')}. Balance "
+                   f"{before.balance} -> {after.balance}; recomputed or swapped nodes {_optimised(before)} -> "
+                   f"{_optimised(after)}.")
+        corrections.history.append(message)
+        rank_zero_warn(message)
 
     def _capacities(self) -> list[int] | None:
         assert self.parallel_devices
@@ -462,6 +552,14 @@ class LocalEngine(Engine):
             raise RuntimeError(NO_FORWARD.format(hook="training_step"))
         if self.options.schedule != "gpipe":
             self._make_step()
+
+
+def _key(plan: Plan) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    return tuple(plan.balance), tuple(plan.policies)
+
+
+def _optimised(plan: Plan) -> int:
+    return sum(p != "keep" for p in plan.policies)
 
 
 class _Probed(Exception):

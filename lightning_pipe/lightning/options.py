@@ -40,6 +40,7 @@ class PipeOptions:
     virtual_stages: int = 1
     timeout: timedelta = timedelta(minutes=30)
     state_dict_type: StateDictType = "full"
+    max_replans: int = 3
 
     @classmethod
     def checked(
@@ -62,6 +63,7 @@ class PipeOptions:
         virtual_stages: int,
         timeout: timedelta | None,
         state_dict_type: StateDictType,
+        max_replans: int,
     ) -> "PipeOptions":
         """The options, each checked; a bad one raises an error naming it and the fix.
 
@@ -69,11 +71,13 @@ class PipeOptions:
             TypeError: an argument of the wrong type.
             ValueError: a value out of range, or options that do not go together.
         """
-        _check_types(chunks=(chunks, int), host_bandwidth=(host_bandwidth, float | None),
-                     link_bandwidth=(link_bandwidth, float | None),
+        _check_types(chunks=(chunks, int), max_replans=(max_replans, int),
+                     host_bandwidth=(host_bandwidth, float | None), link_bandwidth=(link_bandwidth, float | None),
                      measure_memory=(measure_memory, bool), deferred_batch_norm=(deferred_batch_norm, bool))
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
+        if max_replans < 0:
+            raise ValueError(f"max_replans must be >= 0 (0: never plan again after running out), got {max_replans}.")
         if schedule not in ("gpipe", "1f1b", "2bw"):
             raise ValueError(f"schedule must be one of 'gpipe', '1f1b', '2bw', got {schedule!r}.")
         if loss_reduction not in ("mean", "sum"):
@@ -106,7 +110,7 @@ class PipeOptions:
             measure_memory=measure_memory, deferred_batch_norm=deferred_batch_norm,
             plan_shapes={k: tuple(v) for k, v in (plan_shapes or {}).items()}, loss_reduction=loss_reduction,
             runtime=runtime, stages=stages, virtual_stages=virtual_stages, timeout=timeout or timedelta(minutes=30),
-            state_dict_type=state_dict_type,
+            state_dict_type=state_dict_type, max_replans=max_replans,
         )
 
 

@@ -33,7 +33,8 @@ from lightning_pipe.lightning.local import LocalEngine
 from lightning_pipe.lightning.metrics import logs_this_step
 from lightning_pipe.lightning.microlog import LossReduction
 from lightning_pipe.lightning.options import PipeOptions, Runtime, StateDictType, parse_limits
-from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.lightning.recovery import RecoveryError
+from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
 from lightning_pipe.plan.partitioners import Partitioner
 from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.profile import Profile
@@ -97,6 +98,11 @@ class MemoryPipeStrategy(ParallelStrategy):
             global rank 0 into one file; ``"sharded"`` has every rank write its own stage's
             tensors and optimizer state into a ``torch.distributed.checkpoint`` directory, for
             models too big to gather.
+        max_replans: with a planner, how many times a run may plan again because a stage ran
+            out of memory (:class:`~lightning_pipe.measure.meter.StageOutOfMemoryError` or
+            ``torch.OutOfMemoryError``: the step is undone, planned for below the memory it
+            took and run again) or drifted more than 5% past its prediction and its target;
+            then a stage running out raises :class:`~lightning_pipe.lightning.recovery.RecoveryError`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend: as for Lightning's own strategies (``DDPStrategy``); the
             Trainer fills them in when they are not given. ``process_group_backend`` (default:
@@ -127,6 +133,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         virtual_stages: int = 1,
         timeout: timedelta | None = None,
         state_dict_type: StateDictType = "full",
+        max_replans: int = 3,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -146,7 +153,7 @@ class MemoryPipeStrategy(ParallelStrategy):
             memory_limit=memory_limit, host_bandwidth=host_bandwidth, link_bandwidth=link_bandwidth,
             measure_memory=measure_memory, deferred_batch_norm=deferred_batch_norm, plan_shapes=plan_shapes,
             loss_reduction=loss_reduction, runtime=runtime, stages=stages, virtual_stages=virtual_stages,
-            timeout=timeout, state_dict_type=state_dict_type,
+            timeout=timeout, state_dict_type=state_dict_type, max_replans=max_replans,
         )
         if process_group_backend is not None and runtime != "distributed":
             raise ValueError(
@@ -285,7 +292,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         run it again nor zero the gradients after it. Its skip-backward flag is set for this
         step only, as Lightning's own callbacks set it, and its value restored after the step,
         so that a callback changing it (``StochasticWeightAveraging``) keeps working."""
-        self.engine.on_train_batch_start(batch, batch_idx)
+        self.engine.surviving(partial(self.engine.on_train_batch_start, batch, batch_idx))  # (loading the batch)
         module = self.lightning_module
         if self.engine.runs_backward and self._lightning_skip is None and module is not None:
             loop = module.trainer.fit_loop
@@ -338,7 +345,27 @@ class MemoryPipeStrategy(ParallelStrategy):
             def step(run: Any) -> Any:  # the closure Lightning passes, or the meter's wrapping of it
                 return parent(optimizer, run, model, **kwargs)
 
-            output = step(closure) if engine.meter is None else engine.meter.step(step, closure)
+            def attempt() -> Any:
+                made = False  # the closure made the gradients: the optimizer's update is under way
+
+                def closure_made() -> Any:
+                    nonlocal made
+                    result = closure()
+                    made = True
+                    return result
+
+                try:
+                    return step(closure_made) if engine.meter is None else engine.meter.step(step, closure_made)
+                except (StageOutOfMemoryError, torch.OutOfMemoryError) as error:
+                    if made:
+                        raise RecoveryError(
+                            f"{error} It ran out in the optimizer's update, which may have changed some parameters "
+                            f"already, so the step cannot run again. Lower memory_limit (the planner then leaves room "
+                            f"for the update) or the micro-batch size."
+                        ) from error
+                    raise
+
+            output = engine.surviving(attempt)
         finally:
             engine.stepping = False
         module = self.lightning_module
@@ -346,6 +373,7 @@ class MemoryPipeStrategy(ParallelStrategy):
             engine.log_step_metrics((time.perf_counter() - self._step_start) * 1e3)
         if engine.meter is not None:
             engine.meter.own_optimizer_state(optimizer)
+        engine.after_step()
         return output
 
     # --- checkpoints ---------------------------------------------------------------------------

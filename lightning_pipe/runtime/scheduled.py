@@ -100,6 +100,12 @@ class ScheduledPipeline:
 
         return map_aggregate(self.program.output, output)
 
+    def abandon(self) -> None:
+        """Drop what a batch that failed part-way left for its backwards (so its tensors go)."""
+        self._records.clear()
+        self._grads.clear()
+        self.active = False
+
     def ran(self, microbatch: int) -> bool:
         """Whether ``microbatch``'s forward ran through the pipeline and waits for its backward."""
         return (microbatch, len(self.program.stages) - 1) in self._records
