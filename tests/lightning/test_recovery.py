@@ -1,7 +1,6 @@
 """Training that survives a plan that does not hold (runtime="local"): a stage running out of
 memory mid-step is planned again and the step runs again, with nothing lost or applied twice."""
 
-import random
 import re
 import warnings
 from contextlib import nullcontext
@@ -36,33 +35,34 @@ class Cut(Callback):
             meter.capacities[self.stage] = self.capacity
 
 
-def _limit(family: str, schedule: str, stages: int = 2) -> int:
+def _limit(family: str, schedule: str, **size) -> int:
     """The fuller stage of an unconstrained plan of ``family``: a limit memory binds at."""
-    model, data = make(family)
+    model, data = make(family, **size)
     strategy = MemoryPipeStrategy(chunks=2, schedule=schedule, measure_memory=True)
-    trainer(strategy, stages, max_steps=1).fit(model, loader(data, 4))
+    trainer(strategy, 2, max_steps=1).fit(model, loader(data, 4))
     return max(s.peak.total for s in strategy.plan.stages)
 
 
-def _reference(family: str, steps: int = STEPS):
+def _reference(family: str, steps: int = STEPS, **size):
     torch.manual_seed(0)
-    reference, data = make(family)
+    reference, data = make(family, **size)
     trainer(max_steps=steps).fit(reference, loader(data, 4))
     return reference
 
 
-def _survives(family: str, schedule: str, stage: int, step: int, cut: float, limit: int, of_peak: bool = False):
+def _survives(family: str, schedule: str, stage: int, step: int, cut: float, limit: int, of_peak: bool = False,
+              steps: int = STEPS, **size):
     """Train ``family`` under ``limit`` with ``stage``'s memory cut by ``cut`` at ``step``; the
     model, the strategy, the cut and the warnings of re-plans."""
     torch.manual_seed(0)
-    model, data = make(family)
+    model, data = make(family, **size)
     strategy = MemoryPipeStrategy(chunks=2, schedule=schedule, measure_memory=True, memory_limit=limit)
     injected = Cut(strategy, stage, step, 1 - cut, of_peak)
-    fit = trainer(strategy, 2, max_steps=STEPS, callbacks=[injected])
+    fit = trainer(strategy, 2, max_steps=steps, callbacks=[injected])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit.fit(model, loader(data, 4))
-    assert fit.global_step == STEPS
+    assert fit.global_step == steps
     replans = [str(w.message) for w in caught if str(w.message).startswith("Planned again")]
     return model, strategy, injected, replans
 
@@ -141,30 +141,62 @@ def test_max_replans_must_be_a_count():
         MemoryPipeStrategy(max_replans=1.5)
 
 
-@pytest.mark.slow
-def test_fault_injection_suite_loses_no_run():
-    """30 runs under a limit with room (the fuller stage of an unconstrained plan, plus half):
-    a random family, schedule, stage and step, at which that stage loses 5-40% of the memory
-    it had used so far. Each run finishes with single-device training's parameters, or, where
-    the planner finds that no split fits the cut (the U-Net's first stage holds its full-size
-    activations wherever the cut goes), ends with the error naming the stage."""
-    rnd = random.Random(0)
-    limits: dict[tuple[str, str], int] = {}
-    references: dict[str, object] = {}
-    outcomes = []
-    for case in range(30):
-        family, schedule = rnd.choice(["gpt", "unet", "encdec"]), rnd.choice(["gpipe", "1f1b"])
-        stage, step, cut = rnd.randrange(2), rnd.randrange(1, STEPS), rnd.uniform(0.05, 0.4)
-        limit = limits.setdefault((family, schedule), int(1.5 * _limit(family, schedule)))
-        try:
-            model, strategy, _, replans = _survives(family, schedule, stage, step, cut, limit, of_peak=True)
-        except RecoveryError as error:
-            assert re.match(rf"Stage {stage} is out of memory.*No plan keeps every stage under its limit", str(error))
-            outcomes.append("refused")
-            continue
-        assert replans, case
-        assert all(m.peak <= c for m, c in zip(strategy.meter.stages, strategy.meter.capacities)), case
-        reference = references.setdefault(family, _reference(family))
-        assert max_rel_diff(model, reference) < 1e-5, (case, family, schedule, stage, step, cut)
-        outcomes.append("recovered")
-    assert outcomes.count("recovered") >= 24, outcomes
+class CudaOutOfMemoryOnce(Callback):
+    """Raise ``torch.OutOfMemoryError`` as CUDA words it from the loss's backward of training
+    batch ``step``, once: where only the device knows it ran out, not the meter."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.raised = step, False
+
+    def on_before_backward(self, trainer, module, loss) -> None:
+        if trainer.global_step == self.step and not self.raised:
+            self.raised = True
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 KiB. GPU 0 has a total capacity "
+                                         "of 79.10 GiB of which 16.00 KiB is free.")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_cuda_out_of_memory_error_is_planned_for_below_the_check(schedule):
+    limit = _limit("gpt", schedule)
+    torch.manual_seed(0)
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(chunks=2, schedule=schedule, measure_memory=True, memory_limit=limit)
+    fit = trainer(strategy, 2, max_steps=STEPS, callbacks=[CudaOutOfMemoryOnce(2)])
+    with pytest.warns(UserWarning, match=r"Planned again \(1 of at most 3\): CUDA out of memory"):
+        fit.fit(model, loader(data, 4))
+    # (no CUDA stage named: every stage planned 20 KiB below what its check said)
+    assert all(t < limit for t in strategy.plan.targets)
+    assert max_rel_diff(model, _reference("gpt")) < 1e-5
+
+
+class Hoard(Callback):
+    """From training batch 2 on, the step keeps a tensor of ``nbytes`` on the last stage that
+    the profile never saw (a cache the user's code fills), and the meter enforces nothing: the
+    stage's peak drifts past its prediction and its target without running out."""
+
+    def __init__(self, strategy: MemoryPipeStrategy, nbytes: int) -> None:
+        self.strategy, self.nbytes = strategy, nbytes
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.strategy.meter.capacities = [None, None]
+        if batch_idx == 2:
+            self.strategy.meter.run_as(1, lambda: setattr(module, "hoard", torch.zeros(self.nbytes // 4)))
+
+
+def test_a_stage_drifting_past_its_prediction_is_planned_for_before_the_next_step():
+    limit = _limit("gpt", "1f1b")
+    torch.manual_seed(0)
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(chunks=2, schedule="1f1b", measure_memory=True, memory_limit=limit)
+    fit = trainer(strategy, 2, max_steps=STEPS, callbacks=[Hoard(strategy, limit // 4)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(model, loader(data, 4))
+    replans = [str(w.message) for w in caught if str(w.message).startswith("Planned again")]
+    # (a factor learned on one plan may fall short on a plan recomputing more: then once more)
+    assert 1 <= len(replans) <= 2
+    assert all(re.match(r"Planned again \(\d of at most 3\): stage 1 peaked at [\d,]+ bytes, \d+\.\d% over its "
+                        r"prediction and past its target", r) for r in replans)
+    assert strategy.plan.targets[1] < limit * 0.8  # planned below by what the stage took beyond its check
+    assert all(m.peak <= limit for m in strategy.meter.stages)  # the hoard fits under the limit now
+    assert max_rel_diff(model, _reference("gpt")) < 1e-5
