@@ -7,7 +7,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
@@ -200,3 +200,20 @@ def test_a_stage_drifting_past_its_prediction_is_planned_for_before_the_next_ste
     assert strategy.plan.targets[1] < limit * 0.8  # planned below by what the stage took beyond its check
     assert all(m.peak <= limit for m in strategy.meter.stages)  # the hoard fits under the limit now
     assert max_rel_diff(model, _reference("gpt")) < 1e-5
+
+
+def test_the_last_good_checkpoint_is_intact_when_no_plan_fits(tmp_path):
+    limit = _limit("gpt", "gpipe")
+    torch.manual_seed(0)
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(chunks=2, measure_memory=True, memory_limit=limit)
+    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1, save_top_k=0)
+    fit = trainer(strategy, 2, max_steps=STEPS, callbacks=[Cut(strategy, 0, 2, 0.02), saving],
+                  enable_checkpointing=True)
+    with pytest.raises(RecoveryError, match="Stage 0 is out of memory"):
+        fit.fit(model, loader(data, 4))
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 2  # the two steps before the failed one
+    restored, _ = make("gpt")
+    restored.load_state_dict(checkpoint["state_dict"])
+    assert max_rel_diff(restored, _reference("gpt", steps=2)) < 1e-5
