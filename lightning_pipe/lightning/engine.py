@@ -152,6 +152,8 @@ class Engine:
             try:
                 return step()
             except (StageOutOfMemoryError, torch.OutOfMemoryError) as error:
+                if not self.replans():  # nothing plans again: the error as it is
+                    raise
                 failure = failure_of(error, self.parallel_devices)
             # Out of the handler the failed attempt's frames are unreachable, but cycles through
             # them (a traceback's frames, autograd's saved tensors) keep its tensors until collected.
@@ -164,6 +166,10 @@ class Engine:
         fails is undone by putting them back."""
         return [b for m in self.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
                 for b in m.buffers(recurse=False)]
+
+    def replans(self) -> bool:
+        """Whether a step that runs out of memory is planned for again (:meth:`recover`)."""
+        return False
 
     def recover(self, failure: Failure) -> None:
         """Plan and build the stages again after ``failure``, so the step can run again.

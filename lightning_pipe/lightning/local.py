@@ -408,12 +408,13 @@ class LocalEngine(Engine):
         enforced = self.meter.capacities
         return [limit if cap is None else min(limit, cap) for limit, cap in zip(limits, enforced)]
 
+    def replans(self) -> bool:
+        o = self.options
+        return self.plan is not None and o.planner is not None and o.balance is None and o.max_replans > 0
+
     def recover(self, failure: Failure) -> None:
         """Plan again below the memory the failed step showed each stage takes, and rebuild."""
-        o = self.options
-        if self.plan is None or o.planner is None or o.balance is not None or self._batch is None:
-            raise RecoveryError(f"{failure.message} Without a planner (planner=None or a balance) nothing plans again: "
-                                f"lower the micro-batch size, or raise memory_limit.")
+        assert self._batch is not None, "a training batch has started"
         if self._batch[1] % self.module.trainer.accumulate_grad_batches:
             raise RecoveryError(
                 f"{failure.message} It ran out within a window of accumulate_grad_batches, after earlier batches' "
