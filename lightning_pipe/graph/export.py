@@ -19,6 +19,11 @@ copied, wherever the real tensors live. A device the code takes from a tensor
 (``arange(n, device=x.device)``) is therefore ``meta`` in the graph: :func:`localize` makes it
 the device of the stage or node that runs it. Code that mixes tensors it makes on the CPU
 with the model's cannot run on meta; it is exported on the model's device instead.
+
+torch.export fixes any size it sees as 0 or 1, so a batch of one sample (a micro-batch of
+1) would give a graph for that size only. Such a batch is exported as a batch of two
+stand-ins: the graph then holds for every batch size, while whoever runs it (the
+profiler) still runs it on the real one.
 """
 
 import inspect
@@ -124,7 +129,7 @@ def export_graph(
     """Export ``module.forward`` as called with ``args`` and ``kwargs``, in the modules' current
     training modes, into an fx graph module and what it is specialized to.
 
-    Dim 0 of every input tensor stays symbolic (micro-batches vary in size); with
+    Dim 0 of every input tensor stays symbolic (micro-batches vary in size, down to 1); with
     ``every_size`` every size does, where the model allows (say a sequence length that
     varies between batches), at a cost: symbolic sizes make export several times slower.
 
@@ -135,33 +140,63 @@ def export_graph(
     bound = _signature(module).bind(*args, **kwargs)
     bound.apply_defaults()
     call = (tuple(bound.args), dict(bound.kwargs))
+    widen = _single(call)
     try:
-        program = _export(module, call, every_size, META)
-    except Exception as err:
-        device = _device(module)
-        if device is None:
-            raise ExportError(_explain(module, err)) from None
-        try:  # code that makes tensors on the CPU and mixes them with the model's (CPU) tensors
-            program = _export(module, call, every_size, device)
-        except Exception as err:
-            raise ExportError(_explain(module, err)) from None
+        program = _export_anywhere(module, call, every_size, widen)
+    except ExportError as err:
+        if not widen:
+            raise
+        try:  # does the code run at batch size 1 only?
+            _export_anywhere(module, call, every_size, widen=False)
+        except ExportError:
+            raise err from None
+        raise ExportError(
+            f"{err}\n{type(module).__name__}.forward captures at batch size 1 but not at 2: the code makes a shape "
+            f"from a constant batch size of 1 (or drops the batch dimension), so it cannot run on micro-batches "
+            f"of other sizes. Take the batch size from the input's shape instead."
+        ) from None
     graph_module, specialization = _Rewrite(program, module).run(dict(bound.arguments))
     for (path, value), leaf in zip(tree_flatten_with_path(dict(bound.arguments))[0], specialization.leaves):
-        if isinstance(leaf, _TensorLeaf) and leaf.sizes and leaf.sizes[0] is not None and value.shape[0] > 1:
+        fixed = isinstance(leaf, _TensorLeaf) and leaf.sizes and leaf.sizes[0] is not None
+        if fixed and (widen or value.shape[0] > 1):  # exported at 1 beside larger batches: it broadcasts
             raise ExportError(
                 f"torch.export fixed the batch size of {type(module).__name__}.forward's input "
-                f"{_path(path)} to {value.shape[0]}: the code makes a shape from a constant batch size, so "
+                f"{_path(path)} to {leaf.sizes[0]}: the code makes a shape from a constant batch size, so "
                 f"it cannot run on micro-batches. Take the batch size from the input's shape instead."
             )
     return graph_module, specialization
 
 
-def _export(module: nn.Module, call: Any, every_size: bool, device: torch.device) -> ExportedProgram:
+def _single(call: Any) -> bool:
+    """Whether no input tensor has a batch (dim 0) over 1, so that export would fix it."""
+    sizes = [x.shape[0] for x in tree_flatten(call)[0] if isinstance(x, Tensor) and x.dim()]
+    return bool(sizes) and max(sizes) < 2
+
+
+def _export_anywhere(module: nn.Module, call: Any, every_size: bool, widen: bool) -> ExportedProgram:
+    """:func:`_export` on meta stand-ins, else on the model's device.
+
+    Raises:
+        ExportError: naming where export failed.
+    """
+    try:
+        return _export(module, call, every_size, META, widen)
+    except Exception as err:
+        device = _device(module)
+        if device is None:
+            raise ExportError(_explain(module, err)) from None
+        try:  # code that makes tensors on the CPU and mixes them with the model's (CPU) tensors
+            return _export(module, call, every_size, device, widen)
+        except Exception as err:
+            raise ExportError(_explain(module, err)) from None
+
+
+def _export(module: nn.Module, call: Any, every_size: bool, device: torch.device, widen: bool) -> ExportedProgram:
     """torch.export (non-strict) of ``_Call(module)(*call)`` on stand-ins on ``device``: meta
     stand-ins for everything, or copies of the inputs on the device of all the module's
-    tensors."""
+    tensors; with ``widen``, two samples stand in for a batch of one."""
     with torch.inference_mode(False), torch.enable_grad(), _on_meta(module) if device == META else nullcontext():
-        inputs = tree_map(lambda x: _stand_in(x, device), call)
+        inputs = tree_map(lambda x: _stand_in(x, device, widen), call)
         dims = tree_map(lambda x: _dynamic(x, every_size), inputs)
         with _quiet():
             return torch.export.export(_Call(module), inputs, dynamic_shapes=dims, strict=False)
@@ -184,9 +219,11 @@ def _quiet() -> Iterator[None]:
         shapes.setLevel(level)
 
 
-def _stand_in(x: Any, device: torch.device) -> Any:
+def _stand_in(x: Any, device: torch.device, widen: bool) -> Any:
     if not isinstance(x, Tensor):
         return x
+    if widen and x.dim() and x.shape[0] < 2:  # export runs on fake tensors: the values never matter
+        return x.new_empty((2, *x.shape[1:]), device=device)
     return torch.empty_like(x, device=META) if device == META else x.to(device).clone()  # no inference tensor
 
 

@@ -187,6 +187,43 @@ def test_a_batch_size_fixed_by_the_code_is_an_error():
         capture(Fixed(), example_inputs=((torch.zeros(4, 3),), {}))
 
 
+def test_a_batch_of_one_gives_a_graph_for_every_batch_size():
+    """torch.export fixes a size it sees as 1: a batch of one is exported as two stand-ins."""
+    model = TiedLM()
+    batch, labels = _batch(n=1)
+    captured = _export(model, batch, labels=labels)
+    assert [leaf.sizes for leaf in captured.specialization.leaves] == [(None, 6), (None, 6)]
+    for n in (1, 3):
+        batch, labels = _batch(n=n)
+        assert captured.admits(bind_arguments(model, (batch,), {"labels": labels}))
+        out, expected = captured.graph_module(batch, labels=labels), model(batch, labels=labels)
+        assert torch.equal(out.logits, expected.logits) and torch.equal(out.loss, expected.loss)
+
+
+def test_fx_captures_a_batch_of_one_for_every_batch_size_as_before():
+    captured = capture(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), example_inputs=((torch.randn(1, 8),), {}))
+    assert captured.front_end == "torch.fx" and captured.specialization is None
+
+
+class Pinned(nn.Module):
+    """Reshapes to a constant batch size, the code's own."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.size = size
+
+    def forward(self, x):
+        _, *rest = x.shape  # fx cannot unpack a traced shape
+        return x.reshape(self.size, *rest).sum(-1)
+
+
+def test_code_that_pins_the_batch_size_fails_at_a_batch_of_one():
+    with pytest.raises(CaptureError, match=r"Pinned.forward captures at batch size 1 but not at 2: the code makes"):
+        capture(Pinned(1), example_inputs=((torch.zeros(1, 3),), {}))
+    with pytest.raises(CaptureError, match=r"fixed the batch size of Pinned.forward's input x to 2"):
+        capture(Pinned(2), example_inputs=((torch.zeros(1, 3),), {}))
+
+
 def test_keyword_arguments_are_placeholders_of_forward():
     class Kw(nn.Module):
         def __init__(self):

@@ -62,6 +62,16 @@ def test_exported_variants_by_input_structure_and_sizes():
     assert variants.get(((other,), {"labels": other["ids"]})) is every
 
 
+def test_a_first_call_with_a_batch_of_one_captures_the_graph_for_every_batch_size():
+    model = TiedLM()
+    variants = Variants(model)
+    batch, labels = _batch(n=1)
+    first = variants.get(((batch,), {"labels": labels}))
+    batch, labels = _batch(n=4)
+    assert variants.get(((batch,), {"labels": labels})) is first and len(variants.graphs) == 1
+    assert first.specialization.leaves[0].sizes == (None, 6)  # the length alone stays fixed
+
+
 def test_follow_balance_keeps_each_parameters_first_user_on_its_stage():
     model = nn.Sequential(Heads(8), nn.Dropout(0.1), Heads(8), nn.Dropout(0.1), Heads(8), nn.Linear(8, 2))
     variants = Variants(model)
