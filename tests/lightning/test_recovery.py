@@ -9,6 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from benchmarks.faults import Cut
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.lightning.recovery import RecoveryError
@@ -17,23 +18,6 @@ from tests.helpers import max_rel_diff, trainer
 from tests.models import Denoiser, MetricUNet, make
 
 STEPS = 4
-
-
-class Cut(Callback):
-    """At training batch ``step`` the meter's capacity of ``stage`` drops to ``share`` of its
-    limit (of its metered peak so far: ``of_peak``) without the strategy being told, as when
-    another process takes device memory."""
-
-    def __init__(self, strategy: MemoryPipeStrategy, stage: int, step: int, share: float, of_peak: bool = False):
-        self.strategy, self.stage, self.step, self.share, self.of_peak = strategy, stage, step, share, of_peak
-        self.capacity: int | None = None
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        if batch_idx == self.step:
-            meter = self.strategy.meter
-            base = meter.stages[self.stage].peak if self.of_peak else meter.capacities[self.stage]
-            self.capacity = int(base * self.share)
-            meter.capacities[self.stage] = self.capacity
 
 
 def _limit(family: str, schedule: str, **size) -> int:
