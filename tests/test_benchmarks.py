@@ -244,3 +244,30 @@ def test_distributed_benchmark_runs_every_runtime_and_matches_pipelinings_peaks(
     assert set(rows) == {"lightning_pipe distributed 1F1B", "torch pipelining Schedule1F1B",
                          "lightning_pipe interleaved 1F1B, v=2", "lightning_pipe local GPipe (1 proc)"}
     assert rows["lightning_pipe distributed 1F1B"][1] == rows["torch pipelining Schedule1F1B"][1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="it measures where a CUDA device is present")
+def test_gpu_check_says_it_needs_a_cuda_device():
+    from benchmarks.gpu_check import main
+
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        main(["gpt"])
+
+
+def test_gpu_check_predicts_the_allocator_of_a_tiny_gpt_on_cpu_stages():
+    from benchmarks.gpu_check import families, measure
+
+    stages, devices = measure(families(tiny=True)["gpt"](), [torch.device("cpu")] * 2, steps=2, microbatch=2)
+    assert [s.stage for s in stages] == [0, 1] and all(0 < s.fake <= s.allocated <= s.reserved for s in stages)
+    (device,) = devices  # both stages on the CPU: one allocator, no CUDA figures
+    assert device.stages == [0, 1] and device.max_allocated is None and device.max_reserved is None
+    assert max(s.allocated for s in stages) <= device.allocated <= sum(s.allocated for s in stages)
+
+
+@pytest.mark.cuda
+def test_gpu_check_compares_with_what_cuda_measured():
+    from benchmarks.gpu_check import main
+
+    for stages, devices in main(["--tiny", "--stages", "2", "--steps", "2"]).values():
+        assert all(0 < s.fake <= s.allocated <= s.reserved for s in stages)
+        assert all(d.max_allocated and d.max_reserved and d.allocated <= d.reserved for d in devices)

@@ -4,10 +4,14 @@
 stage of the plan would peak at. The answer is a fake training step
 (:func:`~lightning_pipe.runtime.fake.fake_training`) of a copy of the module whose weights are
 ``meta`` tensors: the user's step, loss and optimizer as they will train, using no memory,
-and leaving the module, its metrics and its logs as they were.
+and leaving the module, its metrics and its logs as they were. A stage on a GPU is checked by
+what its caching allocator will reserve (``torch.cuda.max_memory_reserved``), replayed from the
+order the fake step allocated and freed its storages in
+(:mod:`~lightning_pipe.measure.allocator`): what runs out is the device's memory, and the
+allocator's rounding and cached blocks take their share of it.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -22,6 +26,7 @@ from torchmetrics import Metric
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.lightning.microlog import silenced
+from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.measure.optimizers import rebuild
 from lightning_pipe.plan.plan import PREDICTION_ERROR, Plan
 from lightning_pipe.plan.schedule import Schedule
@@ -29,7 +34,10 @@ from lightning_pipe.runtime.build import Policy
 from lightning_pipe.runtime.distributed import DistributedSchedule
 from lightning_pipe.runtime.fake import fake_rank_training, fake_training, meta_copy
 
-__all__ = ["UncheckableStepError", "fake_peaks", "fake_rank_peak", "picks_kernel_by_device", "unchecked_warning"]
+__all__ = [
+    "UncheckableStepError", "device_peaks", "fake_meter", "fake_peaks", "fake_rank_peak", "picks_kernel_by_device",
+    "unchecked_warning",
+]
 
 #: Operators that pick their kernel, and so what they keep, by the device of their inputs:
 #: on ``meta`` tensors they run another one (``scaled_dot_product_attention``: the math kernel,
@@ -65,11 +73,40 @@ def fake_peaks(
     precision: Precision,
     plan: Plan,
     on_cpu: bool = False,
+    devices: Sequence[torch.device] = (),
 ) -> list[int]:
-    """Each stage's metered peak when ``plan`` trains ``module`` on batches shaped as
-    ``batch``, with an optimizer of ``optimizer``'s kind and settings (none: no state).
+    """Each stage's peak when ``plan`` trains ``module`` on batches shaped as ``batch``, with
+    an optimizer of ``optimizer``'s kind and settings (none: no state), as
+    :func:`device_peaks` reports it for the stages' ``devices`` (none given: metered).
     ``on_cpu``: the fake tensors stand on the CPU, and run the kernels it picks
     (``scaled_dot_product_attention``'s flash one; ``meta`` tensors run the math one)."""
+    on_gpu = any(d.type == "cuda" for d in devices)
+    meter = fake_meter(module, captured, batch, batch_idx, optimizer, precision, plan, on_cpu, trace=on_gpu)
+    return device_peaks(meter, devices)
+
+
+def device_peaks(meter: MemoryMeter, devices: Sequence[torch.device] = ()) -> list[int]:
+    """Each stage's peak as its device will show it: on a CUDA device, what its caching
+    allocator reserves, alone on a device of its own (the limit it is checked against is its
+    share of the device); elsewhere, and where ``devices`` are not given, the metered bytes."""
+    cuda = {s for s, d in enumerate(devices) if d.type == "cuda"}
+    return [meter.allocator_peaks([s]).reserved if s in cuda else peak for s, peak in enumerate(meter.peaks())]
+
+
+def fake_meter(
+    module: LightningModule,
+    captured: Captured,
+    batch: Any,
+    batch_idx: int,
+    optimizer: torch.optim.Optimizer | None,
+    precision: Precision,
+    plan: Plan,
+    on_cpu: bool = False,
+    *,
+    trace: bool = False,
+) -> MemoryMeter:
+    """The meter of :func:`fake_peaks`' fake training step (``trace``: with its trace, for
+    :meth:`~lightning_pipe.measure.meter.MemoryMeter.allocator_peaks`)."""
     replica, graph = _replica(module, captured)
     params = list(replica.parameters())
     twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(params, lr=0.0)
@@ -86,8 +123,8 @@ def fake_peaks(
     with silenced(replica), torch.random.fork_rng(devices=[]):
         meter = fake_training(replica, graph, shapes, step, twin, plan.balance, policies,
                               schedule=cast(Schedule, plan.schedule), chunks=plan.chunks,
-                              tensors="cpu" if on_cpu else "meta")
-    return meter.peaks()
+                              tensors="cpu" if on_cpu else "meta", trace=trace)
+    return meter
 
 
 def fake_rank_peak(

@@ -330,8 +330,9 @@ class LocalEngine(Engine):
         try:
             # (on meta tensors where no operator picks its kernel by device: they run faster)
             on_cpu = all(d.type == "cpu" for d in self.parallel_devices or []) and picks_kernel_by_device(self.captured)
+            # (a stage on a GPU: what its caching allocator will reserve)
             peaks = fake_peaks(module, self.captured, batch, batch_idx, optimizer, self.precision_plugin, plan,
-                               on_cpu=on_cpu)
+                               on_cpu=on_cpu, devices=self.parallel_devices)
         except UncheckableStepError as error:
             peaks = self._unchecked(plan, str(error))
         self._checks[_key(plan)] = peaks

@@ -9,13 +9,16 @@ stage's forward). Parameters, gradients and optimizer state are charged to the s
 owns the parameter. An operator may also allocate and free memory inside itself (a
 convolution's scratch), which no dispatch mode sees: the allocator reports it to a profiler
 session the meter runs around the first call of each operator signature, and every call
-charges those bytes to its stage for the instant it runs. Nothing here reads the planner's
-formulas.
+charges those bytes to its stage for the instant it runs. Asked to, the meter also records
+the order in which storages were charged and released, which
+:mod:`~lightning_pipe.measure.allocator` replays through the CUDA caching allocator's rules.
+Nothing here reads the planner's formulas.
 """
 
+import itertools
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, MutableMapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -30,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_pipe.measure.allocator import AllocatorPeaks, replay
 from lightning_pipe.measure.meta import meta_call, on_meta
 
 __all__ = [
@@ -103,13 +107,17 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     Args:
         num_stages: number of pipeline stages.
         capacities: per-stage byte limits (``None`` entries or list: unlimited).
+        trace: record every charge and release in order (:attr:`trace`), for
+            :meth:`allocator_peaks`; it grows with every storage, so only for a bounded run.
     """
 
-    def __init__(self, num_stages: int, capacities: Sequence[int | None] | None = None) -> None:
+    def __init__(
+        self, num_stages: int, capacities: Sequence[int | None] | None = None, *, trace: bool = False
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         if capacities is not None and len(capacities) != num_stages:
             raise ValueError(f"{len(capacities)} capacities given for {num_stages} stages.")
-        self.capacities = list(capacities) if capacities is not None else [None] * num_stages
+        self.capacities: list[int | None] = list(capacities) if capacities is not None else [None] * num_stages
         self.stages = [StageMemory() for _ in range(num_stages)]
         self._entries: MutableMapping[torch.UntypedStorage, _Entry] = WeakIdKeyDictionary()
         self._owner: MutableMapping[Tensor, int] = WeakIdKeyDictionary()  # parameter -> stage
@@ -121,6 +129,11 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._total = 0  # bytes charged to any stage now
         self.process_peak = 0  # the most bytes charged to all stages together at one moment
         self._batch: list[_Entry] = []  # the training batch's storages (charge_batch)
+        #: ``(stage, key, nbytes)`` in order: a storage (or an operator's workspace) of ``nbytes``
+        #: charged to ``stage`` as ``key``, or released where ``nbytes`` is negative; a storage
+        #: moving to another stage is released there and charged here, one event after the other
+        self.trace: list[tuple[int, int, int]] | None = [] if trace else None
+        self._workspaces = itertools.count(-1, -1)  # keys of workspaces: no entry's id
 
     # -- what runs now ---------------------------------------------------------------------
 
@@ -216,6 +229,7 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if released is not None and released.nbytes == 0:
                 released.nbytes, released.stage, released.kind = storage.nbytes(), stage, "boundary"
                 self._add(stage, "boundary", released.nbytes)
+                self._record((stage, id(released), released.nbytes))
             else:
                 self._charge(t, stage, "boundary", movable=False)
             self._batch.append(self._entries[storage])
@@ -270,6 +284,7 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._entries[storage] = entry
             weakref.finalize(storage, self._release, entry)
             self._add(stage, kind, entry.nbytes)
+            self._record((stage, id(entry), entry.nbytes))
         elif (entry.stage, entry.kind) != (stage, kind):
             self._move(entry, stage, kind)
 
@@ -277,6 +292,8 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         with self._lock:
             self.stages[entry.stage].current[entry.kind] -= entry.nbytes
             self._total -= entry.nbytes
+            if stage != entry.stage:
+                self._record((entry.stage, id(entry), -entry.nbytes), (stage, id(entry), entry.nbytes))
         entry.stage, entry.kind = stage, kind
         self._add(stage, kind, entry.nbytes)
 
@@ -292,6 +309,8 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         with self._lock:
             self._check(stage, nbytes)
             self._note_peak(stage, "transient", nbytes)
+            key = next(self._workspaces)
+            self._record((stage, key, nbytes), (stage, key, -nbytes))
 
     def _check(self, stage: int, nbytes: int) -> None:
         capacity, in_use = self.capacities[stage], self.stages[stage].total
@@ -307,11 +326,18 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             memory.peak_by_kind = {**memory.current, kind: level}
         self.process_peak = max(self.process_peak, self._total + extra)
 
+    def _record(self, *events: tuple[int, int, int]) -> None:
+        """Append charges and releases to the trace, where one is kept; none of zero bytes
+        (no allocator hands out a block for them, nor takes one back)."""
+        if self.trace is not None and events[0][2]:
+            self.trace.extend(events)
+
     def _release(self, entry: _Entry) -> None:
         """Stop charging ``entry`` (its storage died, or :meth:`charge_batch`); once only."""
         with self._lock:
             self.stages[entry.stage].current[entry.kind] -= entry.nbytes
             self._total -= entry.nbytes
+            self._record((entry.stage, id(entry), -entry.nbytes))
             entry.nbytes = 0
 
     def __torch_dispatch__(
@@ -374,6 +400,20 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             m.peak_by_kind = dict(m.current)
             m.kind_peaks = dict(m.current)
         self.process_peak = self._total
+
+    def allocator_peaks(self, stages: Collection[int]) -> AllocatorPeaks:
+        """What one CUDA caching allocator serving ``stages`` together would show as its
+        ``max_memory_allocated`` and ``max_memory_reserved``, from the :attr:`trace`
+        (:func:`~lightning_pipe.measure.allocator.replay`): one stage, as on a device of its
+        own, or the stages sharing a device (where a storage moving between two of them is
+        freed and at once allocated again: the block just freed fits it, no segment is added).
+
+        Raises:
+            ValueError: the meter keeps no trace.
+        """
+        if self.trace is None:
+            raise ValueError("The meter keeps no trace: make it with MemoryMeter(..., trace=True).")
+        return replay((key, nbytes) for stage, key, nbytes in self.trace if stage in stages)
 
     @staticmethod
     def cuda_peaks(devices: Sequence[torch.device]) -> list[int] | None:

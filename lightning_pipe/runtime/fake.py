@@ -23,7 +23,9 @@ repeated here; the tests hold a fake run's metered peaks equal to a real Lightni
 What tensors without data cannot show is what a kernel does inside: the workspace an operator
 allocates and frees within itself (the meter charges what a real call of the same signature
 showed, none if none ran), and a real kernel returning a tensor in a storage larger than it
-(the CPU's ``mse_loss``): a fake storage is its tensor's size.
+(the CPU's ``mse_loss``): a fake storage is its tensor's size. What a GPU's caching allocator
+holds beyond the storages (rounding, cached blocks) follows from their order, which a run
+records when asked (``trace``) and :mod:`~lightning_pipe.measure.allocator` replays.
 """
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -74,6 +76,7 @@ def fake_training(
     chunks: int = 1,
     capacities: Sequence[int | None] | None = None,
     tensors: Literal["meta", "cpu"] = "meta",
+    trace: bool = False,
 ) -> MemoryMeter:
     """Train on fake tensors, split by ``balance`` with ``policies``; return the meter,
     whose per-stage peaks are what a steady training step on ``batch`` reaches.
@@ -83,7 +86,8 @@ def fake_training(
     ``meta`` model goes in, and it can neither train nor run fake again (run each time a
     :func:`meta_copy`). Every stage runs on one device, ``meta`` (``tensors="meta"``) or
     fake tensors on the CPU (``"cpu"``: for a step under CPU autocast); the meter tells
-    stages apart by itself.
+    stages apart by itself. ``trace``: the meter records the order of its charges and
+    releases, for :meth:`~lightning_pipe.measure.meter.MemoryMeter.allocator_peaks`.
     ``batch`` may be real or ``meta``: only its shapes and dtypes are used. Two steps run:
     the first on one micro-batch, only to leave what a step leaves (gradients, optimizer
     state: which parameters get them does not depend on the batch), at a fraction of a whole
@@ -111,7 +115,7 @@ def fake_training(
         p.grad = None  # gradients from before are no part of this run
     stages = len(balance)
     program = build(captured, root, balance, [device] * stages, policies)
-    meter = MemoryMeter(stages, capacities)
+    meter = MemoryMeter(stages, capacities, trace=trace)
     with mode, _own_host_pool(device):
         versions = WeightVersions(root.parameters()) if schedule == "2bw" else None
         stale = dict(zip(map(id, versions.params), versions.stale)) if versions else {}

@@ -12,7 +12,7 @@ import lightning_pipe.lightning.local as strategy_module
 from examples.models import GPT, TokenDataset, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture
-from lightning_pipe.lightning.check import fake_peaks, picks_kernel_by_device
+from lightning_pipe.lightning.check import fake_meter, fake_peaks, picks_kernel_by_device
 from lightning_pipe.measure.meter import StageOutOfMemoryError
 from lightning_pipe.plan.plan import PREDICTION_ERROR
 from tests.helpers import trainer
@@ -64,6 +64,7 @@ def test_a_plan_that_a_fake_step_finds_over_the_limit_is_made_again_below_it():
 
     def spied(*args, **kwargs):
         checks.append((args[-1], fake_peaks(*args, **kwargs)))
+        assert kwargs["devices"] == [torch.device("cpu")] * STAGES  # (a CUDA stage is checked by what it reserves)
         return checks[-1][1]
 
     with pytest.MonkeyPatch.context() as patch:
@@ -87,8 +88,10 @@ def test_a_plan_that_a_fake_step_finds_over_the_limit_is_made_again_below_it():
 def test_without_the_check_the_same_limits_run_out_of_memory(monkeypatch):
     limits = _limits()
     monkeypatch.setattr(strategy_module, "fake_peaks", lambda *args, **kwargs: [s.peak.total for s in args[-1].stages])
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b", memory_limit=limits, measure_memory=True,
+                                  max_replans=0)  # (no recovery: it would plan again)
     with pytest.raises(StageOutOfMemoryError):
-        _fit(MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b", memory_limit=limits, measure_memory=True))
+        _fit(strategy)
 
 
 def test_the_check_leaves_the_module_as_it_was():
@@ -110,6 +113,24 @@ def test_the_check_leaves_the_module_as_it_was():
     assert {id(p): dict(s) for p, s in optimizer.state.items()}.keys() == state.keys()
     assert all(not (isinstance(v, FakeTensor) or v.is_meta) for s in optimizer.state.values() for v in s.values())
     assert vars(module)["forward"] == strategy.engine.run_forward  # the strategy's pipeline still runs the module
+
+
+def test_on_a_cuda_stage_the_check_reports_what_the_caching_allocator_reserves():
+    strategy = _fit(MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b"), steps=1)
+    module = strategy.lightning_module
+    module.forward = strategy.engine.run_forward
+    batch = next(iter(loader(TokenDataset(BATCH), BATCH)))
+    check = partial(fake_peaks, module, strategy.engine.captured, batch, 0, strategy.optimizers[0],
+                    strategy.precision_plugin, strategy.plan)
+    meter = fake_meter(module, strategy.engine.captured, batch, 0, strategy.optimizers[0], strategy.precision_plugin,
+                       strategy.plan, trace=True)
+    metered = meter.peaks()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)  # (a device is only a name: no GPU needed)
+    assert check() == check(devices=[cpu, cpu]) == metered  # CPU stages: the metered bytes
+    # a stage on a GPU: what its caching allocator reserves, at least the blocks it hands out, at least the bytes
+    reserved = meter.allocator_peaks([1])
+    assert check(devices=[cpu, cuda]) == [metered[0], reserved.reserved]
+    assert metered[1] <= reserved.allocated <= reserved.reserved
 
 
 def test_under_cpu_autocast_the_check_meters_what_training_does():
