@@ -11,7 +11,7 @@
   without memory optimisation) is one candidate and every baseline's is another, so dawnpiper
   fits whenever a baseline does; when none fits, a fill-first search looks for any split that
   fits. Of the fitting candidates the fastest by simulated step wins, with near-ties settled
-  against idle stages, then by bytes rather than timing noise (:func:`_steadiest`).
+  by bytes rather than timing noise (:func:`_steadiest`).
 * ``capslog``: CAPSlog's binary search on a memory threshold with fill-first; minimises the
   largest peak relative to the stage's capacity (with equal capacities: the largest peak).
 * ``time``: contiguous min-max of forward + backward (+ send) time (torchgpipe's
@@ -30,27 +30,20 @@ from functools import cached_property
 from typing import Any, Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
-from lightning_pipe.plan.memory import CodedPolicies, CostModel, Policy, StagePeak, Waiting, stage_ranges
-from lightning_pipe.plan.optimize import Descent, StageOptimum, lowest_peak, optimize_stage, prune_stage
+from lightning_pipe.plan.memory import CostModel, Policy, Waiting, stage_ranges
+from lightning_pipe.plan.optimize import NOISE, Descent, StageOptimum, lowest_peak, optimize_stage, prune_stage
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Action, BackwardState
 from lightning_pipe.plan.simulate import Replay, StageTime
 
 __all__ = [
-    "BASELINES", "IDLE", "PARTITIONERS", "TIE", "Partitioner", "Stages", "fitting_split", "lowest_peak_balance",
-    "partition", "split",
+    "BASELINES", "NOISE", "PARTITIONERS", "Partitioner", "Stages", "fitting_split", "lowest_peak_balance", "partition",
+    "split",
 ]
 
 # Stages.reachable's margin over the capacities: lowest peaks are not quite monotone in the range,
 # so a split fill-first misses at the capacities can still be under them.
 REACH = 1.05
-# Predicted steps closer than this (relative) count as equal when dawnpiper chooses among the
-# splits that fit: re-profiling moves a plan's predicted step by 1-2%, so ties within it are
-# settled by bytes (which do not vary), while a split faster by more wins.
-TIE = 0.02
-# A stage taking under this share of the slowest stage's time is idle: a tie-break never
-# trades a split for one idling more stages.
-IDLE = 0.25
 
 Partitioner = Literal["dawnpiper", "capslog", "time", "params", "uniform"]
 PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params", "uniform")
@@ -82,7 +75,6 @@ class Stages:
     _placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict, repr=False)
     _prunes: dict[tuple[object, ...], StageOptimum | None] = field(default_factory=dict, repr=False)
     _steps: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)
-    _peaks: dict[tuple[object, ...], StagePeak] = field(default_factory=dict, repr=False)
     _replay: Replay | None = field(default=None, repr=False)
     _floor: list[int] | None = field(default=None, repr=False)
     _further: "Stages | None" = field(default=None, repr=False)
@@ -124,8 +116,8 @@ class Stages:
 
     def _varied(self, **changes: Any) -> "Stages":
         """These stages with ``changes``, and none of what was found for these (cached) kept."""
-        return replace(self, **changes, _optima={}, _placed={}, _prunes={}, _steps={}, _peaks={}, _floor=None,
-                       _further=None, _descents={})
+        return replace(self, **changes, _optima={}, _placed={}, _prunes={}, _steps={}, _floor=None, _further=None,
+                       _descents={})
 
     def floor(self) -> list[int]:
         """:func:`lowest_peak_balance` of these stages searched further: the split any plan
@@ -244,18 +236,11 @@ class Stages:
 
     def _priced(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
         """``optima`` with their peaks priced with every stage's policies and what waits."""
-        chosen = CodedPolicies.of({i: p for o in optima for i, p in o.policies.items()}, self.model.n)
+        chosen = {i: p for o in optima for i, p in o.policies.items()}
         waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
-        peaks = [self._peak(r.start, r.stop, s, chosen, waits[s]) for s, r in enumerate(stage_ranges(balance))]
+        peaks = [self.model.peak(r.start, r.stop, self.in_flight[s], chosen, self.weight_versions, waits[s])
+                 for s, r in enumerate(stage_ranges(balance))]
         return [replace(o, peak=p, fits=o.fits and p.total <= c) for o, p, c in zip(optima, peaks, self.capacities)]
-
-    def _peak(self, lo: int, hi: int, s: int, chosen: CodedPolicies, waiting: Waiting) -> StagePeak:
-        """:meth:`CostModel.peak` of stage ``s`` on ``[lo, hi)`` under a whole split's policies
-        ``chosen`` (cached by those it reads: a search moving one cut prices the others again)."""
-        key = (lo, hi, s, waiting[0], tuple(waiting[1]), self.model.policy_key(lo, hi, chosen))
-        if (peak := self._peaks.get(key)) is None:
-            peak = self._peaks[key] = self.model.peak(lo, hi, self.in_flight[s], chosen, self.weight_versions, waiting)
-        return peak
 
     def fits(self, balance: Sequence[int]) -> bool:
         """Whether every stage of ``balance``, placed, fits (a stage :meth:`overfull` does not:
@@ -299,17 +284,6 @@ class Stages:
                 else max(t.forward + t.backward + t.recompute + t.swap + t.send for t in times)
             )
         return self._steps[key]
-
-    def least_step_ms(self, balance: Sequence[int]) -> float:
-        """A lower bound of :meth:`step_ms` known before any stage is optimised: the step with
-        no recompute or swap (a simulated step never shortens as a stage's time grows)."""
-        model = self.model
-        times = [StageTime(model.forward_time(r.start, r.stop),
-                           model.compute_ms(r.start, r.stop) - model.forward_time(r.start, r.stop),
-                           send=model.send_ms(r.start, r.stop)) for r in stage_ranges(balance)]
-        if self.order and self._replay is None:
-            self._replay = Replay(self.order)
-        return self._replay.run(times).step_ms if self._replay else max(t.forward + t.backward + t.send for t in times)
 
     def stage_time(self, lo: int, hi: int, s: int) -> float:
         """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation,
@@ -376,17 +350,10 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
     if name == "dawnpiper":
         return _dawnpiper(stages)
     if name == "capslog":
-        peaks: dict[tuple[int, int, int], float] = {}  # the threshold search prices many ranges again
-
         def peak(lo: int, hi: int, s: int) -> float:
-            if (lo, hi, s) not in peaks:
-                peaks[lo, hi, s] = model.peak(lo, hi, stages.in_flight[s], {}, stages.weight_versions).total
-            return peaks[lo, hi, s]
+            return model.peak(lo, hi, stages.in_flight[s], {}, stages.weight_versions).total
 
-        def within(lo: int, hi: int, s: int, limit: float) -> bool:
-            return _least_kept_peak(stages, lo, hi, s) <= limit and peak(lo, hi, s) <= limit
-
-        return _min_max(model.n, stages.capacities, peak, within=within)
+        return _min_max(model.n, stages.capacities, peak)
     if name == "time":
         return _min_max(model.n, [1.0] * count, lambda lo, hi, s: model.compute_ms(lo, hi) + model.send_ms(lo, hi))
     if name == "params":
@@ -394,20 +361,6 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
     if name == "uniform":
         return [model.n // count + (s < model.n % count) for s in range(count)]
     raise ValueError(f"unknown partitioner {name!r}; use one of {', '.join(PARTITIONERS)}.")
-
-
-def _least_kept_peak(stages: Stages, lo: int, hi: int, s: int) -> int:
-    """A lower bound of the peak of stage ``s`` on ``[lo, hi)`` keeping every activation, from
-    prefix sums: its state and, before the last stage, the forward of its last micro-batch in
-    flight, which ends holding every micro-batch's stash (:meth:`CostModel.peak`). A
-    fill-first search asks mostly for ranges far over its limit, each some 500 times cheaper
-    to rule out so than to price."""
-    model = stages.model
-    static = model.static(lo, hi, stages.weight_versions)
-    if hi == model.n or model.carry:
-        return static
-    stashed = model.stashed(lo, hi)
-    return static + round((stages.in_flight[s] - 1) * stashed) + stashed
 
 
 def lowest_peak_balance(stages: Stages, start: Sequence[int] | None = None) -> list[int]:
@@ -520,7 +473,7 @@ def fitting_split(name: Partitioner, stages: Stages) -> list[int] | None:
 
 
 def _dawnpiper(stages: Stages) -> list[int]:
-    """The fastest split that fits (up to :data:`TIE`: :func:`_steadiest`) of
+    """The fastest split that fits (up to timing noise: :func:`_steadiest`) of
     :func:`_dawnpiper_fitting`'s; when none fits, the bisection's split."""
     fitting = list(_dawnpiper_fitting(stages))
     return _steadiest(stages, fitting) if fitting else stages.bisected
@@ -553,27 +506,15 @@ def _dawnpiper_fitting(stages: Stages) -> Iterator[list[int]]:
 
 
 def _steadiest(stages: Stages, fitting: list[list[int]]) -> list[int]:
-    """Of the ``fitting`` splits and their neighbours, the fastest, with near-ties settled by
-    what timing noise does not move. Splits predicted within :data:`TIE` of the fastest count
-    as equally fast; each cut of those moves, one at a time, to where the fewest bytes cross it
-    (what the devices send each other) while the split stays that fast, fits and idles no more
-    stages (:func:`_idle`); then the split idling the fewest stages wins, then the one sending
-    the fewest bytes (then the one recomputing and swapping the fewest, then the faster, then
-    the earlier cuts). Byte counts do not vary between runs."""
-    limit = min(map(stages.step_ms, fitting)) * (1 + TIE)
+    """Of the ``fitting`` splits and their neighbours, the one timing noise moves least. Splits
+    predicted within :data:`NOISE` of the fastest count as equally fast; each cut of those moves,
+    one at a time, to where the fewest bytes cross it (what the devices send each other) while
+    the split stays that fast and fits; then the split sending the fewest bytes wins (then the
+    one recomputing and swapping the fewest, then the faster, then the earlier cuts). Byte
+    counts do not vary between runs."""
+    limit = min(map(stages.step_ms, fitting)) * (1 + NOISE)
     settled = [_settled(stages, b, limit) for b in fitting if stages.step_ms(b) <= limit]
-    return min(settled, key=lambda b: (_idle(stages, b), _crossing_bytes(stages.model, b), *_cheapest(stages, b)))
-
-
-def _idle(stages: Stages, balance: Sequence[int]) -> int:
-    """How many stages of ``balance``, placed, take under :data:`IDLE` of the slowest one's
-    time: their devices wait while another bounds the step."""
-    times = [t.forward + t.backward + t.recompute + t.swap + t.send for t in stages.times(balance)]
-    return sum(t < IDLE * max(times) for t in times)
-
-
-def _crossing_bytes(model: CostModel, balance: Sequence[int]) -> int:
-    return sum(model.crossing[c] for c in _cuts(balance))
+    return min(settled, key=lambda b: (sum(stages.model.crossing[c] for c in _cuts(b)), *_cheapest(stages, b)))
 
 
 def _cheapest(stages: Stages, balance: list[int]) -> tuple[int, float, list[int]]:
@@ -585,19 +526,13 @@ def _cheapest(stages: Stages, balance: list[int]) -> tuple[int, float, list[int]
 
 def _settled(stages: Stages, balance: list[int], limit: float) -> list[int]:
     """``balance`` with its cuts moved one at a time, over and over, to where fewer bytes cross:
-    to the fewest that keep the split fitting, its step within ``limit`` and its idle stages
-    as few (:func:`_idle`), the cheapest such position (:func:`_cheapest`). A cut looks only as
-    far as the compute of its two stages stays within :data:`TIE` of the slowest stage's, and
-    a position whose step is over ``limit`` before any recompute or swap is priced no further;
-    each move lowers the bytes crossing, so this ends."""
+    to the fewest that keep the split fitting and its step within ``limit``, the cheapest such
+    position (:func:`_cheapest`). A cut looks only as far as the compute of its two stages
+    stays within :data:`NOISE` of the slowest stage's; each move lowers the bytes crossing, so
+    this ends."""
     model, n = stages.model, stages.model.n
-    cuts, settling, idle = _cuts(balance), True, _idle(stages, balance)
-    reach = (1 + TIE) * max(_compute(model, r.start, r.stop) for r in stage_ranges(balance))
-
-    def steady(moved: list[int]) -> bool:
-        return (stages.least_step_ms(moved) <= limit and stages.fits(moved) and stages.step_ms(moved) <= limit
-                and _idle(stages, moved) <= idle)
-
+    cuts, settling = _cuts(balance), True
+    reach = (1 + NOISE) * max(_compute(model, r.start, r.stop) for r in stage_ranges(balance))
     while settling:
         settling = False
         for k, start in enumerate(cuts):
@@ -614,7 +549,7 @@ def _settled(stages: Stages, balance: list[int], limit: float) -> list[int]:
                         fewer.setdefault(model.crossing[c], []).append(c)
                     c += step
             for level in sorted(fewer):
-                taken = [c for c in fewer[level] if steady(moved(c))]
+                taken = [c for c in fewer[level] if stages.fits(moved(c)) and stages.step_ms(moved(c)) <= limit]
                 if taken:
                     cuts[k] = min(taken, key=lambda c: _cheapest(stages, moved(c)))
                     settling = True
