@@ -14,7 +14,6 @@ from benchmarks.faults import Cut
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.lightning.recovery import RecoveryError
-from lightning_pipe.measure.meter import StageOutOfMemoryError
 from tests.helpers import max_rel_diff, trainer
 from tests.models import Denoiser, MetricUNet, make
 
@@ -122,17 +121,6 @@ def test_out_of_replans_is_a_clear_error():
     out = r"Stage 1 is out of memory.*planned again 1 times already \(max_replans=1\).*raise max_replans"
     with pytest.warns(UserWarning, match=r"Planned again \(1 of at most 1\)"), pytest.raises(RecoveryError, match=out):
         fit.fit(model, loader(data, 4))
-
-
-def test_with_max_replans_0_or_no_planner_the_error_is_the_meters():
-    limit = _limit("gpt", "gpipe")
-    for options in ({"max_replans": 0}, {"planner": None}):
-        torch.manual_seed(0)
-        model, data = make("gpt")
-        strategy = MemoryPipeStrategy(chunks=2, measure_memory=True, memory_limit=limit, **options)
-        fit = trainer(strategy, 2, max_steps=STEPS, callbacks=[Cut(strategy, 1, 1, 0.5, of_peak=True)])
-        with pytest.raises(StageOutOfMemoryError, match="Stage 1 is out of memory"):
-            fit.fit(model, loader(data, 4))
 
 
 def test_max_replans_must_be_a_count():
