@@ -143,11 +143,13 @@ class Engine:
         """One ``validation_step``, ``test_step`` or ``predict_step``; ``step`` runs it as Lightning would."""
         return step()
 
-    def surviving(self, step: Callable[[], _T]) -> _T:
+    def surviving(self, step: Callable[[], _T], undo: bool = True) -> _T:
         """Run one optimizer ``step`` (Lightning's closure inside: the training step, its
         backward), and where a stage runs out of memory in it, undo the attempt, plan again
-        (:meth:`recover`) and run it again (:mod:`~lightning_pipe.lightning.recovery`)."""
-        undo = UndoPoint(self.module, self.parallel_devices, self.written_buffers())
+        (:meth:`recover`) and run it again (:mod:`~lightning_pipe.lightning.recovery`).
+        ``undo``: whether the step changes what an attempt must undo (loading a batch does not)."""
+        replans = undo and self.replans()
+        point = UndoPoint(self.module, self.parallel_devices, self.written_buffers()) if replans else None
         while True:
             try:
                 return step()
@@ -158,7 +160,8 @@ class Engine:
             # Out of the handler the failed attempt's frames are unreachable, but cycles through
             # them (a traceback's frames, autograd's saved tensors) keep its tensors until collected.
             gc.collect()
-            undo.restore()
+            if point is not None:
+                point.restore()
             self.recover(failure)
 
     def written_buffers(self) -> list[Tensor]:

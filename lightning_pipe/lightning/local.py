@@ -396,7 +396,7 @@ class LocalEngine(Engine):
         if self.meter is not None:
             enforced: list[int | None] = [*capacities] if capacities else [None] * len(self.meter.stages)
             self.meter.capacities = enforced
-        if self.plan is not None and self.options.planner is not None and self.options.balance is None:
+        if self._planner_splits:
             self._needs_plan = True
 
     def _limits(self) -> list[int]:
@@ -409,9 +409,13 @@ class LocalEngine(Engine):
         enforced = self.meter.capacities
         return [limit if cap is None else min(limit, cap) for limit, cap in zip(limits, enforced)]
 
+    @property
+    def _planner_splits(self) -> bool:
+        """Whether the planner made the split and so may make it again (no user ``balance``)."""
+        return self.plan is not None and self.options.planner is not None and self.options.balance is None
+
     def replans(self) -> bool:
-        o = self.options
-        return self.plan is not None and o.planner is not None and o.balance is None and o.max_replans > 0
+        return self._planner_splits and self.options.max_replans > 0
 
     def recover(self, failure: Failure) -> None:
         """Plan again below the memory the failed step showed each stage takes, and rebuild."""
@@ -426,7 +430,7 @@ class LocalEngine(Engine):
 
     def after_step(self) -> None:
         plan, meter, o = self.plan, self.meter, self.options
-        if plan is None or meter is None or o.planner is None or o.balance is not None or self._batch is None:
+        if not self._planner_splits or plan is None or meter is None or self._batch is None:
             return
         corrections = self._corrections or Corrections.none(len(plan.stages))
         peaks = meter.peaks()
@@ -465,19 +469,14 @@ class LocalEngine(Engine):
         before = self.plan
         batch, batch_idx = self._batch
         planned = {path: tuple(shape) for path, shape in before.input_shapes.items()}
-        target = largest(planned, batch_shapes(batch))
-        self._shapes_to_plan = target
-        to_plan = tile(batch, {path: shape for path, shape in target.items() if shape != batch_shapes(batch).get(path)})
         try:
-            self._plan(to_plan, batch_idx)
+            self._plan(self._grown(batch, largest(planned, batch_shapes(batch))), batch_idx)
         except InfeasiblePlanError as error:
             raise RecoveryError(f"{why} No plan keeps every stage under its limit: {error}") from error
         after = self.plan
-        message = (f"Planned again ({corrections.replans} of at most {o.max_replans}): {why.rstrip('.')}. Balance "
-                   f"{before.balance} -> {after.balance}; recomputed or swapped nodes {_optimised(before)} -> "
-                   f"{_optimised(after)}.")
-        corrections.history.append(message)
-        rank_zero_warn(message)
+        rank_zero_warn(f"Planned again ({corrections.replans} of at most {o.max_replans}): {why.rstrip('.')}. Balance "
+                       f"{before.balance} -> {after.balance}; recomputed or swapped nodes {_optimised(before)} -> "
+                       f"{_optimised(after)}.")
 
     def _capacities(self) -> list[int] | None:
         assert self.parallel_devices
@@ -508,7 +507,8 @@ class LocalEngine(Engine):
             rank_zero_info(f"memory_limit is now {self.options.memory_limit}: planning again for {show(target)}.")
         elif self._needs_plan:
             target = largest(now, self.options.plan_shapes)
-        elif self.plan is not None and self.options.planner is not None and self.options.balance is None:
+        elif self._planner_splits:
+            assert self.plan is not None
             planned = {path: tuple(shape) for path, shape in self.plan.input_shapes.items()}
             more = grown(planned, now)
             if not more:
@@ -522,7 +522,12 @@ class LocalEngine(Engine):
             self._needs_plan = True
         else:
             return None
+        return self._grown(batch, target)
+
+    def _grown(self, batch: Any, target: Shapes) -> Any:
+        """``batch`` repeated to the shapes to plan for, ``target``, which the plan records."""
         self._shapes_to_plan = target
+        now = batch_shapes(batch)
         return tile(batch, {path: shape for path, shape in target.items() if shape != now.get(path)})
 
     def _probe(self, batch: Any, batch_idx: int) -> None:

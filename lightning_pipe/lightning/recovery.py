@@ -11,7 +11,7 @@ again. The optimizer steps once, after an attempt that succeeded.
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from lightning.pytorch import LightningModule
@@ -70,7 +70,6 @@ class Corrections:
 
     factors: list[float]
     replans: int = 0
-    history: list[str] = field(default_factory=list)
 
     @classmethod
     def none(cls, stages: int) -> "Corrections":

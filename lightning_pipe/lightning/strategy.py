@@ -292,7 +292,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         run it again nor zero the gradients after it. Its skip-backward flag is set for this
         step only, as Lightning's own callbacks set it, and its value restored after the step,
         so that a callback changing it (``StochasticWeightAveraging``) keeps working."""
-        self.engine.surviving(partial(self.engine.on_train_batch_start, batch, batch_idx))  # (loading the batch)
+        self.engine.surviving(partial(self.engine.on_train_batch_start, batch, batch_idx), undo=False)  # (the batch)
         module = self.lightning_module
         if self.engine.runs_backward and self._lightning_skip is None and module is not None:
             loop = module.trainer.fit_loop
