@@ -15,7 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 # The configs name classes from the repository root (examples.models.GPT), as `lightning-pipe plan` does.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import lightning_pipe  # noqa: F401  (registers the "memory_pipe" strategy name)
+import lightning_pipe.lightning.strategy  # noqa: F401  (registers the "memory_pipe" strategy name)
 from examples.models import SyntheticData
 
 

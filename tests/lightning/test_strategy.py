@@ -56,8 +56,6 @@ def test_training_step_runs_the_pipeline_over_microbatches():
 
 
 def test_registered_name_and_split_summary(caplog):
-    import lightning_pipe  # noqa: F401  (registers "memory_pipe")
-
     t = trainer("memory_pipe", 2, max_steps=1)
     assert isinstance(t.strategy, MemoryPipeStrategy) and t.strategy.options.chunks == 4
     model, data = make("gpt")
