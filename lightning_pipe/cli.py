@@ -22,17 +22,17 @@ import torch
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.graph.capture import Captured, CaptureError, capture
 from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.internals import tree_flatten, tree_map
 from lightning_pipe.measure.profiler import FAKE_DEVICE, profile_graph
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec, parse_devices
 from lightning_pipe.plan.headroom import Check, checked, checked_max_microbatch
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.profile import Profile
-from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.plan.schedule import SCHEDULES, Schedule
 from lightning_pipe.runtime.build import Policy
 from lightning_pipe.runtime.fake import fake_training, meta_copy
 from lightning_pipe.units import format_bytes, parse_bytes
@@ -41,7 +41,6 @@ __all__ = ["main"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
-_SCHEDULES = ("gpipe", "1f1b", "2bw")
 # MemoryPipeStrategy's defaults, so that a plan made without a setting is the one training makes.
 _CHUNKS, _SCHEDULE = 4, "gpipe"
 
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "Default with --config: trainer.devices x the strategy's memory_limit")
     plan.add_argument("--memory-limit", help="with a named GPU, each stage's memory limit instead of the GPU's memory")
     plan.add_argument("--chunks", type=int, help=f"micro-batches per batch (default {_CHUNKS})")
-    plan.add_argument("--schedule", choices=_SCHEDULES, help=f"pipeline schedule (default {_SCHEDULE})")
+    plan.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {_SCHEDULE})")
     plan.add_argument("--host-bandwidth", type=float, help="bytes/s to host memory; allows swap (default: a named "
                                                            "GPU's host link, else none)")
     plan.add_argument("--link-bandwidth", type=float, help="bytes/s between stage devices (default: a named GPU's "
@@ -137,8 +136,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
     link_bandwidth = _given(args.link_bandwidth, settings.get("link_bandwidth"), device and device.link_bandwidth)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}.")
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(_SCHEDULES)}, got {schedule!r}.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
     for name, rate in (("host_bandwidth", host_bandwidth), ("link_bandwidth", link_bandwidth)):
         if rate is not None and (not isinstance(rate, (int, float)) or rate <= 0):
             raise ValueError(f"{name} must be a positive number of bytes per second, got {rate!r}.")

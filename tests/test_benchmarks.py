@@ -31,6 +31,7 @@ def _tiny_gpt2_on_a_small_gpu():
     return paper, tiny, replace(DEVICES["A100-40GB"], name="A100-16MiB", memory=16 * 2**20)
 
 
+@pytest.mark.slow
 def test_max_microbatch_search_trains_at_the_size_it_finds():
     assert search(lambda n: n <= 5, guess=1, limit=8) == (5, True)
     assert search(lambda n: n <= 5, guess=12, limit=8) == (5, True)
@@ -49,6 +50,7 @@ def test_max_microbatch_search_trains_at_the_size_it_finds():
     assert all(not p.fits for p in config.probes if p.microbatch > config.max_microbatch)
 
 
+@pytest.mark.slow
 def test_hugging_face_capture_benchmark_runs_on_a_tiny_gpt2():
     pytest.importorskip("transformers")
     from benchmarks.hf_capture import main
@@ -138,6 +140,7 @@ def test_paper_benchmark_trains_a_small_amoebanet_at_its_prediction(tmp_path):
     assert f"on the CNN (AmoebaNet-D) (target 2x): **{ratios[0]['vs_time']:.2f}x** over 1 configurations" in targets
 
 
+@pytest.mark.slow
 def test_a_value_read_on_its_stage_and_on_a_later_one_has_its_gradients_summed_on_its_stage():
     """AmoebaNet-D's first cell over 2 stages under 2BW, stage 0 as dawnpiper split it at paper
     scale (through the cell's last add, recomputing all but three nodes). The cell's first add
@@ -226,6 +229,7 @@ def test_paper_benchmark_rows_are_the_same_from_worker_processes():
         paper._cpu_seconds([], workers=True) + sum(r.cpu_seconds for r in pooled), abs=0.1)
 
 
+@pytest.mark.slow
 def test_distributed_benchmark_runs_every_runtime_and_matches_pipelinings_peaks():
     """``python -m benchmarks.distributed`` at a tiny size: a row per runtime, and on the same
     split our 1F1B holds what torch.distributed.pipelining's does on every rank."""
@@ -271,3 +275,65 @@ def test_gpu_check_compares_with_what_cuda_measured():
     for stages, devices in main(["--tiny", "--stages", "2", "--steps", "2"]).values():
         assert all(0 < s.fake <= s.allocated <= s.reserved for s in stages)
         assert all(d.max_allocated and d.max_reserved and d.allocated <= d.reserved for d in devices)
+
+
+def _tiny_results() -> dict:
+    """What ``benchmarks.run.measure`` returns, for one configuration of each table."""
+    from benchmarks import run
+
+    probe = {"microbatch": 2, "fits": True, "error": "", "predicted": [100, 90], "metered": [98, 95]}
+    config = asdict(run.Config("gpt", 2, "dawnpiper", "1f1b", True, 200, max_microbatch=2, exact=True,
+                               predicted_max=2, probes=[run.Probe(**probe)]))
+    return {
+        "mode": "quick", "machine": run.machine(), "settings": asdict(run.QUICK), "memory": [config],
+        "ratios": run.ratios([run.Config(**{**config, "probes": [run.Probe(**probe)]})]),
+        "accuracy": run.accuracy([run.Config(**{**config, "probes": [run.Probe(**probe)]})]),
+        "simulated": [{"model": "gpt", "stages": 2, "schedule": "1f1b", "microbatch": 2, "planner": "dawnpiper",
+                       "step_ms": 1.0, "bubble": 0.25}],
+        "planner_time": [{"nodes": 10, "stages": 2, "seconds": 0.01, "feasible": True}],
+        "overhead": {"model": "gpt", "batch": 8, "timed_steps": 1, "plain_ms": 1.0, "pipe1_ms": 1.1,
+                     "pipe4_ms": 2.0, "pipe4_stage_sum_ms": 1.5},
+        "peers": {"batch": 8, "chunks": 4, "stages": 2, "torch": torch.__version__, "ours_ms": 1.0,
+                  "ours_balance": [2, 2], "ours_peaks": [1, 2], "ours_process_peak": 3, "pipelining_ms": 1.0,
+                  "pipelining_peaks": [1, 2], "pipelining_threads": 1, "torchgpipe": "skipped"},
+        "seconds": 1.0,
+    }
+
+
+def test_benchmark_run_writes_a_folder_of_its_own_and_the_docs_only_when_asked(tmp_path, monkeypatch, capsys):
+    from benchmarks import run
+
+    faults = "## Fault injection (measured)\n\nkept\n"  # a section another benchmark writes
+    tracked = {tmp_path / "docs" / "benchmarks.md": (
+        f"# Benchmarks\n\nOLD-PAGE-TEXT\n\n## Simulated step time at equal batch (simulated, not measured)\n\n"
+        f"OLD-PAGE-TEXT\n\n{faults}\n## Planner time vs graph size\n\nOLD-PAGE-TEXT\n"),
+               tmp_path / "benchmarks" / "results.json": "{}"}
+    for path, text in tracked.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    monkeypatch.setattr(run, "ROOT", tmp_path)  # the repository, as main sees it
+    monkeypatch.setattr(run, "measure", lambda full=False: _tiny_results())
+
+    run.main(["--quick"])
+    assert all(path.read_text() == text for path, text in tracked.items())  # the default leaves the docs alone
+    (folder,) = (tmp_path / "benchmark-results").iterdir()
+    page = (folder / "benchmarks.md").read_text()
+    assert f"wrote {folder / 'results.json'} and {folder / 'benchmarks.md'}" in capsys.readouterr().out
+    machine = json.loads((folder / "results.json").read_text())["machine"]
+    assert machine["commit"] and machine["cpu"] and folder.name.endswith(machine["commit"])
+    assert (f"Commit {machine['commit']}; machine: {machine['cpu']}, {machine['cpu_count']} CPUs" in page
+            and f"torch {torch.__version__}" in page)
+
+    run.main(["--quick", "--out", str(tmp_path / "mine"), "--update-docs"])
+    docs = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert docs.replace(faults + "\n", "") == (tmp_path / "mine" / "benchmarks.md").read_text()
+    assert "OLD-PAGE-TEXT" not in docs and faults in docs
+    assert docs.index("## Simulated step time") < docs.index("## Fault injection") < docs.index("## Planner time")
+    assert json.loads((tmp_path / "benchmarks" / "results.json").read_text())["mode"] == "quick"
+
+
+def test_benchmark_commit_without_git_is_unknown(tmp_path, monkeypatch):
+    from benchmarks import run
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git to run
+    assert run.commit() == "unknown"

@@ -18,6 +18,7 @@ def cli_main():
     return main
 
 
+@pytest.mark.slow
 def test_fit_from_yaml_builds_the_strategy_from_its_typed_arguments(cli_main, tmp_path):
     cli = cli_main(["fit", "--config", "examples/configs/gpt.yaml", "--trainer.strategy.chunks=2",
                     f"--trainer.default_root_dir={tmp_path}"])
@@ -73,6 +74,7 @@ def _largest(out):
             if line.startswith("== ")}
 
 
+@pytest.mark.slow
 def test_lightning_pipe_plan_prints_every_partitioner_with_its_max_microbatch(capsys):
     from lightning_pipe.cli import main
 
@@ -93,6 +95,7 @@ def test_lightning_pipe_plan_prints_every_partitioner_with_its_max_microbatch(ca
     assert all(line.split()[8] == "64.0MiB" for line in out.splitlines() if line.strip().startswith(("0 ", "1 ")))
 
 
+@pytest.mark.slow
 def test_lightning_pipe_plan_shows_progress_on_stderr_only(capsys, monkeypatch):
     from lightning_pipe.cli import main
 
@@ -105,6 +108,7 @@ def test_lightning_pipe_plan_shows_progress_on_stderr_only(capsys, monkeypatch):
     assert captured.out.startswith("profiled ") and len(_largest(captured.out)) == 5
 
 
+@pytest.mark.slow
 def test_lightning_pipe_plan_reads_a_lightningcli_config_from_the_repository_root():
     """The installed command in a fresh process, so no earlier import of the example models
     helps it; no --devices, --chunks or --schedule: they come from the config's trainer and
@@ -118,6 +122,7 @@ def test_lightning_pipe_plan_reads_a_lightningcli_config_from_the_repository_roo
     assert "4 stages, 1f1b, 4 micro-batches; memory limit 4 x 64.0MiB, each plan checked" in out.stdout
 
 
+@pytest.mark.slow
 def test_lightning_pipe_plan_command_line_overrides_the_config(capsys):
     from lightning_pipe.cli import main
 
@@ -126,6 +131,7 @@ def test_lightning_pipe_plan_command_line_overrides_the_config(capsys):
     assert "4 stages, gpipe, 2 micro-batches; memory limit 16.0MiB, 16.0MiB, 8.0MiB, 8.0MiB" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_lightning_pipe_plan_captures_with_torch_export_what_fx_cannot_trace(capsys):
     """Hugging Face GPT-2 (the example's LightningModule, ``forward(**batch)``): torch.fx
     cannot trace it, so the sample micro-batch goes to torch.export."""
@@ -140,6 +146,7 @@ def test_lightning_pipe_plan_captures_with_torch_export_what_fx_cannot_trace(cap
     assert len(_largest(out)) == 5
 
 
+@pytest.mark.slow
 def test_lightning_pipe_plan_for_named_gpus_takes_their_memory_links_and_times(capsys):
     from lightning_pipe.cli import main
 

@@ -3,6 +3,7 @@
 import pytest
 
 
+@pytest.mark.slow
 def test_hugging_face_gpt2_example_trains_over_four_stages_and_prints_the_split(capsys):
     pytest.importorskip("transformers")
     from examples.hf_gpt2 import main

@@ -1,5 +1,6 @@
 """The public surface: what ``lightning_pipe`` exports, and the documented arguments."""
 
+import ast
 import inspect
 import re
 import subprocess
@@ -44,13 +45,87 @@ def test_the_planner_imports_without_lightning_torch_or_the_strategy():
     assert float(seconds) < 1.0
 
 
-def test_importing_the_strategy_registers_its_name_and_positional_arguments_are_refused():
+@pytest.mark.slow
+def test_importing_the_strategy_registers_its_name():
     code = ("import lightning_pipe; from lightning.pytorch.strategies import StrategyRegistry; "
             "before = 'memory_pipe' in StrategyRegistry; lightning_pipe.MemoryPipeStrategy; "
             "print(before, 'memory_pipe' in StrategyRegistry)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_positional_arguments_and_unknown_names_are_refused():
     with pytest.raises(TypeError, match="positional"):
         MemoryPipeStrategy(4)  # type: ignore[misc]
     with pytest.raises(AttributeError, match="no attribute 'Strategy'"):
         lightning_pipe.Strategy  # noqa: B018
+
+
+
+def private_uses(path: Path) -> list[str]:
+    """``file:line: what`` for each private name of ``lightning_pipe`` a test file reaches: an
+    import of ``_name`` or of a module ``_mod``, or ``module._name`` on a module it imported
+    from the package (names with one leading underscore; ``__version__`` and the like are public)."""
+    private = re.compile(r"^_(?!_)")
+    found: list[tuple[int, str]] = []
+    modules: set[str] = set()  # the names the file binds to the package's modules
+
+    def in_package(module: str | None) -> bool:
+        return module is not None and (module == "lightning_pipe" or module.startswith("lightning_pipe."))
+
+    def is_module(dotted: str) -> bool:
+        base = ROOT.joinpath(*dotted.split("."))
+        return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if in_package(alias.name):
+                    if any(private.match(part) for part in alias.name.split(".")):
+                        found.append((node.lineno, f"import {alias.name}"))
+                    modules.add(alias.asname or "lightning_pipe")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and in_package(node.module):
+            module = str(node.module)
+            if any(private.match(part) for part in module.split(".")):
+                found.append((node.lineno, f"from {module} import ..."))
+            for alias in node.names:
+                if private.match(alias.name):
+                    found.append((node.lineno, f"from {module} import {alias.name}"))
+                elif is_module(f"{module}.{alias.name}"):
+                    modules.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private.match(node.attr):
+            owner = node.value
+            while isinstance(owner, ast.Attribute):
+                owner = owner.value
+            if isinstance(owner, ast.Name) and owner.id in modules:
+                found.append((node.lineno, ast.unparse(node)))
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return [f"{shown}:{line}: {what}" for line, what in sorted(found)]
+
+
+def test_tests_reach_the_package_through_public_names_only():
+    found = [use for path in sorted((ROOT / "tests").rglob("*.py")) for use in private_uses(path)]
+    assert not found, "tests use private names of lightning_pipe; test through a public function, or make the " \
+                      "concept public:\n" + "\n".join(found)
+
+
+def test_a_private_use_is_named_with_its_file_and_line(tmp_path):
+    planted = tmp_path / "test_planted.py"
+    planted.write_text(
+        "import lightning_pipe.measure._hidden\n"
+        "from lightning_pipe.measure.meta import _RESULTS, meta_call\n"
+        "from lightning_pipe import __version__\n"
+        "from lightning_pipe.measure import profiler as p\n"
+        "p._time_node, p.elapsed_ms, profiler._not_the_package\n"
+        "lightning_pipe.measure._x\n"
+        "from lightning_pipe.plan._private import name\n"
+    )
+    assert private_uses(planted) == [
+        f"{planted}:1: import lightning_pipe.measure._hidden",
+        f"{planted}:2: from lightning_pipe.measure.meta import _RESULTS",
+        f"{planted}:5: p._time_node",
+        f"{planted}:6: lightning_pipe.measure._x",
+        f"{planted}:7: from lightning_pipe.plan._private import ...",
+    ]

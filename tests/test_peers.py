@@ -36,6 +36,7 @@ def test_process_meter_counts_live_storages_once():
     assert meter.stages[0].total == 0
 
 
+@pytest.mark.slow
 def test_pipelining_trains_like_one_process_and_reports_each_rank():
     width, depth, batch, steps = 16, 2, 8, 3
     result = pipelining_steps([3, 2], batch, chunks=4, steps=steps, warmup=1, width=width, depth=depth)

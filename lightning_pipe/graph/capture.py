@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from lightning_pipe.graph.export import ExportError, Specialization, export_graph
+from lightning_pipe.internals import buffer_table, op_schema
 
 __all__ = ["CaptureError", "Captured", "NeedsExampleInputs", "buffer_writes", "capture", "get_attr"]
 
@@ -225,7 +226,7 @@ def _in_place(node: fx.Node) -> bool:
         return False
     if node.target in _IN_PLACE_OPERATORS:
         return True
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     return bool(schema is not None and schema.arguments and schema.arguments[0].alias_info is not None
                 and schema.arguments[0].alias_info.is_write)
 
@@ -240,7 +241,7 @@ def _plain_attributes(module: nn.Module) -> dict[tuple[str, str], object]:
     for path, sub in module.named_modules():
         found.update(((path, name), value) for name, value in vars(sub).items()
                      if isinstance(value, int | float | str) and not name.startswith("_"))
-        found.update(((path, name), buffer) for name, buffer in sub._buffers.items())
+        found.update(((path, name), buffer) for name, buffer in buffer_table(sub).items())
     return found
 
 
@@ -255,8 +256,9 @@ def _refuse_changed_attributes(module: nn.Module, before: dict[tuple[str, str], 
     changed = [key for key, value in before.items() if not _unchanged(value, after.get(key))]
     for path, name in changed:
         sub = module.get_submodule(path)
-        if name in sub._buffers:  # tracing assigned a Proxy to it (self.count += 1)
-            sub._buffers[name] = cast(Tensor, before[(path, name)])
+        buffers = buffer_table(sub)
+        if name in buffers:  # tracing assigned a Proxy to it (self.count += 1)
+            buffers[name] = cast(Tensor, before[(path, name)])
         else:
             setattr(sub, name, before[(path, name)])
     if changed:

@@ -44,12 +44,16 @@ from torch import Tensor, fx, nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
-from torch.utils._pytree import (
+
+from lightning_pipe.internals import (
+    ASSERT_TENSOR_METADATA,
     GetAttrKey,
     KeyEntry,
     MappingKey,
     SequenceKey,
     TreeSpec,
+    buffer_table,
+    parameter_table,
     tree_flatten,
     tree_flatten_with_path,
     tree_map,
@@ -253,7 +257,7 @@ def _on_meta(module: nn.Module) -> Iterator[None]:
     stand_ins: dict[int, Tensor] = {}
     swapped: list[tuple[dict[str, Any], str, Tensor]] = []
     for sub in module.modules():
-        tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+        tables = (parameter_table(sub), buffer_table(sub))
         for table in tables:
             for name, tensor in table.items():
                 if tensor is None:
@@ -387,7 +391,7 @@ def _specialization(arguments: dict[str, Any], exported: list[fx.Node]) -> Speci
             leaves.append(value)
     return Specialization(spec, tuple(leaves))
 
-_DROPPED = {torch.ops.aten._assert_tensor_metadata.default}  # checks of the meta stand-ins' devices
+_DROPPED = {ASSERT_TENSOR_METADATA}  # checks of the meta stand-ins' devices
 _MUTATIONS = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION, OutputKind.USER_INPUT_MUTATION)
 
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_pipe.internals import tree_flatten, tree_unflatten
 
 __all__ = ["batch_size", "gather", "scatter"]
 

@@ -14,7 +14,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import GetAttrKey, KeyPath, MappingKey, SequenceKey, tree_flatten_with_path, tree_unflatten
+
+from lightning_pipe.internals import (
+    GetAttrKey,
+    KeyPath,
+    MappingKey,
+    SequenceKey,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
 __all__ = ["Shapes", "batch_shapes", "grown", "largest", "show", "tile"]
 

@@ -15,10 +15,10 @@ from itertools import pairwise
 from typing import Any
 
 from torch import nn
-from torch.utils._pytree import tree_structure
 
 from lightning_pipe.graph.capture import Captured, capture
 from lightning_pipe.graph.export import bind_arguments
+from lightning_pipe.internals import tree_structure
 
 __all__ = ["Variants", "follow_balance", "in_mode", "modes"]
 

@@ -18,13 +18,13 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.internals import DataDependentOutputException, DynamicOutputShapeException, tree_map
+from lightning_pipe.lightning.internals import attached_trainer
 from lightning_pipe.lightning.microlog import silenced
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.measure.optimizers import rebuild
@@ -195,7 +195,8 @@ def _replica(module: LightningModule, captured: Captured) -> tuple[LightningModu
     strategy's ``forward`` is not copied."""
     forward = vars(module).pop("forward", None)
     try:
-        replica, graph = meta_copy(module, captured, [module._trainer] if module._trainer is not None else [])
+        trainer = attached_trainer(module)
+        replica, graph = meta_copy(module, captured, [trainer] if trainer is not None else [])
     finally:
         if forward is not None:
             module.forward = forward  # type: ignore[method-assign]
@@ -216,7 +217,7 @@ def _inert_metrics(replica: nn.Module) -> None:
     for parent in list(replica.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Metric):
-                parent._modules[name] = _Inert()
+                parent.register_module(name, _Inert())
 
 
 class _Inert(nn.Module):

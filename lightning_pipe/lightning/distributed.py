@@ -28,28 +28,16 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments.lightning import LightningEnvironment
-from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer import call
-from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
@@ -57,6 +45,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import batch_size, gather, scatter
 from lightning_pipe.graph.variants import Inputs, Variants, follow_balance, in_mode
+from lightning_pipe.internals import default_store, module_apply, tree_flatten, tree_map
 from lightning_pipe.lightning.check import UncheckableStepError, fake_rank_peak, unchecked_warning
 from lightning_pipe.lightning.engine import (
     Engine,
@@ -65,9 +54,29 @@ from lightning_pipe.lightning.engine import (
     policies_of,
     state_to_param_devices,
 )
+from lightning_pipe.lightning.internals import (
+    METADATA_FILENAME,
+    PATH,
+    SubprocessScriptLauncher,
+    all_gather,
+    call_callback_hooks,
+    call_module_hook,
+    default_backend,
+    forget_computed,
+    init_process_group,
+    set_device,
+    set_device_mesh,
+    set_launcher,
+    set_lightning_module,
+    set_step_value,
+    set_update_count,
+    sigkill_signal,
+    step_value,
+    sync,
+)
 from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector, silenced
-from lightning_pipe.lightning.options import PipeOptions
+from lightning_pipe.lightning.options import PipeOptions, check_balance_entries
 from lightning_pipe.lightning.probe import probe_step
 from lightning_pipe.lightning.sharded import is_sharded, load_meta, load_optimizer, load_tensors, save_sharded
 from lightning_pipe.lightning.steps import NO_FORWARD, _loss_of
@@ -186,8 +195,8 @@ class DistributedEngine(Engine):
     def configure_launcher(self) -> None:
         environment = self._environment
         if not environment.creates_processes_externally:
-            launcher = _SubprocessScriptLauncher(environment, self.num_processes, self.num_nodes)
-            self.strategy._launcher = launcher
+            launcher = SubprocessScriptLauncher(environment, self.num_processes, self.num_nodes)
+            set_launcher(self.strategy, launcher)
             _LAUNCHERS.append(launcher)
 
     def setup_ranks(self) -> None:
@@ -208,7 +217,7 @@ class DistributedEngine(Engine):
         if self._mesh is None:  # once per strategy, whichever of fit, validate, test, predict runs first
             replicas = self.world_size // self.num_stages
             self._mesh = pipeline_mesh(self.num_stages, replicas, self.root_device.type, self.options.timeout)
-        self.module._device_mesh = self._mesh
+        set_device_mesh(self.module, self._mesh)
         sync = _ReplicaSync(self._mesh.get_group("dp"))
         for metric in self.module.modules():
             if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
@@ -227,8 +236,8 @@ class DistributedEngine(Engine):
                 env.main_address, env.main_port, self.world_size, is_master=self.global_rank == 0,
                 timeout=max(self.options.timeout, _START_UP),
             )
-        backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(env, backend, timeout=self.options.timeout, **options)
+        backend = self.process_group_backend or default_backend(self.root_device)
+        init_process_group(env, backend, timeout=self.options.timeout, **options)
 
     def check_setup(self, trainer: Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not self.module.automatic_optimization:
@@ -267,7 +276,7 @@ class DistributedEngine(Engine):
         else:
             module.to(self.root_device)
         module.forward = self.run_forward  # type: ignore[method-assign]
-        module._device = self.root_device
+        set_device(module, self.root_device)
 
     # --- building the pipeline --------------------------------------------------------------
 
@@ -282,7 +291,7 @@ class DistributedEngine(Engine):
         captured = self._graphs.training_graph((args, kwargs))
         check_buffer_writes(captured, module, self.options.chunks)  # on every rank, before any collective
         stages = self.num_stages * self.options.virtual_stages  # a process's stages share its memory
-        _check_balance_entries(self.options.balance, self.num_stages, self.options.virtual_stages)
+        check_balance_entries(self.options.balance, self.num_stages, self.options.virtual_stages)  # on every rank
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
         planning = training and self.options.planner is not None and self.options.balance is None
@@ -644,13 +653,13 @@ class DistributedEngine(Engine):
         loss, logged = self._from_last_stage((loss, logged))
         if not pipe.is_last:
             _replay(module, logged)
-        call._call_callback_hooks(module.trainer, "on_before_backward", loss / accumulate)
-        call._call_lightning_module_hook(module.trainer, "on_before_backward", loss / accumulate)
+        call_callback_hooks(module.trainer, "on_before_backward", loss / accumulate)
+        call_module_hook(module.trainer, "on_before_backward", loss / accumulate)
         if self.stepping:
             with self._running():
                 pipe.sync_gradients()
-        call._call_callback_hooks(module.trainer, "on_after_backward")
-        call._call_lightning_module_hook(module.trainer, "on_after_backward")
+        call_callback_hooks(module.trainer, "on_after_backward")
+        call_module_hook(module.trainer, "on_after_backward")
         return cast(Tensor, loss).to(self.root_device)
 
     def _running(self) -> AbstractContextManager[None]:
@@ -773,7 +782,7 @@ class DistributedEngine(Engine):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state of every parameter, gathered on global rank 0."""
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         state = optimizer.state_dict()
         if self.pipe is None:
             return state if self.global_rank == 0 or not self._sharded else {**state, "state": {}}
@@ -790,14 +799,14 @@ class DistributedEngine(Engine):
             merged.update(part)
         return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH) -> bool:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH) -> bool:
         """A sharded checkpoint is a directory every rank writes its part to."""
         if not self._sharded:
             return False
         save_sharded(checkpoint, Path(self.broadcast(filepath, 0)), self.global_rank)
         return True
 
-    def load_checkpoint(self, checkpoint_path: _PATH) -> dict[str, Any] | None:
+    def load_checkpoint(self, checkpoint_path: PATH) -> dict[str, Any] | None:
         """A sharded checkpoint's tensors are read in place later, each rank its own."""
         path = Path(self.broadcast(checkpoint_path, 0))
         self._sharded_from = path if is_sharded(path) else None
@@ -805,7 +814,7 @@ class DistributedEngine(Engine):
             if path.is_dir():
                 raise FileNotFoundError(
                     f"{path} is a directory but not a sharded checkpoint of runtime='distributed' (it has no "
-                    f"{_METADATA_FILENAME}). Pass the directory trainer.save_checkpoint wrote, or a checkpoint file."
+                    f"{METADATA_FILENAME}). Pass the directory trainer.save_checkpoint wrote, or a checkpoint file."
                 )
             return None
         return load_meta(path)
@@ -851,7 +860,7 @@ class DistributedEngine(Engine):
         pipeline logs its last stage's values, so each stage's replicas reduce the same values
         the last stage's do, and no rank waits on a rank of another stage."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group or self.device_mesh.get_group("dp"), reduce_op=reduce_op)
+            return sync(tensor, group or self.device_mesh.get_group("dp"), reduce_op)
         return tensor
 
     def reduce_boolean_decision(self, decision: bool, all: bool) -> bool:
@@ -872,7 +881,7 @@ class DistributedEngine(Engine):
         return to_device(box[0], self.root_device)
 
     def all_gather(self, tensor: Tensor, group: Any | None, sync_grads: bool) -> Tensor:
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+        return all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that stopped first in every rank's error (its peers otherwise see only
@@ -886,7 +895,7 @@ class DistributedEngine(Engine):
         if first is not None and isinstance(exception, RuntimeError):
             exception.args = (f"{exception}\n{first}",)
         for launcher in _LAUNCHERS:
-            launcher.kill(_get_sigkill_signal())
+            launcher.kill(sigkill_signal())
 
     def _waited_for(self, exception: BaseException) -> str | None:
         """For a wait that timed out: this rank, the operation, and the ranks of its pipeline it
@@ -910,35 +919,20 @@ class DistributedEngine(Engine):
         if self.meter is not None:
             self.meter.close()
         strategy = self.strategy
-        module = strategy._lightning_module
+        module = strategy.lightning_module
         if module is not None and self.pipe is not None and self.pipe.released and self._partial_state is None:
             warning = _PartialStateWarning(self.global_rank, self.pipe)
             self._partial_state = module.register_state_dict_post_hook(warning)  # type: ignore[no-untyped-call]
         if self._empty and module is not None:  # Lightning's module.cpu(), but what has no storage stays on meta
-            module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[no-untyped-call]
-            strategy._lightning_module = None
+            module_apply(module, lambda t: t if t.is_meta else t.cpu())
+            set_lightning_module(strategy, None)
         try:
             lightning_teardown()
         finally:
-            strategy._lightning_module = module
+            set_lightning_module(strategy, module)
 
 
-def _check_balance_entries(balance: list[int] | None, processes: int, virtual_stages: int) -> None:
-    """On every rank, before rank 0 builds from it: a balance needs one entry per stage.
-
-    Raises:
-        ValueError: it has another number of entries.
-    """
-    stages = processes * virtual_stages
-    if balance is not None and len(balance) != stages:
-        raise ValueError(
-            f"balance has {len(balance)} entries, but runtime='distributed' runs {stages} stages ({processes} "
-            f"processes x virtual_stages={virtual_stages}; stage s on process s % {processes}). Give one node "
-            f"count per stage, in order."
-        )
-
-
-_LAUNCHERS: list[_SubprocessScriptLauncher] = []  # every one this process made, with the processes it started
+_LAUNCHERS: list[SubprocessScriptLauncher] = []  # every one this process made, with the processes it started
 _FAILURE = "lightning_pipe/first_failure"
 _START_UP = timedelta(minutes=5)  # the least global rank 0 waits for the ranks it launches to start
 
@@ -947,7 +941,7 @@ def _first_failure(rank: int, exception: BaseException) -> str | None:
     """The first failure another rank recorded in the process group's store, or ``None`` after
     recording this one. The store lives in global rank 0: without it, ``None``."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         if store.check([_FAILURE]):
             return store.get(_FAILURE).decode()
         store.set(_FAILURE, f"rank {rank} stopped first, with {type(exception).__name__}: {exception}")
@@ -964,9 +958,9 @@ def _before_step(module: LightningModule, optimizer: Optimizer, batch_idx: int) 
     """Zero the gradients at the start of an accumulation window, as Lightning would."""
     trainer = module.trainer
     if batch_idx % trainer.accumulate_grad_batches == 0:
-        call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
-        call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
+        call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
+        call_module_hook(trainer, "on_before_zero_grad", optimizer)
+        call_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
 
 
 class _PartialStateWarning:
@@ -1032,8 +1026,8 @@ def _recording(module: LightningModule, logged: Logged) -> Iterator[None]:
         paths = {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
     for k, (name, value, kwargs) in enumerate(logged):
         if isinstance(value, Metric) and id(value) in paths:
-            value = _MetricState(paths[id(value)], to_host(value.metric_state), value._update_count,
-                                 to_host(value._forward_cache))
+            value = _MetricState(paths[id(value)], to_host(value.metric_state), value.update_count,
+                                 to_host(step_value(value)))
         logged[k] = (name, to_host(value), kwargs)
 
 
@@ -1044,8 +1038,9 @@ def _replay(module: LightningModule, logged: Logged) -> None:
             metric = cast(Metric, module.get_submodule(value.path))
             for state, held in value.states.items():
                 setattr(metric, state, to_device(held, device))
-            metric._update_count, metric._computed = value.updates, None
-            metric._forward_cache = to_device(value.step_value, device)
+            set_update_count(metric, value.updates)
+            forget_computed(metric)
+            set_step_value(metric, to_device(value.step_value, device))
             value = metric
         module.log(name, to_device(value, device), **kwargs)
 

@@ -16,7 +16,6 @@ from contextlib import AbstractContextManager
 from typing import Any, TypeVar, cast
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -24,6 +23,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe.graph.capture import Captured, buffer_writes
+from lightning_pipe.internals import BatchNormBase
+from lightning_pipe.lightning.internals import PATH
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.recovery import Failure, RecoveryError, UndoPoint, failure_of
 from lightning_pipe.measure.clock import StageClock
@@ -167,7 +168,7 @@ class Engine:
     def written_buffers(self) -> list[Tensor]:
         """Buffers a training step writes in place (BatchNorm's statistics): an attempt that
         fails is undone by putting them back."""
-        return [b for m in self.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        return [b for m in self.module.modules() if isinstance(m, BatchNormBase)
                 for b in m.buffers(recurse=False)]
 
     def replans(self) -> bool:
@@ -201,11 +202,11 @@ class Engine:
         """An optimizer's state for a checkpoint; ``None``: Lightning's own."""
         return None
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH) -> bool:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH) -> bool:
         """Write ``checkpoint`` where Lightning's own writing does not fit; whether it did."""
         return False
 
-    def load_checkpoint(self, path: _PATH) -> dict[str, Any] | None:
+    def load_checkpoint(self, path: PATH) -> dict[str, Any] | None:
         """Read a checkpoint Lightning's own reading cannot; ``None``: Lightning reads it."""
         return None
 
@@ -279,7 +280,7 @@ def check_buffer_writes(captured: Captured, module: nn.Module, chunks: int) -> N
     """
     if chunks == 1:
         return
-    norms = {name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    norms = {name for name, m in module.named_modules() if isinstance(m, BatchNormBase)}
     writes = {b: where for b, where in buffer_writes(captured).items() if b.rpartition(".")[0] not in norms}
     if writes:
         named = "; ".join(f"{buffer!r} ({where})" for buffer, where in writes.items())

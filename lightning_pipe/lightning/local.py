@@ -18,12 +18,12 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.graph.capture import Captured, NeedsExampleInputs
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.graph.shapes import Shapes, batch_shapes, grown, largest, show, tile
 from lightning_pipe.graph.variants import Variants, follow_balance
+from lightning_pipe.internals import tree_flatten, tree_map
 from lightning_pipe.lightning.check import (
     UncheckableStepError,
     fake_peaks,
@@ -37,6 +37,7 @@ from lightning_pipe.lightning.engine import (
     policies_of,
     state_to_param_devices,
 )
+from lightning_pipe.lightning.internals import attached_trainer, set_device
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.probe import StepBytes, probe_step
@@ -182,7 +183,7 @@ class LocalEngine(Engine):
         # An instance attribute shadows the class's forward without registering a submodule,
         # so state_dict keys stay those of the plain module.
         module.forward = self.run_forward  # type: ignore[method-assign]
-        module._device = self.root_device
+        set_device(module, self.root_device)
 
     def _training_graph(self, inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Captured:
         assert self.parallel_devices
@@ -314,7 +315,7 @@ class LocalEngine(Engine):
         if self.meter is not None:
             self.meter.reset_peaks()  # peaks of an earlier split are not this plan's
         report.show(self.plan, devices)
-        logger = self.module.trainer.logger if self.module._trainer else None
+        logger = self.module.trainer.logger if attached_trainer(self.module) else None
         if logger is not None and logger.log_dir is not None:
             report.save(self.plan, logger.log_dir)
 

@@ -3,6 +3,7 @@
 
 from lightning.pytorch import Trainer
 
+from lightning_pipe.lightning.internals import batches_that_stepped, should_update_logs
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.plan.plan import Plan
@@ -44,10 +45,10 @@ def step_metrics(
 def logs_this_step(trainer: Trainer) -> bool:
     """Whether the Trainer's loggers take metrics at this step (``log_every_n_steps``): only
     then are the stage clocks read, which on CUDA waits for the device."""
-    return bool(trainer.loggers) and trainer._logger_connector.should_update_logs
+    return bool(trainer.loggers) and should_update_logs(trainer)
 
 
 def log_step_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
     """Send ``metrics`` to every logger."""
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        logger.log_metrics(metrics, step=batches_that_stepped(trainer))

@@ -25,9 +25,11 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
+
+from lightning_pipe.internals import tree_flatten
+from lightning_pipe.lightning.internals import set_step_value, set_sync_on_step
 
 __all__ = ["LogCollector", "LossReduction", "silenced"]
 
@@ -109,7 +111,7 @@ class LogCollector:
         total = sum(self.sizes)
         batch_values = {key: twin.compute() for key, (_, twin) in self._twins.items()}
         for key, (metric, _) in self._twins.items():
-            metric._forward_cache = batch_values[key]  # what Lightning logs for a Metric with on_step=True
+            set_step_value(metric, batch_values[key])  # what Lightning logs for a Metric with on_step=True
         for name, calls in self.calls.items():
             value, kwargs = calls[-1].value, calls[-1].kwargs
             if not isinstance(value, Metric):
@@ -137,7 +139,7 @@ class LogCollector:
         if id(metric) not in self._twins:
             twin = metric.clone()
             twin.reset()
-            twin._to_sync = metric.dist_sync_on_step  # a step value syncs only as the metric's own forward does
+            set_sync_on_step(twin, metric.dist_sync_on_step)  # a step value syncs only as the metric's own forward does
             self._twins[id(metric)] = metric, twin
         self._twins[id(metric)][1].update(*args, **kwargs)
         # kept (not only their ids) so that a freed output's id cannot be taken by a later value
@@ -152,14 +154,14 @@ def silenced(module: LightningModule) -> Iterator[None]:
     metrics = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
                if isinstance(child, Metric)]
     for parent, name, child in metrics:
-        parent._modules[name] = child.clone()
+        parent.register_module(name, child.clone())
     module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
         yield
     finally:
         del module.log
         for parent, name, child in metrics:
-            parent._modules[name] = child
+            parent.register_module(name, child)
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

@@ -10,10 +10,10 @@ from typing import Literal, get_args
 
 from lightning_pipe.lightning.microlog import LossReduction
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
-from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.plan.schedule import SCHEDULES, Schedule
 from lightning_pipe.units import MemorySize, parse_bytes
 
-__all__ = ["PipeOptions", "Runtime", "StateDictType"]
+__all__ = ["PipeOptions", "Runtime", "StateDictType", "check_balance_entries"]
 
 Runtime = Literal["local", "distributed"]
 StateDictType = Literal["full", "sharded"]
@@ -78,8 +78,8 @@ class PipeOptions:
             raise ValueError(f"chunks must be >= 1, got {chunks}.")
         if max_replans < 0:
             raise ValueError(f"max_replans must be >= 0 (0: never plan again after running out), got {max_replans}.")
-        if schedule not in ("gpipe", "1f1b", "2bw"):
-            raise ValueError(f"schedule must be one of 'gpipe', '1f1b', '2bw', got {schedule!r}.")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}.")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(
                 f"loss_reduction must be 'mean' (training_step returns a per-sample mean) or 'sum' "
@@ -103,6 +103,8 @@ class PipeOptions:
         if balance is not None and any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
         _check_runtime(runtime, stages, schedule, timeout, virtual_stages)
+        if runtime == "distributed" and stages is not None:  # else the processes are counted at the first batch
+            check_balance_entries(balance, stages, virtual_stages)
         _check_state_dict_type(runtime, state_dict_type)
         return cls(
             chunks=chunks, schedule=schedule, balance=balance, leaf_modules=list(leaf_modules or []), planner=planner,
@@ -119,6 +121,22 @@ def parse_limits(limit: MemorySize | list[MemorySize] | None) -> list[int] | Non
     if limit is None:
         return None
     return [parse_bytes(v) for v in (limit if isinstance(limit, list) else [limit])]
+
+
+def check_balance_entries(balance: list[int] | None, processes: int, virtual_stages: int) -> None:
+    """A balance under ``runtime="distributed"`` needs one entry per stage: ``processes`` (a
+    pipeline's) times ``virtual_stages``.
+
+    Raises:
+        ValueError: it has another number of entries.
+    """
+    stages = processes * virtual_stages
+    if balance is not None and len(balance) != stages:
+        raise ValueError(
+            f"balance has {len(balance)} entries, but runtime='distributed' runs {stages} stages ({processes} "
+            f"processes x virtual_stages={virtual_stages}; stage s on process s % {processes}). Give one node "
+            f"count per stage, in order."
+        )
 
 
 def _check_runtime(

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
+from lightning_pipe.internals import tree_flatten
 from lightning_pipe.lightning.microlog import silenced
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.plan.profile import Profile

@@ -12,12 +12,14 @@ again. The optimizer steps once, after an attempt that succeeded.
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_pipe.lightning.internals import attached_trainer, forget_computed, logged_results, set_update_count
 from lightning_pipe.measure.meter import StageOutOfMemoryError
 
 __all__ = ["DRIFT", "Corrections", "Failure", "RecoveryError", "UndoPoint", "failure_of"]
@@ -134,25 +136,27 @@ def _results(module: LightningModule) -> dict[str, object] | None:
     """The training loop's logged values (Lightning's ``ResultCollection``, a dict of metrics
     per logged name; private: ``Trainer._results``). A failed attempt's ``self.log`` calls
     are taken back from it."""
-    trainer = module._trainer
-    results = getattr(trainer, "_results", None) if trainer is not None else None
-    return results if isinstance(results, dict) else None
+    return logged_results(attached_trainer(module))
 
 
 def _metric_state(metric: Metric) -> dict[str, object]:
     """A metric's states (its ``add_state`` names: tensors copied, lists of them shallowly, as
     updates replace or append but never change an appended tensor) and its update count."""
     state: dict[str, object] = {
-        name: value.clone() if isinstance(value, Tensor) else list(value)
-        for name in metric._defaults
-        for value in [getattr(metric, name)]
+        name: value.clone() if isinstance(value, Tensor) else list(value) for name, value in metric.metric_state.items()
     }
-    state["_update_count"] = metric._update_count
+    state[_UPDATES] = metric.update_count
     return state
 
 
 def _set_metric_state(metric: Metric, state: dict[str, object]) -> None:
     for name, value in state.items():
-        setattr(metric, name, value.clone() if isinstance(value, Tensor) else list(value) if isinstance(value, list)
-                else value)
-    metric._computed = None  # a value computed from the failed attempt's updates
+        if name == _UPDATES:
+            set_update_count(metric, cast(int, value))
+        else:
+            setattr(metric, name, value.clone() if isinstance(value, Tensor) else list(value) if isinstance(value, list)
+                    else value)
+    forget_computed(metric)  # a value computed from the failed attempt's updates
+
+
+_UPDATES = "update count"  # (no state's name: not an identifier)

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import Tensor, nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -25,13 +24,15 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 from torch.optim import Optimizer
 
+from lightning_pipe.lightning.internals import METADATA_FILENAME
+
 __all__ = ["is_sharded", "load_meta", "load_optimizer", "load_tensors", "save_sharded"]
 
 _MODEL = "state_dict."
 
 
 def is_sharded(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / _METADATA_FILENAME).is_file()
+    return Path(path).is_dir() and (Path(path) / METADATA_FILENAME).is_file()
 
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
@@ -50,13 +51,13 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
     dist.barrier()  # the directory exists for every rank
     save(flat, checkpoint_id=path, planner=DefaultSavePlanner(flatten_state_dict=False))
     if rank == 0:
-        torch.save(checkpoint, path / _METADATA_FILENAME)
+        torch.save(checkpoint, path / METADATA_FILENAME)
 
 
 def load_meta(path: Path) -> dict[str, Any]:
     """Lightning's checkpoint without the tensors, which :func:`load_tensors` and
     :func:`load_optimizer` read in place."""
-    checkpoint: dict[str, Any] = torch.load(path / _METADATA_FILENAME, weights_only=False)
+    checkpoint: dict[str, Any] = torch.load(path / METADATA_FILENAME, weights_only=False)
     return {**checkpoint, "state_dict": {}, "optimizer_states": []}
 
 

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer import call
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_pipe.graph.microbatch import batch_size, scatter
+from lightning_pipe.lightning.internals import call_callback_hooks, call_module_hook
 from lightning_pipe.lightning.microlog import LogCollector, LossReduction
 from lightning_pipe.plan.schedule import Schedule, actions, global_order
 from lightning_pipe.runtime.scheduled import ScheduledPipeline
@@ -103,8 +103,8 @@ class ScheduledStep:
                 if loss is not None:  # its graph would keep the output leaf and its gradient alive
                     losses[step.microbatch] = losses[step.microbatch].detach()
         batch_loss = torch.stack([losses[i] * w for i, w in enumerate(weights)]).sum()  # each detached already
-        call._call_callback_hooks(trainer, "on_after_backward")
-        call._call_lightning_module_hook(trainer, "on_after_backward")
+        call_callback_hooks(trainer, "on_after_backward")
+        call_module_hook(trainer, "on_after_backward")
         logs.flush()
         if self.versions is not None and stepping:
             self.versions.advance()  # the optimizer is about to step: W(t) becomes the stale one
@@ -116,11 +116,11 @@ def _before_backward(module: LightningModule, optimizer: Optimizer, batch_idx: i
     an accumulation window, then ``on_before_backward``."""
     trainer = module.trainer
     if batch_idx % trainer.accumulate_grad_batches == 0:
-        call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
-        call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
-    call._call_callback_hooks(trainer, "on_before_backward", loss)
-    call._call_lightning_module_hook(trainer, "on_before_backward", loss)
+        call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
+        call_module_hook(trainer, "on_before_zero_grad", optimizer)
+        call_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
+    call_callback_hooks(trainer, "on_before_backward", loss)
+    call_module_hook(trainer, "on_before_backward", loss)
 
 
 def _loss_of(output: Any) -> Tensor:

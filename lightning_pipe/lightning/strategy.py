@@ -15,10 +15,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -29,6 +27,7 @@ from typing_extensions import override
 
 from lightning_pipe.lightning.distributed import DistributedEngine
 from lightning_pipe.lightning.engine import Engine
+from lightning_pipe.lightning.internals import PATH, ConfiguresLauncher, FitLoop, set_skip_backward, skip_backward
 from lightning_pipe.lightning.local import LocalEngine
 from lightning_pipe.lightning.metrics import logs_this_step
 from lightning_pipe.lightning.microlog import LossReduction
@@ -45,7 +44,7 @@ from lightning_pipe.units import MemorySize
 __all__ = ["MemoryPipeStrategy"]
 
 
-class MemoryPipeStrategy(ParallelStrategy):
+class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
     """Pipeline-parallel training of an unmodified LightningModule: its stages in this process,
     one per device (``runtime="local"``), or one process per stage (``runtime="distributed"``).
 
@@ -165,7 +164,7 @@ class MemoryPipeStrategy(ParallelStrategy):
             else LocalEngine(self, self.options)
         )
         self.num_nodes = 1  # the Trainer's num_nodes (runtime="distributed")
-        self._lightning_skip: tuple[_FitLoop, bool] | None = None  # the fit loop and its skip-backward flag
+        self._lightning_skip: tuple[FitLoop, bool] | None = None  # the fit loop and its skip-backward flag
         self._step_start = 0.0
 
     # --- what the engine made ----------------------------------------------------------------
@@ -234,7 +233,7 @@ class MemoryPipeStrategy(ParallelStrategy):
         return self.engine.sampler_kwargs
 
     @override
-    def _configure_launcher(self) -> None:
+    def configure_launcher(self) -> None:  # through Lightning's private launcher hook (ConfiguresLauncher)
         self.engine.configure_launcher()
 
     def set_world_ranks(self) -> None:  # called by Lightning's accelerator connector
@@ -296,8 +295,8 @@ class MemoryPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         if self.engine.runs_backward and self._lightning_skip is None and module is not None:
             loop = module.trainer.fit_loop
-            self._lightning_skip = loop, loop._skip_backward
-            loop._skip_backward = True
+            self._lightning_skip = loop, skip_backward(loop)
+            set_skip_backward(loop, True)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -326,7 +325,7 @@ class MemoryPipeStrategy(ParallelStrategy):
     def _restore_skip_backward(self) -> None:
         if self._lightning_skip is not None:
             loop, before = self._lightning_skip
-            loop._skip_backward = before
+            set_skip_backward(loop, before)
             self._lightning_skip = None
 
     @override
@@ -390,12 +389,12 @@ class MemoryPipeStrategy(ParallelStrategy):
         return super().optimizer_state(optimizer) if state is None else state
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None) -> None:
         if not self.engine.save_checkpoint(checkpoint, filepath):
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict[str, Any]:
         loaded = self.engine.load_checkpoint(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, weights_only) if loaded is None else loaded
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
+from lightning_pipe.internals import tree_flatten
 from lightning_pipe.stream import AbstractEvent, current_stream, elapsed_ms, record_event
 
 __all__ = ["StageClock"]

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
+
+from lightning_pipe.internals import FakeTensor, op_schema, storage_key
 
 __all__ = ["meta_call", "on_meta"]
 
@@ -43,9 +44,9 @@ def meta_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: li
 def _fresh(func: Any) -> bool:
     """Whether ``func`` changes no argument and returns only tensors of its own (no views)."""
     if func not in _FRESH:
-        schema = func._schema
+        schema = op_schema(func)
         _FRESH[func] = bool(schema.returns) and all(a.alias_info is None for a in schema.arguments) and all(
-            r.alias_info is None and isinstance(r.type, torch._C.TensorType) for r in schema.returns)
+            r.alias_info is None and isinstance(r.type, torch.TensorType) for r in schema.returns)
     return _FRESH[func]
 
 
@@ -73,8 +74,8 @@ def _layouts(out: Any, flat: list[Any]) -> _Layouts | None:
     results = out if isinstance(out, tuple) else (out,)
     if not all(isinstance(t, Tensor) and t.is_meta and t.layout == torch.strided for t in results):
         return None
-    storages = {t.untyped_storage()._cdata for t in results}
-    if len(storages) != len(results) or storages & {t.untyped_storage()._cdata for t in flat if isinstance(t, Tensor)}:
+    storages = {storage_key(t) for t in results}
+    if len(storages) != len(results) or storages & {storage_key(t) for t in flat if isinstance(t, Tensor)}:
         return None
     for t in results:
         again = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)

@@ -25,14 +25,20 @@ from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
-from torch._C._profiler import ProfilerConfig, ProfilerState, _ExperimentalConfig
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import Node
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_pipe.internals import (
+    FakeTensor,
+    TorchDispatchMode,
+    current_autograd_node,
+    op_schema,
+    profiler_enabled,
+    start_memory_events,
+    stop_memory_events,
+    tree_flatten,
+)
 from lightning_pipe.measure.allocator import AllocatorPeaks, replay
 from lightning_pipe.measure.meta import meta_call, on_meta
 
@@ -194,7 +200,7 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             stack.extend(f for f, _ in node.next_functions)
 
     def _stage_now(self) -> tuple[int, str] | None:
-        node: Node | None = torch._C._current_autograd_node()
+        node: Node | None = current_autograd_node()
         if node is None:
             stage = getattr(self._local, "stage", None)
             return None if stage is None else (stage, "transient")
@@ -354,7 +360,7 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out, workspace = _workspace(func, args, kwargs, flat)
         # Views and in-place results share an input's storage: not an allocation.
         inputs = {id(t.untyped_storage()) for t in flat if isinstance(t, Tensor)}
-        aliases = [r.alias_info is not None for r in func._schema.returns]
+        aliases = [r.alias_info is not None for r in op_schema(func).returns]
         for k, t in enumerate(_leaves((out,))):
             if not isinstance(t, Tensor):
                 continue
@@ -442,7 +448,6 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 _CPU = torch.device("cpu")
 _DEVICE = torch.ops.prim.device.default  # a fake tensor's ``.device``, asked often; allocates nothing
-_MEMORY_EVENTS = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
 
 
 def _workspace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any]) -> tuple[Any, int]:
@@ -455,7 +460,7 @@ def _workspace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: l
     known = _WORKSPACE.get(key) if key is not None else None
     if on_meta(flat):
         return meta_call(func, args, kwargs, flat), known or 0
-    if known is not None or torch._C._autograd._profiler_enabled() or any(map(_without_data, flat)):
+    if known is not None or profiler_enabled() or any(map(_without_data, flat)):
         return func(*args, **kwargs), known or 0
     out, workspace = _observed(lambda: func(*args, **kwargs), _on_cuda(flat))
     if key is not None:
@@ -487,11 +492,11 @@ def learn_workspaces(observed: dict[Hashable, int]) -> None:
 def _observed(run: Callable[[], Any], cuda: bool) -> tuple[Any, int]:
     """``run()`` in a profiler session that records allocations: its result and the peak of
     the bytes it allocated, less those still allocated when it returns (its outputs)."""
-    torch._C._autograd._enable_profiler_legacy(_MEMORY_EVENTS)
+    start_memory_events()
     try:
         out = run()
     finally:
-        threads = torch._C._autograd._disable_profiler_legacy()
+        threads = stop_memory_events()
     start = next(e for thread in threads for e in thread)
     sizes = [(start.cpu_elapsed_us(e), e.cuda_memory_usage() if cuda else e.cpu_memory_usage())
              for thread in threads for e in thread]  # only allocations and frees have a size

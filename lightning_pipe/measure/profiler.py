@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.graph.capture import Captured, get_attr
 from lightning_pipe.graph.export import localize_args
 from lightning_pipe.graph.microbatch import batch_size
+from lightning_pipe.internals import FakeTensorMode, tree_flatten, tree_map
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.measure.optimizers import rebuild
 from lightning_pipe.measure.roofline import WorkCounter

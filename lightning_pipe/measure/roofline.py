@@ -19,10 +19,16 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.graph import Node
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
+from lightning_pipe.internals import (
+    CPU_FLASH_ATTENTION,
+    CPU_FLASH_ATTENTION_BACKWARD,
+    TorchDispatchMode,
+    current_autograd_node,
+    op_schema,
+    tree_flatten,
+)
 from lightning_pipe.plan.devices import DeviceSpec, Math
 
 __all__ = ["WorkCounter", "operator_ms"]
@@ -65,7 +71,7 @@ class WorkCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        grad_fn: Node | None = torch._C._current_autograd_node()
+        grad_fn: Node | None = current_autograd_node()
         if grad_fn is None:
             node, times = self._node, self.forward_ms
         else:
@@ -83,7 +89,7 @@ def operator_ms(device: DeviceSpec, func: Any, args: tuple[Any, ...], kwargs: di
     inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
     outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
     storages = {id(t.untyped_storage()) for t in inputs}
-    if not func._schema.is_mutable and (
+    if not op_schema(func).is_mutable and (
         func.is_view or all(id(t.untyped_storage()) in storages for t in outputs)
     ):
         return 0.0
@@ -125,8 +131,8 @@ def _attention_backward_flops(
 # torch's formulas, and attention as the CPU runs it, which torch has none for.
 _FLOPS = {
     **flop_registry,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_attention_flops),  # type: ignore[no-untyped-call]
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(  # type: ignore[no-untyped-call]
+    CPU_FLASH_ATTENTION: shape_wrapper(_attention_flops),  # type: ignore[no-untyped-call]
+    CPU_FLASH_ATTENTION_BACKWARD: shape_wrapper(  # type: ignore[no-untyped-call]
         _attention_backward_flops
     ),
 }

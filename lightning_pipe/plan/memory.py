@@ -36,21 +36,20 @@ import bisect
 import itertools
 import re
 import statistics
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias, TypeVar
+from typing import TypeAlias, TypeVar
 
 import numpy as np
 
+from lightning_pipe.plan.policy import CodedPolicies, Codes, Policy, policy_codes
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, BackwardState, Schedule
 
 __all__ = ["CodedPolicies", "CostModel", "Policy", "StagePeak", "predict_peaks", "stage_ranges"]
 
-Policy = Literal["keep", "recompute", "swap"]
 _Array: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int64]]"
-_Codes: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int8]]"  # per node, 0 keep, 1 recompute, 2 swap
-_Codes2: TypeAlias = "np.ndarray[tuple[int, int], np.dtype[np.int8]]"  # rows of _Codes
+_Codes2: TypeAlias = "np.ndarray[tuple[int, int], np.dtype[np.int8]]"  # rows of Codes
 # bytes waiting at a stage while it runs forwards; at each of its backwards, (held, waiting)
 Waiting: TypeAlias = tuple[int, Sequence[tuple[float, int]]]
 
@@ -322,7 +321,7 @@ class CostModel:
         for s, r in enumerate(stage_ranges(balance)):
             if r.stop == self.n:
                 continue
-            layout = _Layout.one(r.start, r.stop, _policy_codes({i: p for i, p in policies.items() if i in r}, self.n))
+            layout = _Layout.one(r.start, r.stop, policy_codes({i: p for i, p in policies.items() if i in r}, self.n))
             runs = _runs(a, layout)
             first, last = _recomputed_regions(a, layout, runs)
             stashed = _NO_REGION_INPUTS
@@ -353,7 +352,7 @@ class CostModel:
         base's) that nothing else keeps as long."""
         if not self.stashed(a, b):
             return 0
-        layout = _Layout.one(lo, hi, _policy_codes(policies, self.n))
+        layout = _Layout.one(lo, hi, policy_codes(policies, self.n))
         return int(_regions_inputs(self, layout, np.array([a - lo]), np.array([b - lo]))[0][0])
 
     def depends_on(self, lo: int, hi: int) -> list[int]:
@@ -428,7 +427,7 @@ class CostModel:
         at whose backward one micro-batch's backward peaks (with every parameter gradient made,
         or with those made so far: what :meth:`peak` prices), or the node before it (a
         region's stash comes back at its last node's backward), in node order."""
-        layout = _Layout.one(lo, hi, _policy_codes(policies, self.n))
+        layout = _Layout.one(lo, hi, policy_codes(policies, self.n))
         codes, runs = layout.code, _runs(self._arrays, layout)
         found = {int(at - lo) for peak in self._live(lo, hi, policies).peaks_at for at in (peak, peak - 1)}
         chosen = {int(runs.of[k]) for k in found if 0 <= k < hi - lo and codes[k]}
@@ -628,7 +627,6 @@ class _NodeArrays:
         self.handed = np.bincount(self.consumer, weights=self.gradient, minlength=len(nodes)).astype(np.int64)
 
 
-_CODES = {"keep": 0, "recompute": 1, "swap": 2}
 # The policy codes a cost model keeps as keys of what it priced, at most (then it starts over).
 _PRICED_BYTES = 1 << 26
 # The most node positions priced in one pass (:class:`_Layout`): past some 16k, arrays outgrow
@@ -670,49 +668,6 @@ def _edge_gradient(nodes: Sequence[NodeProfile], reader: int, read: int) -> int:
     return max(nodes[read].output_grad_bytes, nodes[reader].input_grad_bytes)
 
 
-class CodedPolicies(Mapping[int, Policy]):
-    """Policies held as every node's code (0 keep, 1 recompute, 2 swap): a search pricing
-    one change at a time to hundreds of choices makes each variant by one array copy, not by
-    a dictionary of them all."""
-
-    def __init__(self, codes: _Codes) -> None:
-        self.codes = codes
-
-    @classmethod
-    def of(cls, policies: Mapping[int, Policy], n: int) -> "CodedPolicies":
-        return policies if isinstance(policies, CodedPolicies) else cls(_policy_codes(policies, n))
-
-    def without(self, i: int) -> "CodedPolicies":
-        """These policies with node ``i`` kept."""
-        codes = self.codes.copy()
-        codes[i] = 0
-        return CodedPolicies(codes)
-
-    def __getitem__(self, i: int) -> Policy:
-        if not 0 <= i < self.codes.size or not self.codes[i]:
-            raise KeyError(i)
-        return _POLICIES[int(self.codes[i])]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(np.flatnonzero(self.codes).tolist())
-
-    def __len__(self) -> int:
-        return int(np.count_nonzero(self.codes))
-
-
-_POLICIES: tuple[Policy, ...] = ("keep", "recompute", "swap")
-
-
-def _policy_codes(policies: Mapping[int, Policy], n: int) -> _Codes:
-    """Per node, its policy as a code (0 keep, 1 recompute, 2 swap)."""
-    if isinstance(policies, CodedPolicies):
-        return policies.codes
-    codes = np.zeros(n, dtype=np.int8)
-    if policies:
-        codes[np.fromiter(policies, dtype=np.int64, count=len(policies))] = [_CODES[p] for p in policies.values()]
-    return codes
-
-
 class _Layout:
     """Rows of policies for one stage ``[lo, hi)``, priced at once: laid end to end, position
     ``p`` is node ``lo + p % size`` of row ``p // size``. A search prices hundreds of variants
@@ -729,7 +684,7 @@ class _Layout:
         self._reads: tuple[_Array, _Array, _Array] | None = None
 
     @classmethod
-    def one(cls, lo: int, hi: int, codes: _Codes) -> "_Layout":
+    def one(cls, lo: int, hi: int, codes: Codes) -> "_Layout":
         return cls(lo, hi, codes[None])
 
     def reads(self, a: _NodeArrays) -> tuple[_Array, _Array, _Array]:

@@ -18,7 +18,8 @@ device-host link (``None``: no swapping).
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_pipe.plan.memory import CodedPolicies, CostModel, Policy, StagePeak, Waiting
+from lightning_pipe.plan.memory import CostModel, StagePeak, Waiting
+from lightning_pipe.plan.policy import CodedPolicies, Policy
 
 __all__ = ["NOISE", "Descent", "StageOptimum", "lowest_peak", "optimize_stage", "policy_time", "prune_stage"]
 
@@ -96,7 +97,7 @@ def optimize_stage(
     region of the stage keeps. Choices the stage turns out to fit without stay
     (:func:`prune_stage` drops them, at one pricing per choice: a search prunes only the split
     it chooses)."""
-    stage = _Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier)
+    stage = PricedStage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier)
     base = stage.kept()
     if base.fits or not optimise:
         return base
@@ -113,12 +114,12 @@ def lowest_peak(
     """The lowest peak of stage ``[lo, hi)`` (:func:`optimize_stage` at capacity 0, ``thorough``),
     as a descent run only as far as it is asked: whether a stage gets under a limit is known
     once it does, and most of a search's questions are that."""
-    stage = _Stage(model, lo, hi, in_flight, 0, weight_versions, host_bandwidth, (0, ()), {})
+    stage = PricedStage(model, lo, hi, in_flight, 0, weight_versions, host_bandwidth, (0, ()), {})
     base = stage.kept()
     return Descent(stage, _greedy(stage, base) if optimise and not base.fits else base)
 
 
-def _greedy(stage: "_Stage", base: StageOptimum) -> StageOptimum:
+def _greedy(stage: "PricedStage", base: StageOptimum) -> StageOptimum:
     """The greedy of the module docstring from the stage's ``base`` (nothing chosen, over its
     capacity), then the low-memory fallbacks: its first choices that fit, else the lowest peak
     found."""
@@ -197,7 +198,7 @@ def _greedy(stage: "_Stage", base: StageOptimum) -> StageOptimum:
         estimate -= gain
         if estimate <= capacity and (found := check()):
             return found
-    for found in stage.priced_all([dict(policies)] + _lowest_memory_policies(model, lo, hi, host_bandwidth)):
+    for found in stage.priced_all([dict(policies)] + lowest_memory_policies(model, lo, hi, host_bandwidth)):
         if _better(found, best):
             best = found
     return best
@@ -217,7 +218,7 @@ def prune_stage(
 ) -> StageOptimum:
     """``found`` (an :func:`optimize_stage` result) without the choices the stage fits
     without."""
-    return _pruned(_Stage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier),
+    return _pruned(PricedStage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier),
                    found)
 
 
@@ -231,7 +232,7 @@ class Descent:
     many times over). Every drop lowers the peak, so a descent stopped at a limit goes on
     from there as it would have."""
 
-    def __init__(self, stage: "_Stage", found: StageOptimum) -> None:
+    def __init__(self, stage: "PricedStage", found: StageOptimum) -> None:
         self.stage, self.found = stage, found
         self.ended = not found.policies  # no drop lowers the peak (none is left to drop)
         self.scanned = stage.lo  # where the scan in node order goes on from
@@ -260,7 +261,9 @@ class Descent:
         self.coded = coded.without(lowest[1])
 
 
-def _first_drop(stage: "_Stage", coded: CodedPolicies, order: Sequence[int], at_most: float) -> tuple[int, int] | None:
+def _first_drop(
+    stage: "PricedStage", coded: CodedPolicies, order: Sequence[int], at_most: float
+) -> tuple[int, int] | None:
     """The position in ``order`` of the first choice whose drop leaves a peak total of at most
     ``at_most``, and that total: priced in batches, growing from a few (such a drop is often
     near the start of ``order``; else the whole order may be priced)."""
@@ -276,7 +279,7 @@ def _first_drop(stage: "_Stage", coded: CodedPolicies, order: Sequence[int], at_
     return None
 
 
-def _pruned(stage: "_Stage", found: StageOptimum) -> StageOptimum:
+def _pruned(stage: "PricedStage", found: StageOptimum) -> StageOptimum:
     """``found`` without the choices the stage fits without: recomputes before swaps (a swap
     the link hides costs nothing, a recompute always costs its forward), each kind those
     keeping the fewest bytes first (bytes, unlike times, do not vary between profiles): a node
@@ -330,7 +333,7 @@ def _better(a: StageOptimum, b: StageOptimum) -> bool:
 
 
 @dataclass(frozen=True)
-class _Stage:
+class PricedStage:
     """What :func:`optimize_stage` prices policies for: nodes ``[lo, hi)`` of ``model`` as a
     stage holding ``in_flight`` micro-batches under ``capacity``, what waits at it, and the
     policies of the earlier nodes keeping or making what it reads (priced with its own)."""
@@ -379,7 +382,7 @@ class _Stage:
         return [self.priced(o, peaks.get(k)) for k, o in enumerate(options)]
 
 
-def _lowest_memory_policies(
+def lowest_memory_policies(
     model: CostModel, lo: int, hi: int, host_bandwidth: float | None
 ) -> list[dict[int, Policy]]:
     """Low-memory policies to try when the greedy runs out of candidates, so a stage fits

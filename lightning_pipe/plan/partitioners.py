@@ -30,8 +30,9 @@ from functools import cached_property
 from typing import Any, Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
-from lightning_pipe.plan.memory import CostModel, Policy, Waiting, stage_ranges
+from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
 from lightning_pipe.plan.optimize import NOISE, Descent, StageOptimum, lowest_peak, optimize_stage, prune_stage
+from lightning_pipe.plan.policy import Policy
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import Action, BackwardState
 from lightning_pipe.plan.simulate import Replay, StageTime
@@ -71,14 +72,7 @@ class Stages:
     optimise_memory: bool = True
     backward_states: Sequence[Sequence[BackwardState]] = ()
     thorough: bool = False  # search stages asked for their lowest peak further (optimize_stage)
-    _optima: dict[tuple[object, ...], StageOptimum] = field(default_factory=dict, repr=False)
-    _placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict, repr=False)
-    _prunes: dict[tuple[object, ...], StageOptimum | None] = field(default_factory=dict, repr=False)
-    _steps: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)
-    _replay: Replay | None = field(default=None, repr=False)
-    _floor: list[int] | None = field(default=None, repr=False)
-    _further: "Stages | None" = field(default=None, repr=False)
-    _descents: dict[tuple[int, int, int], Descent] = field(default_factory=dict, repr=False)
+    _found: "_Found" = field(default_factory=lambda: _Found(), repr=False)
 
     @property
     def count(self) -> int:
@@ -92,12 +86,12 @@ class Stages:
         policies ``chosen`` (cached)."""
         earlier = self.earlier(lo, hi, chosen)
         key = (lo, hi, s, reserved, waiting[0], tuple(waiting[1]), tuple(earlier.items()))
-        if key not in self._optima:
-            self._optima[key] = optimize_stage(
+        if key not in self._found.optima:
+            self._found.optima[key] = optimize_stage(
                 self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
                 self.host_bandwidth, self.optimise_memory, self.thorough, waiting, earlier,
             )
-        return self._optima[key]
+        return self._found.optima[key]
 
     def earlier(self, lo: int, hi: int, chosen: Mapping[int, Policy]) -> dict[int, Policy]:
         """Of the policies ``chosen`` for earlier stages, those a stage on ``[lo, hi)`` is
@@ -116,21 +110,20 @@ class Stages:
 
     def _varied(self, **changes: Any) -> "Stages":
         """These stages with ``changes``, and none of what was found for these (cached) kept."""
-        return replace(self, **changes, _optima={}, _placed={}, _prunes={}, _steps={}, _floor=None, _further=None,
-                       _descents={})
+        return replace(self, **changes, _found=_Found())
 
     def floor(self) -> list[int]:
         """:func:`lowest_peak_balance` of these stages searched further: the split any plan
         comes closest to fitting with (cached: the search and the error that reports it ask)."""
-        if self._floor is None:
-            self._floor = lowest_peak_balance(self._searched(), self.reachable)
-        return self._floor
+        if self._found.floor is None:
+            self._found.floor = lowest_peak_balance(self._searched(), self.reachable)
+        return self._found.floor
 
     @cached_property
     def bisected(self) -> list[int]:
-        """DawnPiper's binary partition of these stages (:func:`_bisection`; cached: dawnpiper's
+        """DawnPiper's binary partition of these stages (:func:`bisection`; cached: dawnpiper's
         first candidate, and its split when none fits)."""
-        return _bisection(self)
+        return bisection(self)
 
     @cached_property
     def reachable(self) -> list[int] | None:
@@ -144,13 +137,13 @@ class Stages:
         split comes that close either way, so :meth:`floor`'s, found by fill-first too, has a
         stage over its capacity."""
         limits, n = [REACH * c for c in self.capacities], self.model.n
-        return _reaching(n, limits, self.reaches) or _reaching(n, limits, self._searched().reaches)
+        return reaching(n, limits, self.reaches) or reaching(n, limits, self._searched().reaches)
 
     def _searched(self) -> "Stages":
         """:meth:`searched_further`, kept: :meth:`reachable` and :meth:`floor` share its optima."""
-        if self._further is None:
-            self._further = self.searched_further()
-        return self._further
+        if self._found.further is None:
+            self._found.further = self.searched_further()
+        return self._found.further
 
     def lowest(self, lo: int, hi: int, s: int) -> int:
         """The lowest peak memory optimisation reaches for nodes ``[lo, hi)`` as stage ``s``: its
@@ -169,10 +162,10 @@ class Stages:
         return self.lowest(lo, hi, s) <= limit
 
     def _descent(self, lo: int, hi: int, s: int) -> Descent:
-        if (lo, hi, s) not in self._descents:
-            self._descents[lo, hi, s] = lowest_peak(self.model, lo, hi, self.in_flight[s], self.weight_versions,
+        if (lo, hi, s) not in self._found.descents:
+            self._found.descents[lo, hi, s] = lowest_peak(self.model, lo, hi, self.in_flight[s], self.weight_versions,
                                                     self.host_bandwidth, self.optimise_memory)
-        return self._descents[lo, hi, s]
+        return self._found.descents[lo, hi, s]
 
     def placed(self, balance: Sequence[int]) -> list[StageOptimum]:
         """Every stage of ``balance`` optimised under its capacity with what waits at it
@@ -180,7 +173,7 @@ class Stages:
         beyond the next), known only for a whole split; what waits depends on the policies
         chosen, so the split is priced again with them, and where that goes over, again
         with every stage pruned (:meth:`pruned`; cached)."""
-        if (placed := self._placed.get(tuple(balance))) is None:
+        if (placed := self._found.placed.get(tuple(balance))) is None:
             placed = self._place(balance, list(self._optimised(balance)))
         return placed
 
@@ -189,7 +182,7 @@ class Stages:
         placed = self._priced(balance, optima)
         if all(o.fits for o in optima) and not all(o.fits for o in placed):
             placed = self._pruned(balance, optima)
-        self._placed[tuple(balance)] = placed
+        self._found.placed[tuple(balance)] = placed
         return placed
 
     def _optimised(self, balance: Sequence[int]) -> Iterator[StageOptimum]:
@@ -228,11 +221,11 @@ class Stages:
         search moving one cut prunes the whole split again, its other stages as before)."""
         earlier = self.earlier(lo, hi, chosen)
         key = (lo, hi, s, tuple(found.policies.items()), waiting[0], tuple(waiting[1]), tuple(earlier.items()))
-        if key not in self._prunes:
+        if key not in self._found.prunes:
             pruned = prune_stage(self.model, lo, hi, self.in_flight[s], self.capacities[s], found,
                                  self.weight_versions, self.host_bandwidth, waiting, earlier)
-            self._prunes[key] = None if pruned is found else pruned  # None: nothing to drop
-        return self._prunes[key] or found
+            self._found.prunes[key] = None if pruned is found else pruned  # None: nothing to drop
+        return self._found.prunes[key] or found
 
     def _priced(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
         """``optima`` with their peaks priced with every stage's policies and what waits."""
@@ -248,7 +241,7 @@ class Stages:
         the later stages are)."""
         if any(self.overfull(r.start, r.stop, s) for s, r in enumerate(stage_ranges(balance))):
             return False
-        if (placed := self._placed.get(tuple(balance))) is None:
+        if (placed := self._found.placed.get(tuple(balance))) is None:
             optima = []
             for found in self._optimised(balance):
                 if not found.fits:
@@ -275,15 +268,15 @@ class Stages:
     def step_ms(self, balance: Sequence[int]) -> float:
         """Simulated step time of ``balance``, placed; its slowest stage without an ``order`` (cached)."""
         key = tuple(balance)
-        if key not in self._steps:
+        if key not in self._found.steps:
             times = self.times(balance)
-            if self.order and self._replay is None:
-                self._replay = Replay(self.order)
-            self._steps[key] = (
-                self._replay.run(times).step_ms if self._replay
+            if self.order and self._found.replay is None:
+                self._found.replay = Replay(self.order)
+            self._found.steps[key] = (
+                self._found.replay.run(times).step_ms if self._found.replay
                 else max(t.forward + t.backward + t.recompute + t.swap + t.send for t in times)
             )
-        return self._steps[key]
+        return self._found.steps[key]
 
     def stage_time(self, lo: int, hi: int, s: int) -> float:
         """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation,
@@ -322,6 +315,21 @@ class Stages:
         held = sum(self.in_flight[first:stop]) / (stop - first)
         demand = model.static(lo, hi, self.weight_versions) + held * model.stashed(lo, hi)
         return demand / sum(self.capacities[first:stop])
+
+
+@dataclass
+class _Found:
+    """What a :class:`Stages` found, each cached by what it was asked; one object, so that
+    stages with a setting changed (:meth:`Stages._varied`) start over from none of it."""
+
+    optima: dict[tuple[object, ...], StageOptimum] = field(default_factory=dict)
+    placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict)
+    prunes: dict[tuple[object, ...], StageOptimum | None] = field(default_factory=dict)  # None: nothing to drop
+    steps: dict[tuple[int, ...], float] = field(default_factory=dict)
+    descents: dict[tuple[int, int, int], Descent] = field(default_factory=dict)
+    replay: Replay | None = None
+    floor: list[int] | None = None
+    further: Stages | None = None
 
 
 def partition(
@@ -379,7 +387,7 @@ def _within(cost: Cost) -> Within:
     return lambda lo, hi, s, limit: cost(lo, hi, s) <= limit
 
 
-def _fill_first(n: int, limits: Sequence[float], within: Within) -> list[int] | None:
+def fill_first(n: int, limits: Sequence[float], within: Within) -> list[int] | None:
     """CAPSlog's fill-first: each stage in turn takes the longest run of nodes whose cost stays
     ``within`` its limit (keeping a node for every later stage); the last takes the rest. Exact
     for costs that grow with the node range. ``None`` when the rest does not fit the last stage."""
@@ -402,16 +410,16 @@ def _fill_first(n: int, limits: Sequence[float], within: Within) -> list[int] | 
 
 
 def _fill_last(n: int, limits: Sequence[float], within: Within) -> list[int] | None:
-    """:func:`_fill_first` from the last stage back: each stage in turn, the last first, takes
+    """:func:`fill_first` from the last stage back: each stage in turn, the last first, takes
     the longest run of nodes ending where the next one begins whose cost stays within its limit."""
     count = len(limits)
-    found = _fill_first(n, limits[::-1], lambda lo, hi, s, limit: within(n - hi, n - lo, count - 1 - s, limit))
+    found = fill_first(n, limits[::-1], lambda lo, hi, s, limit: within(n - hi, n - lo, count - 1 - s, limit))
     return found[::-1] if found is not None else None
 
 
-def _reaching(n: int, limits: Sequence[float], within: Within) -> list[int] | None:
-    """:func:`_fill_first`, or where that finds nothing, :func:`_fill_last`."""
-    return _fill_first(n, limits, within) or _fill_last(n, limits, within)
+def reaching(n: int, limits: Sequence[float], within: Within) -> list[int] | None:
+    """:func:`fill_first`, or where that finds nothing, :func:`_fill_last`."""
+    return fill_first(n, limits, within) or _fill_last(n, limits, within)
 
 
 def _min_max(
@@ -428,20 +436,20 @@ def _min_max(
     cost_within = within or _within(cost)
     if start is None:
         high = max(cost(0, n, s) / scales[s] for s in range(count)) or 1.0
-        while (found := _fill_first(n, [high * c for c in scales], cost_within)) is None:
+        while (found := fill_first(n, [high * c for c in scales], cost_within)) is None:
             high *= 2
         low = 0.0
     else:
         found = list(start)
         high = max(cost(r.start, r.stop, s) / scales[s] for s, r in enumerate(stage_ranges(found)))
         step = 0.05
-        while (attempt := _fill_first(n, [high * (1 - step) * c for c in scales], cost_within)) is not None \
+        while (attempt := fill_first(n, [high * (1 - step) * c for c in scales], cost_within)) is not None \
                 and step < 0.5:
             high, found, step = high * (1 - step), attempt, 2 * step
         low = high * (1 - step) if attempt is None else 0.0
     while high - low > precision * high:
         mid = (low + high) / 2
-        attempt = _fill_first(n, [mid * c for c in scales], cost_within)
+        attempt = fill_first(n, [mid * c for c in scales], cost_within)
         if attempt is None:
             low = mid
         else:
@@ -498,7 +506,7 @@ def _dawnpiper_fitting(stages: Stages) -> Iterator[list[int]]:
     if found or stages.reachable is None:  # else no split comes near fitting
         return
     for m in searches:
-        if fill := _fill_fitting(m):
+        if fill := fill_fitting(m):
             yield fill
             return
     if stages.fits(stages.floor()):
@@ -569,7 +577,7 @@ def _balance(cuts: Sequence[int], n: int) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, n])]
 
 
-def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] | None:
+def fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] | None:
     """Fill-first on fitting: each stage in turn takes the longest run of nodes that fits it,
     memory-optimised and with the gradients that will wait at it (known once the earlier cuts
     are), leaving a node for every later stage; the last stage takes the rest. What crosses a
@@ -641,7 +649,7 @@ def _fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] |
 
     return [b - a for a, b in zip([0] + cuts, cuts + [n])] if fill(0, 0) else None
 
-def _bisection(stages: Stages) -> list[int]:
+def bisection(stages: Stages) -> list[int]:
     """DawnPiper's binary partition (module docstring)."""
     cuts: list[int] = []
 

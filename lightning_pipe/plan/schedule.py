@@ -2,11 +2,11 @@
 
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 __all__ = [
-    "Action", "BackwardState", "Schedule", "Step", "actions", "backward_states", "clock_cycles", "global_order",
-    "gradient_waits", "in_flight", "weight_versions",
+    "SCHEDULES", "Action", "BackwardState", "DistributedSchedule", "Schedule", "Step", "actions", "backward_states",
+    "clock_cycles", "global_order", "gradient_waits", "in_flight", "weight_versions",
 ]
 
 
@@ -22,6 +22,10 @@ def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[
 
 
 Schedule = Literal["gpipe", "1f1b", "2bw"]
+#: Every schedule, by the name the options, the CLI and the planner take.
+SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
+#: The schedules the distributed runtime runs (it keeps one weight version: no 2BW).
+DistributedSchedule = Literal["gpipe", "1f1b"]
 
 #: The most bytes one flat copy of gradients takes while a distributed step reduces them over
 #: data-parallel replicas: DDP's default bucket (``bucket_cap_mb=25``). One flat copy of them
@@ -63,7 +67,7 @@ def actions(schedule: Schedule, num_microbatches: int, num_stages: int) -> list[
                 order += [Action("forward", warmup + i, s), Action("backward", i, s)]
             order += [Action("backward", i, s) for i in range(m - warmup, m)]
         else:
-            raise ValueError(f"unknown schedule {schedule!r}; use one of 'gpipe', '1f1b', '2bw'.")
+            raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}.")
         lists.append(order + [Action("update", -1, s)])
     return lists
 

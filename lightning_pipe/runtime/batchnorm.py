@@ -13,15 +13,16 @@ before any stage could go on.
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_pipe.internals import BatchNormBase, check_input_dim, current_graph_task_id
 
 __all__ = ["DeferredBatchNorm", "batch_norm_layers"]
 
 
-def batch_norm_layers(module: nn.Module) -> dict[str, _BatchNorm]:
+def batch_norm_layers(module: nn.Module) -> dict[str, BatchNormBase]:
     """The BatchNorm layers below ``module`` that keep running statistics, by name."""
     return {
-        name: m for name, m in module.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats
+        name: m for name, m in module.named_modules() if isinstance(m, BatchNormBase) and m.track_running_stats
     }
 
 
@@ -58,7 +59,7 @@ class DeferredBatchNorm:
 class _Layer:
     """The shadowing ``forward`` of one BatchNorm layer, and what it recorded this batch."""
 
-    def __init__(self, module: _BatchNorm) -> None:
+    def __init__(self, module: BatchNormBase) -> None:
         self.module = module
         self.tracked: list[tuple[int, Tensor, Tensor]] = []  # (values per channel, mean, unbiased var)
 
@@ -66,12 +67,12 @@ class _Layer:
         bn = self.module
         if not bn.training:
             return type(bn).forward(bn, input)
-        bn._check_input_dim(input)  # type: ignore[no-untyped-call]  # (untyped in torch)
+        check_input_dim(bn, input)
         assert bn.running_mean is not None and bn.running_var is not None
         # With momentum 1 the kernel writes the micro-batch's mean and unbiased variance here.
         mean, var = torch.zeros_like(bn.running_mean), torch.zeros_like(bn.running_var)
         output = F.batch_norm(input, mean, var, bn.weight, bn.bias, True, 1.0, bn.eps)
-        if torch._C._current_graph_task_id() == -1:  # else a backward recomputes a recorded micro-batch
+        if current_graph_task_id() == -1:  # else a backward recomputes a recorded micro-batch
             self.tracked.append((input.numel() // input.shape[1], mean, var))
         return output
 

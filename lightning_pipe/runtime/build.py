@@ -14,7 +14,7 @@ import inspect
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, fx, nn
@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_pipe.graph.capture import Captured, get_attr
 from lightning_pipe.graph.export import localize
 from lightning_pipe.plan.balance import check_balance
+from lightning_pipe.plan.policy import Policy
 from lightning_pipe.runtime import swap
 from lightning_pipe.runtime.lend import Lender, lent_buffers
 from lightning_pipe.runtime.transport import move
@@ -31,7 +32,6 @@ from lightning_pipe.runtime.transport import move
 __all__ = ["Policy", "Program", "Segment", "Stage", "build"]
 
 
-Policy = Literal["keep", "recompute", "swap"]
 
 
 @dataclass

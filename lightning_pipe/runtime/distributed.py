@@ -18,22 +18,29 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import InitVar, dataclass
 from datetime import timedelta
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.fx.node import map_aggregate
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from lightning_pipe.graph.capture import get_attr
 from lightning_pipe.graph.microbatch import gather
+from lightning_pipe.internals import (
+    NoWarmupVotes,
+    PipelineStageBase,
+    TreeSpec,
+    fake_process_group,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
-from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES
+from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSchedule
 from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, to_meta
 
@@ -42,7 +49,6 @@ __all__ = [
     "constants", "cuts", "pipeline_mesh", "silent_mesh", "to_device", "to_host",
 ]
 
-DistributedSchedule = Literal["gpipe", "1f1b"]
 
 
 @dataclass(frozen=True)
@@ -180,7 +186,7 @@ class PipelineRank:
     def __post_init__(self, schedule: DistributedSchedule) -> None:
         self.ranks = dist.get_world_size(self.group)
         stage_type = _SilentStage if self.fake else _TimedStage
-        stages: list[_PipelineStageBase] = [
+        stages: list[PipelineStageBase] = [
             stage_type(
                 module, index, self.num_stages, self.device,
                 input_args=module.inputs.examples(requires_grad=index > 0),
@@ -259,16 +265,10 @@ class _TimedStage(PipelineStage):
             super().backward_one_chunk(*args, **kwargs)
 
 
-class _SilentStage(_TimedStage):
+class _SilentStage(NoWarmupVotes, _TimedStage):
     """A stage on a silent mesh, where no peer's vote arrives: it takes the static shapes every
     stage votes for when given its input and output metadata, as each stage here is. (The
     vote is ``pipelining``'s private warm-up, which would read a tensor without data.)"""
-
-    def _warmup_forward_vote(self, has_backward: bool, received_acc: Tensor | None = None) -> Tensor:
-        return torch.ones(1, dtype=torch.int32)
-
-    def _warmup_backward_result(self, received_result: Tensor | None = None) -> Tensor:
-        return torch.ones(1, dtype=torch.int32)
 
 
 def constants(bound: dict[str, Any]) -> dict[str, Any]:
@@ -591,11 +591,7 @@ _SILENT = "lightning_pipe_silent"
 
 
 def _silent_group(common: Any, options: Any) -> Any:
-    # torch's FakeProcessGroup (private: it backs torch's own tests of distributed code on one
-    # process) answers every collective and point-to-point call at once and moves no data.
-    from torch._C._distributed_c10d import FakeProcessGroup
-
-    return FakeProcessGroup._create_internal(common.group_rank, common.group_size)
+    return fake_process_group(common.group_rank, common.group_size)
 
 
 def _unique(root: nn.Module) -> list[Tensor]:

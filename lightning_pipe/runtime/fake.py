@@ -38,12 +38,11 @@ from weakref import WeakSet
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import batch_size, scatter
+from lightning_pipe.internals import FakeTensorMode, mark_as_parameter, tree_flatten, tree_map
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.plan.schedule import Schedule, actions, global_order
 from lightning_pipe.runtime import swap
@@ -273,7 +272,7 @@ def _fake_in_place(module: nn.Module, mode: AbstractContextManager[Any], device:
         fake = _fake(t, mode, device)
         if isinstance(t, nn.Parameter):
             fake.requires_grad_(t.requires_grad)
-            fake._is_param = True  # isinstance(fake, nn.Parameter) holds
+            mark_as_parameter(fake)  # isinstance(fake, nn.Parameter) holds
         torch.utils.swap_tensors(t, fake)  # type: ignore[no-untyped-call]
 
 

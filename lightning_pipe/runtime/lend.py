@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
+from lightning_pipe.internals import preserve_version_counter
 from lightning_pipe.runtime.transport import move
 
 __all__ = ["Lender", "lent_buffers"]
@@ -54,5 +54,5 @@ def lent_buffers(buffers: Mapping[str, Tensor], device: torch.device) -> Iterato
     with torch.no_grad():
         for name, buffer in buffers.items():
             if copies[name] is not buffer:
-                with _unsafe_preserve_version_counter(buffer):
+                with preserve_version_counter(buffer):
                     buffer.copy_(copies[name])

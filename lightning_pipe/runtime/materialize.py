@@ -16,7 +16,7 @@ __all__ = ["allocate", "check_resettable", "has_meta", "materialize", "materiali
 
 def own_tensors(module: nn.Module) -> list[Tensor]:
     """The parameters and buffers ``module`` registers itself (not its children's)."""
-    return [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -30,7 +30,8 @@ def check_resettable(root: nn.Module) -> None:
         TypeError: a module with meta tensors of its own has no ``reset_parameters()``.
     """
     for name, module in root.named_modules():
-        meta = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        meta = [n for n, t in own if t.is_meta]
         if meta and not callable(getattr(module, "reset_parameters", None)):
             raise TypeError(
                 f"{name or 'The model'} ({type(module).__name__}) was built on the meta device "

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.fx.node import map_aggregate
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_pipe.internals import tree_flatten, tree_unflatten
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.runtime.build import Program

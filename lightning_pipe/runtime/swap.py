@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_pipe.internals import outer_saved_tensors_hooks, tree_flatten, view_base
 from lightning_pipe.measure.meter import not_charged
 from lightning_pipe.stream import (
     AbstractEvent,
@@ -161,11 +161,11 @@ class _Hooks(torch.autograd.graph.saved_tensors_hooks):
         # Inputs live on outside the segment; a host copy of them would free nothing.
         self.inputs = {id(t.untyped_storage()) for t in tree_flatten(inputs)[0] if isinstance(t, Tensor)}
         # What stays on the device goes through the enclosing hooks (the memory meter's).
-        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._outer = outer_saved_tensors_hooks()
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, t: Tensor) -> Any:
-        parameter = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)  # W.t() in linear
+        parameter = isinstance(t, torch.nn.Parameter) or isinstance(view_base(t), torch.nn.Parameter)  # W.t() in linear
         if parameter or id(t.untyped_storage()) in self.inputs:
             return t if self._outer is None else _Kept(self._outer[0](t), self._outer[1])
         storage = t.untyped_storage()

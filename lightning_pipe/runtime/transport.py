@@ -12,8 +12,8 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
 
+from lightning_pipe.internals import tree_map
 from lightning_pipe.stream import current_stream, record_stream, side_stream, use_stream, wait_stream
 
 __all__ = ["move"]

@@ -99,6 +99,7 @@ def test_tied_weight_is_one_parameter_counted_once_and_borrowed_by_a_later_stage
     assert torch.allclose(grad, model.embed.weight.grad, atol=1e-6)  # both uses, in one gradient
 
 
+@pytest.mark.slow
 def test_graph_holds_for_other_batch_sizes_only_for_its_specialization():
     model = TiedLM()
     batch, labels = _batch()

@@ -1,5 +1,6 @@
 """Variants: one graph per training mode (and, exported, per input specialization)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -46,6 +47,7 @@ def test_graphs_that_come_out_the_same_are_one_variant():
     assert len({id(c) for _, c in variants.graphs}) == 1
 
 
+@pytest.mark.slow
 def test_exported_variants_by_input_structure_and_sizes():
     model = TiedLM()
     variants = Variants(model)

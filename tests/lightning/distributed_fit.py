@@ -358,14 +358,16 @@ def indivisible(out: Path, devices: int) -> None:
 
 def refused(out: Path, devices: int) -> None:
     """Bad input every rank refuses before any collective, each saving its error: a buffer
-    written in forward, a batch smaller than ``chunks`` per replica. Under torchrun, which
-    leaves each rank to go on after a failed fit (Lightning's launcher's rank 0 ends the others)."""
-    cases = {
-        "buffer": (WritesInForward("ema"), loader(TokenDataset(16), 8)),
-        "small": (make("gpt")[0], loader(TokenDataset(16), 2)),  # 2 samples a replica (pp=2), chunks=4
+    written in forward, a batch smaller than ``chunks`` per replica, a balance without an entry
+    per process. Under torchrun, which leaves each rank to go on after a failed fit (Lightning's
+    launcher's rank 0 ends the others)."""
+    cases: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+        "buffer": (WritesInForward("ema"), loader(TokenDataset(16), 8), {}),
+        "small": (make("gpt")[0], loader(TokenDataset(16), 2), {}),  # 2 samples a replica (pp=2), chunks=4
+        "balance": (make("gpt")[0], loader(TokenDataset(16), 8), {"balance": [6]}),  # stages=None: counted at start
     }
-    for name, (model, data) in cases.items():
-        strategy = MemoryPipeStrategy(runtime="distributed", chunks=CHUNKS, planner=None)
+    for name, (model, data, options) in cases.items():
+        strategy = MemoryPipeStrategy(runtime="distributed", chunks=CHUNKS, planner=None, **options)
         trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         try:

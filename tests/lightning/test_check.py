@@ -58,6 +58,7 @@ def _limits():
     return limits
 
 
+@pytest.mark.slow
 def test_a_plan_that_a_fake_step_finds_over_the_limit_is_made_again_below_it():
     limits = _limits()
     checks = []
@@ -85,6 +86,7 @@ def test_a_plan_that_a_fake_step_finds_over_the_limit_is_made_again_below_it():
     assert checked_plan is plan and peaks[:-1] == metered[:-1] and peaks[-1] == metered[-1] + logits
 
 
+@pytest.mark.slow
 def test_without_the_check_the_same_limits_run_out_of_memory(monkeypatch):
     limits = _limits()
     monkeypatch.setattr(strategy_module, "fake_peaks", lambda *args, **kwargs: [s.peak.total for s in args[-1].stages])
@@ -94,6 +96,7 @@ def test_without_the_check_the_same_limits_run_out_of_memory(monkeypatch):
         _fit(strategy)
 
 
+@pytest.mark.slow
 def test_the_check_leaves_the_module_as_it_was():
     strategy = _fit(MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b"), steps=1)
     module = strategy.lightning_module
@@ -115,6 +118,7 @@ def test_the_check_leaves_the_module_as_it_was():
     assert vars(module)["forward"] == strategy.engine.run_forward  # the strategy's pipeline still runs the module
 
 
+@pytest.mark.slow
 def test_on_a_cuda_stage_the_check_reports_what_the_caching_allocator_reserves():
     strategy = _fit(MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b"), steps=1)
     module = strategy.lightning_module
@@ -133,6 +137,7 @@ def test_on_a_cuda_stage_the_check_reports_what_the_caching_allocator_reserves()
     assert metered[1] <= reserved.allocated <= reserved.reserved
 
 
+@pytest.mark.slow
 def test_under_cpu_autocast_the_check_meters_what_training_does():
     # bf16-mixed on the CPU casts fake tensors standing on the CPU; meta tensors it leaves in fp32
     strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b", measure_memory=True)
@@ -146,6 +151,7 @@ def test_under_cpu_autocast_the_check_meters_what_training_does():
     assert peaks == strategy.meter.peaks()
 
 
+@pytest.mark.slow
 def test_on_cpu_stages_the_check_runs_the_attention_kernel_training_runs():
     # scaled_dot_product_attention runs flash on the CPU and the math kernel on meta tensors
     strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b", measure_memory=True)

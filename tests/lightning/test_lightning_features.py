@@ -45,6 +45,7 @@ class _Dtypes(EncoderDecoder):
         return self.criterion(logits, batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipe", ["gpipe", "1f1b"])
 def test_bf16_mixed_on_cpu(pipe):
     reference, _ = _fit("encdec", model_cls=_Dtypes, precision="bf16-mixed", max_steps=3)
@@ -60,6 +61,7 @@ class _Scheduled(EncoderDecoder):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipe", ["gpipe", "1f1b"])
 def test_lr_scheduler(pipe):
     reference, t_ref = _fit("encdec", model_cls=_Scheduled, max_steps=-1, max_epochs=2)

@@ -38,6 +38,7 @@ def _counting() -> Any:
     return DataLoader(Counting(2 * CHUNKS, vocab=64, context=16), batch_size=CHUNKS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gpt2_at_micro_batch_one_plans_and_trains_as_on_one_device(schedule):
     reference = _gpt2()

@@ -100,6 +100,7 @@ def _assert_within_tolerance(plan, metered):
     assert all(m <= s.peak.total * (1 + PREDICTION_ERROR) for s, m in zip(plan.stages, metered))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memopt", ["off", "recompute", "swap"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
 @pytest.mark.parametrize("name", ["gpt", "encdec", "unet", "bert"])
@@ -145,6 +146,7 @@ def test_a_cat_reading_two_earlier_stages_keeps_one_gradient_buffer():
     assert abs(predicted - metered) <= 0.01 * metered, (predicted, metered)
 
 
+@pytest.mark.slow
 def test_an_encoder_output_read_on_every_stage_is_predicted_under_gpipe():
     """The benchmark's encoder-decoder over 4 stages under GPipe, params' plan at micro-batch 13
     under a 3.17 MiB limit. The encoder output is read on every stage: stage 0 counted it
@@ -221,6 +223,7 @@ def test_a_convolutions_gradient_sum_under_gpipe_comes_after_its_workspace_is_fr
     assert abs(errors[2]) <= 0.001 and max(map(abs, errors)) <= TOLERANCE, [f"{e:+.1%}" for e in errors]
 
 
+@pytest.mark.slow
 def test_a_recomputed_regions_forward_run_again_is_predicted(monkeypatch):
     """The benchmark's GPT under 2BW over 3 stages, the first block's attention recomputed up
     to its softmax (a plan dawnpiper made): its forward, run again before the softmax's
@@ -272,6 +275,7 @@ class _Amoeba(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@pytest.mark.slow
 def test_a_value_a_recomputed_region_sends_on_is_predicted_while_the_region_runs_again(monkeypatch):
     """A small AmoebaNet over 2 stages under 1F1B, stage 0 recomputing the stem's normalisation
     up to the first cell's two pools (the region dawnpiper chose on AmoebaNet-D at paper scale,
@@ -300,6 +304,7 @@ def test_a_value_a_recomputed_region_sends_on_is_predicted_while_the_region_runs
     assert abs(predicted[0].total - metered[0]) <= 0.002 * metered[0], ([p.total for p in predicted], metered)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "stage"), [("1f1b", 0), ("gpipe", 3)])
 def test_the_unets_first_and_last_stages_are_predicted_to_the_byte(schedule, stage):
     """The benchmark's U-Net over 4 stages, dawnpiper's plan at its largest micro-batch under a

@@ -54,6 +54,7 @@ def _survives(family: str, schedule: str, stage: int, step: int, cut: float, lim
     return model, strategy, injected, replans
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_stage_losing_memory_mid_run_is_planned_again_and_the_step_runs_again_unchanged(schedule):
     limit = _limit("gpt", schedule)
@@ -65,6 +66,7 @@ def test_a_stage_losing_memory_mid_run_is_planned_again_and_the_step_runs_again_
     assert max_rel_diff(model, _reference("gpt")) < 1e-5  # the failed attempt left no trace, no step twice
 
 
+@pytest.mark.slow
 def test_a_failed_attempt_leaves_no_log_metric_or_random_draw_behind():
     """The U-Net logs a torchmetrics accuracy and its loss; the denoiser draws noise before
     ``self(...)``. A step that runs out after both is undone: logged values, metric state and
@@ -86,6 +88,7 @@ def test_a_failed_attempt_leaves_no_log_metric_or_random_draw_behind():
     assert max_rel_diff(again, model) < 1e-5
 
 
+@pytest.mark.slow
 def test_noise_drawn_in_the_step_is_drawn_again_the_same():
     torch.manual_seed(0)
     reference = Denoiser()
@@ -101,6 +104,7 @@ def test_noise_drawn_in_the_step_is_drawn_again_the_same():
     assert max_rel_diff(model, reference) < 1e-6
 
 
+@pytest.mark.slow
 def test_a_limit_no_plan_can_meet_is_a_clear_error_naming_the_stage():
     limit = _limit("gpt", "gpipe")
     torch.manual_seed(0)
@@ -111,6 +115,7 @@ def test_a_limit_no_plan_can_meet_is_a_clear_error_naming_the_stage():
         fit.fit(model, loader(data, 4))
 
 
+@pytest.mark.slow
 def test_out_of_replans_is_a_clear_error():
     limit = _limit("gpt", "gpipe")
     torch.manual_seed(0)
@@ -144,6 +149,7 @@ class CudaOutOfMemoryOnce(Callback):
                                          "of 79.10 GiB of which 16.00 KiB is free.")
 
 
+@pytest.mark.slow
 def test_a_cuda_out_of_memory_error_is_planned_for_below_the_check(schedule="1f1b"):
     limit = _limit("gpt", schedule)
     torch.manual_seed(0)
@@ -171,6 +177,7 @@ class Hoard(Callback):
             self.strategy.meter.run_as(1, lambda: setattr(module, "hoard", torch.zeros(self.nbytes // 4)))
 
 
+@pytest.mark.slow
 def test_a_stage_drifting_past_its_prediction_is_planned_for_before_the_next_step():
     limit = _limit("gpt", "1f1b")
     torch.manual_seed(0)
@@ -190,6 +197,7 @@ def test_a_stage_drifting_past_its_prediction_is_planned_for_before_the_next_ste
     assert max_rel_diff(model, _reference("gpt")) < 1e-5
 
 
+@pytest.mark.slow
 def test_the_last_good_checkpoint_is_intact_when_no_plan_fits(tmp_path):
     limit = _limit("gpt", "gpipe")
     torch.manual_seed(0)

@@ -25,6 +25,7 @@ class Shrink(Callback):
             self.strategy.meter.reset_peaks()  # from here on, the new plan's
 
 
+@pytest.mark.slow
 def test_a_lowered_memory_limit_is_planned_for_at_the_next_batch_and_training_goes_on_unchanged():
     torch.manual_seed(0)
     reference, data = make("gpt")

@@ -19,6 +19,7 @@ from tests.helpers import trainer
 from tests.models import make
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_metrics_reach_a_csv_logger_with_plausible_values(tmp_path, schedule):
     model, data = make("gpt")
@@ -106,6 +107,7 @@ def test_plot_draws_a_target_near_the_bars_on_the_axis():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0\n60.0MiB", "1\n50.0MiB"]
 
 
+@pytest.mark.slow
 def test_reports_leave_the_matplotlib_backend_and_pyplot_alone(tmp_path):
     """Importing lightning_pipe and saving a plan must not pick a backend for the process (a
     notebook's inline one) nor leave figures for the user's ``plt.show()``."""

@@ -128,6 +128,7 @@ def _collapsed(events):
     return [e for k, e in enumerate(events) if k == 0 or e != events[k - 1]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b", "2bw"])
 def test_hooks_around_backward_keep_lightnings_order(schedule):
     model, _ = _fit(_Order, schedule, max_steps=2, callbacks=[_RecordHooks()])
@@ -147,6 +148,7 @@ class _Swa(EncoderDecoder):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+@pytest.mark.slow
 def test_stochastic_weight_averaging_matches_single_device():
     runs = {}
     for schedule in (None, "1f1b"):

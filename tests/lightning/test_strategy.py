@@ -15,6 +15,7 @@ def _fit(family, strategy="auto", devices=1, batch_size=8, **model_kwargs):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt", "unet", "encdec"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_five_steps_match_single_device_training(family, stages):
@@ -97,6 +98,7 @@ def _epochs(family, strategy, devices, epochs, ckpt_path=None, save=None):
     return model, t
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first, second", [("pipe", "pipe"), ("plain", "pipe"), ("pipe", "plain")])
 def test_resume_equals_uninterrupted_run(tmp_path, first, second):
     def strategy(kind):
@@ -147,6 +149,7 @@ def test_predict_validate_test_on_a_short_last_batch_match_plain_module():
     assert piped.test(model, batches, verbose=False)[0]["test_loss"] == pytest.approx(expected_val, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_training_with_short_batches_matches_single_device(schedule):
     data = TokenDataset(size=18)  # batches of 8, 8 and 2 samples; the sanity check sees 2
@@ -200,6 +203,7 @@ def _run_module(module, devices, leaf_modules=None):
     trainer(strategy, devices, max_steps=1).fit(Wrapper(), torch.utils.data.DataLoader(data, batch_size=4))
 
 
+@pytest.mark.slow
 def test_metered_fit_reports_stage_peaks_and_enforces_limits():
     from lightning_pipe.measure.meter import StageOutOfMemoryError
 
@@ -227,6 +231,7 @@ def test_metered_fit_reports_stage_peaks_and_enforces_limits():
         trainer(three_limits, 2).fit(make("gpt")[0], loader(data, 8))
 
 
+@pytest.mark.slow
 def test_plan_is_made_from_the_first_training_batch_and_reused_by_validate(monkeypatch):
     """The sanity check's smaller eval batch must not be what the plan is for, and a later
     ``validate`` reuses the plan instead of profiling again."""
@@ -275,6 +280,7 @@ def _count_profiles(monkeypatch) -> list[int]:
     return sizes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_training_batch_larger_than_planned_is_planned_again(schedule, monkeypatch, caplog):
     reference, _ = make("gpt", context=32)

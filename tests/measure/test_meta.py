@@ -1,11 +1,21 @@
 import torch
 
-from lightning_pipe.measure.meta import _RESULTS, meta_call, on_meta
-from lightning_pipe.measure.meter import _leaves
+from lightning_pipe.measure.meta import meta_call, on_meta
+
+# An operator whose meta kernel counts its runs: whether meta_call ran it or made its result
+LIBRARY = torch.library.Library("lightning_pipe_test_meta", "DEF")
+LIBRARY.define("scaled(Tensor x, float s) -> Tensor")
+KERNEL_RUNS = []
+LIBRARY.impl("scaled", lambda x, s: (KERNEL_RUNS.append(s), torch.empty_like(x))[1], "Meta")
+SCALED = torch.ops.lightning_pipe_test_meta.scaled.default
+
+
+def leaves(values):
+    return [leaf for v in values for leaf in (leaves(v) if isinstance(v, (list, tuple)) else [v])]
 
 
 def call(func, *args, **kwargs):
-    return meta_call(func, args, kwargs, _leaves((*args, *kwargs.values())))
+    return meta_call(func, args, kwargs, leaves((*args, *kwargs.values())))
 
 
 def same_layout(a, b):
@@ -15,12 +25,16 @@ def same_layout(a, b):
 def test_a_repeated_signature_is_made_from_its_layouts_as_the_kernel_makes_it():
     x = torch.empty(2, 3, 5, 7, device="meta").to(memory_format=torch.channels_last)
     first = call(torch.ops.aten.mul.Tensor, x, x)
-    key_count = len(_RESULTS)
     again = call(torch.ops.aten.mul.Tensor, x, x)
     assert same_layout(again, torch.ops.aten.mul.Tensor(x, x)) and same_layout(again, first)
     assert again.stride() == x.stride()  # the layout the kernel chose, not a contiguous one
     assert again.untyped_storage()._cdata != first.untyped_storage()._cdata
-    assert len(_RESULTS) == key_count
+    KERNEL_RUNS.clear()
+    made = [call(SCALED, x, 2.0) for _ in range(3)]
+    assert KERNEL_RUNS == [2.0]  # the kernel ran once: its results were made again from their layouts
+    assert all(same_layout(m, made[0]) for m in made) and made[0].stride() == x.stride()
+    assert len({m.untyped_storage()._cdata for m in made}) == 3  # each a new storage
+    assert call(SCALED, x, 3.0).stride() == x.stride() and KERNEL_RUNS == [2.0, 3.0]  # another signature: run
     outs = call(torch.ops.aten.native_layer_norm.default, x, [7], None, None, 1e-5)
     again = call(torch.ops.aten.native_layer_norm.default, x, [7], None, None, 1e-5)
     assert isinstance(again, tuple) and all(map(same_layout, outs, again))

@@ -134,6 +134,7 @@ def test_the_process_peak_is_the_allocator_s(family, schedule):
     assert strategy.meter.process_peak == pytest.approx(_allocator_peak(prof), rel=0.03)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("held", [False, True], ids=["fresh batches", "held batches"])
 def test_with_the_planner_on_the_process_peak_is_the_allocator_s_over_five_steps(held):
     """Planning profiles and probes inside the first step, charged to no stage: nothing it

@@ -145,10 +145,9 @@ def test_measured_times_are_shared_out_by_work_so_only_their_total_varies(monkey
     torch.manual_seed(0)
     captured = capture(GPT(layers=2))
     batch = {"input_ids": torch.randint(96, (4, 16))}
-    jitter = iter(range(1, 10**6))  # every node measured differently, as noise does
-    time_node = profiler._time_node
-    noisy = lambda *a: tuple(t * (1 + next(jitter) % 7 / 10) for t in time_node(*a))  # noqa: E731
-    monkeypatch.setattr(profiler, "_time_node", noisy)
+    jitter = iter(range(1, 10**6))  # every node and direction measured differently, as noise does
+    elapsed_ms = profiler.elapsed_ms  # one repeat: each time measured is one elapsed time
+    monkeypatch.setattr(profiler, "elapsed_ms", lambda *a: elapsed_ms(*a) * (1 + next(jitter) % 7 / 10))
     a, b = (profile_graph(captured, (batch,), repeats=1, warmup=0).nodes for _ in range(2))
     ratios = [getattr(y, f) / getattr(x, f) for x, y in zip(a, b) for f in ("forward_ms", "backward_ms")
               if getattr(x, f) > 0]
@@ -166,26 +165,48 @@ def test_optimizer_bytes_of_an_optimizer_whose_defaults_its_init_does_not_take()
     assert l0.optimizer_bytes == 2 * l0.param_bytes + 2 * 4
 
 
+class Sleep(nn.Module):
+    def forward(self, x):
+        time.sleep(0.005)
+        return x
+
+
+class TwoDevices(nn.Module):
+    """A node on the CPU, then one that sleeps, beside a node on the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.on_cpu = nn.Linear(4, 4)
+        self.pause = Sleep()
+        self.on_meta = nn.Linear(4, 4, device="meta")
+
+    def forward(self, x, y):
+        return self.pause(self.on_cpu(x)), self.on_meta(y)
+
+
 def test_node_times_are_taken_on_the_node_s_device_stream(monkeypatch):
     from lightning_pipe.measure import profiler
 
     devices = []
     current_stream = profiler.current_stream
     monkeypatch.setattr(profiler, "current_stream", lambda device: (devices.append(device), current_stream(device))[1])
-    ms = profiler._median_ms(lambda: time.sleep(0.005), torch.device("meta"), repeats=3, warmup=1)
-    assert devices == [torch.device("meta")] and ms >= 4
+    captured = capture(TwoDevices(), ["Sleep"])
+    assert [n.name for n in captured.nodes] == ["on_cpu", "pause", "on_meta"]
+    p = profile_graph(captured, (torch.randn(2, 4), torch.randn(2, 4, device="meta")), repeats=3, warmup=1)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert devices == [cpu, cpu, cpu, cpu, meta, meta]  # each node's forward and backward, on its device
+    assert sum(n.forward_ms + n.backward_ms for n in p.nodes) >= 4  # the wall clock: the sleep is in the total
 
 
 @pytest.mark.cuda
 def test_node_times_on_a_device_that_is_not_the_current_one():
-    from lightning_pipe.measure import profiler
-
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
+    model = nn.Linear(2048, 2048, bias=False, device="cuda:1")
     x = torch.randn(2048, 2048, device="cuda:1")
     with torch.cuda.device(0):
-        ms = profiler._median_ms(lambda: x @ x, torch.device("cuda", 1), repeats=3, warmup=1)
-    assert ms > 0.01  # events on cuda:0's stream would see none of cuda:1's work
+        (node,) = profile_graph(capture(model), (x,), repeats=3, warmup=1).nodes
+    assert node.forward_ms > 0.01  # events on cuda:0's stream would see none of cuda:1's work
 
 
 def test_tied_weights_are_recorded_and_their_copy_charged_to_the_borrowing_stage(tmp_path):

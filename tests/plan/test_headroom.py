@@ -125,6 +125,7 @@ def test_flat_assumes_the_worst_measured_error():
     assert all(s.peak.total <= limit * PLANNING_HEADROOM for s, limit in zip(fallback.stages, limits))
 
 
+@pytest.mark.slow
 def test_the_largest_microbatch_is_the_largest_whose_checked_plan_fits():
     profile = cnn_like()
     limits = [CAP] * STAGES

@@ -3,7 +3,8 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_pipe.plan.memory import CodedPolicies, CostModel, predict_peaks
+from lightning_pipe.plan.memory import CostModel, predict_peaks
+from lightning_pipe.plan.policy import CodedPolicies
 from lightning_pipe.plan.profile import NodeProfile, Profile
 
 

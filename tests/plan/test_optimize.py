@@ -129,9 +129,9 @@ def test_a_lowest_peak_without_memory_optimisation_is_the_stage_kept():
 def test_options_priced_at_once_are_priced_as_one_at_a_time():
     # the greedy's fallbacks are priced in one pass; an option choosing no node of the stage
     # (an earlier stage's choices only) is the stage kept
-    from lightning_pipe.plan.optimize import _lowest_memory_policies, _Stage
+    from lightning_pipe.plan.optimize import PricedStage, lowest_memory_policies
 
     model = CostModel(random_profile(40, 3), schedule="gpipe", chunks=3)
-    stage = _Stage(model, 10, 30, 3, 10**5, 1, 1e6, (0, ()), {4: "recompute", 7: "swap"})
-    options = [{}, {2: "recompute"}, *_lowest_memory_policies(model, 10, 30, 1e6)]
+    stage = PricedStage(model, 10, 30, 3, 10**5, 1, 1e6, (0, ()), {4: "recompute", 7: "swap"})
+    options = [{}, {2: "recompute"}, *lowest_memory_policies(model, 10, 30, 1e6)]
     assert [stage.priced(o) for o in options] == stage.priced_all(options)

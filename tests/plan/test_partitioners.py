@@ -5,7 +5,7 @@ import random
 import pytest
 
 from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.partitioners import Stages, _bisection, partition, split
+from lightning_pipe.plan.partitioners import Stages, bisection, partition, split
 from lightning_pipe.plan.profile import NodeProfile, Profile
 
 
@@ -81,7 +81,7 @@ def test_bisection_two_stages_reaches_the_brute_force_best_time(seed):
     profile = chain(14, seed)
     flight = [2, 1]
     stages = Stages(CostModel(profile), [fitting_capacity(profile, flight, 0.5)] * 2, flight)
-    got = worst(stages, _bisection(stages), stages.stage_time)
+    got = worst(stages, bisection(stages), stages.stage_time)
     assert got == pytest.approx(brute_force_time(stages), rel=1e-12)
 
 
@@ -93,7 +93,7 @@ def test_bisection_deeper_pipelines_stay_near_the_brute_force_best_time():
             flight = list(range(count, 0, -1))
             stages = Stages(CostModel(profile), [fitting_capacity(profile, flight, 0.6)] * count, flight)
             best = brute_force_time(stages)
-            got = worst(stages, _bisection(stages), stages.stage_time)
+            got = worst(stages, bisection(stages), stages.stage_time)
             assert math.isfinite(got) or math.isinf(best)
             if math.isfinite(best):
                 ratios.append(got / best)

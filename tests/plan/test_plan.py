@@ -62,6 +62,7 @@ def test_infeasible_capacity_names_the_smallest_reachable_peak():
     assert "micro-batch size" in str(e)
 
 
+@pytest.mark.slow
 def test_a_bad_balance_is_told_apart_from_no_plan_at_all():
     profile = cnn_like().scaled(max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8))
     with pytest.raises(InfeasiblePlanError, match="Other balances fit") as err:
@@ -71,6 +72,7 @@ def test_a_bad_balance_is_told_apart_from_no_plan_at_all():
     assert "use partitioner 'dawnpiper'" in str(err.value) and f"balance={offered}" in str(err.value)
 
 
+@pytest.mark.slow
 def test_when_dawnpiper_fails_no_plan_fits_and_no_partitioner_is_recommended():
     profile = cnn_like().scaled(max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8) + 1)
     for name in ("dawnpiper", "capslog", "time"):
@@ -79,6 +81,7 @@ def test_when_dawnpiper_fails_no_plan_fits_and_no_partitioner_is_recommended():
         assert "use partitioner" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_the_largest_microbatch_searched_from_a_size_that_fits_is_the_same():
     largest = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
     for start in (1, 2, largest // 3, largest):
@@ -87,6 +90,7 @@ def test_the_largest_microbatch_searched_from_a_size_that_fits_is_the_same():
         max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, at_least=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "2bw"])
 def test_the_largest_plan_is_the_plan_made_afresh_at_the_largest_microbatch(schedule):
     # largest_plan chooses among splits on the stages its search's last fitting probe priced
@@ -100,6 +104,7 @@ def test_the_largest_plan_is_the_plan_made_afresh_at_the_largest_microbatch(sche
         largest_plan(cnn_like(), [5_000] * 4, "dawnpiper", schedule, 4)
 
 
+@pytest.mark.slow
 def test_without_memory_optimisation_nothing_is_recomputed_and_less_fits():
     on = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
     off = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, optimise_memory=False)
@@ -110,6 +115,7 @@ def test_without_memory_optimisation_nothing_is_recomputed_and_less_fits():
         make_plan(cnn_like().scaled(off + 1), [CAP] * 4, "dawnpiper", "1f1b", 8, optimise_memory=False)
 
 
+@pytest.mark.slow
 def test_2bw_keeps_a_second_weight_copy_and_fits_no_more_than_1f1b():
     a = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
     b = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "2bw", 8)
@@ -122,6 +128,7 @@ def test_2bw_keeps_a_second_weight_copy_and_fits_no_more_than_1f1b():
     assert lowest[1] > lowest[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count", [4, 6])
 def test_cnn_like_dawnpiper_fits_larger_microbatches_than_time_balance(count):
     profile = cnn_like()

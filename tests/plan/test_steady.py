@@ -24,6 +24,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_profiling_again_gives_the_same_plan(one_thread):
     torch.manual_seed(0)
     captured = capture(GPT(layers=4))

@@ -101,6 +101,7 @@ def _warnings(strategy, model, fn="fit"):
     return [str(w.message) for w in caught if "deferred_batch_norm" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_warning_names_the_option_only_when_micro_batches_change_the_statistics():
     (message,) = _warnings(MemoryPipeStrategy(chunks=4), BNNet())
     assert "bn2d, bn1d" in message and "MemoryPipeStrategy(deferred_batch_norm=True)" in message

@@ -73,6 +73,7 @@ def test_fake_run_meters_the_same_peaks_as_a_real_run(monkeypatch, family, sched
     assert all(p.is_meta for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_fake_tensors_on_the_cpu_run_the_attention_kernel_the_cpu_runs(monkeypatch):
     """``scaled_dot_product_attention`` picks its kernel by device: flash on the CPU, the math
     one on ``meta`` tensors, which keeps other tensors. Fake tensors standing on the CPU pick
@@ -92,6 +93,7 @@ def test_fake_tensors_on_the_cpu_run_the_attention_kernel_the_cpu_runs(monkeypat
     assert peaks("meta") != real
 
 
+@pytest.mark.slow
 def test_fake_run_enforces_capacities_and_leaves_the_host_pool_alone(monkeypatch):
     gc.collect()  # swapped tensors of earlier tests give their buffers back to the pool of the day
     pool = swap.HostPool()

@@ -5,7 +5,7 @@ from torch import nn
 from examples.models import GPT, EncoderDecoder
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.plan.balance import balance_by_weight
-from lightning_pipe.plan.schedule import _gpipe_backward_order
+from lightning_pipe.plan.schedule import BackwardState, backward_states, clock_cycles
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.gpipe import Pipeline
 
@@ -95,5 +95,12 @@ def test_backward_runs_in_reverse_clock_order_as_the_planner_assumes():
     log = []
     pipe = _pipeline(Probed(log), 2, 3, leaf_modules=["Probe"])
     pipe(torch.randn(6, 4)).sum().backward()
-    ran = [(s, m) for kind, s, m in log if kind == "bwd"]
-    assert ran == [(f"s{step.stage}", step.microbatch) for step in _gpipe_backward_order(3, 2)]
+    ran = [(int(s[1:]), m) for kind, s, m in log if kind == "bwd"]
+    # the forward's clock cycles backwards, each cycle's stages last to first
+    assert ran == [(j, m) for cycle in reversed(list(clock_cycles(3, 2))) for m, j in reversed(cycle)]
+    # the planner's states at each backward (micro-batches held, gradients waiting) are this order's
+    done, states = [0, 0], [[], []]
+    for s, _ in ran:
+        states[s].append(BackwardState(3 - done[s], tuple(done[s] - done[p] if p < s else 0 for p in range(2))))
+        done[s] += 1
+    assert backward_states("gpipe", 3, 2) == tuple(map(tuple, states))

@@ -43,6 +43,7 @@ class _Grads(Callback):
             self.grads = [p.grad.detach().clone() for p in module.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt", "unet", "encdec"])
 def test_1f1b_gradients_equal_gpipe(family):
     results = {}
@@ -71,6 +72,7 @@ def test_1f1b_matches_single_device_with_accumulation_and_logs_batch_values(tmp_
     assert runs["1f1b"][1] == pytest.approx(runs["single"][1], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_1f1b_holds_fewer_activations_than_gpipe():
     chunks, stages = 8, 4
     peaks = {}
@@ -197,6 +199,7 @@ def test_schedule_driven_needs_automatic_optimization():
         trainer(MemoryPipeStrategy(chunks=2, schedule="1f1b"), 2).fit(Manual(), data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule, host_bandwidth", [("gpipe", None), ("1f1b", None), ("gpipe", 1e11)])
 def test_planned_recompute_and_swap_fit_a_capacity_plain_gpipe_exceeds(schedule, host_bandwidth):
     """A per-stage capacity that the unoptimised split overflows (the meter raises) is met by
