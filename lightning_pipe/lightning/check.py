@@ -60,7 +60,8 @@ def unchecked_warning(why: str) -> str:
     """What an engine says, once, when it plans by the flat headroom for want of a check."""
     return (
         f"MemoryPipeStrategy cannot check its plan by a training step on fake tensors ({why}); it plans "
-        f"{PREDICTION_ERROR:.0%} below the memory limit instead, a margin measured on other models."
+        f"for a {PREDICTION_ERROR:.0%} under-prediction instead (each stage at most the memory limit / "
+        f"{1 + PREDICTION_ERROR:g}), a margin measured on other models."
     )
 
 
