@@ -141,8 +141,8 @@ class CostModel:
         # on the last stage's device; stages as processes each load it (see static)
         self._last_batch = 0 if carry else self.batch
         self._arrays = _NodeArrays(profile)
-        self._kept: dict[tuple[int, int], _Live] = {}
-        self._priced: dict[tuple[int, int, bytes], _Live] = {}  # with policies; a search prices many twice
+        self._kept: dict[tuple[int, int], LiveBytes] = {}
+        self._priced: dict[tuple[int, int, bytes], LiveBytes] = {}  # with policies; a search prices many twice
         self._borrowed: dict[tuple[int, int], int] = {}
         self._range_gradients: tuple[tuple[int, int], _Array] = ((0, 0), np.zeros(0, dtype=np.int64))
         self.forward_ms, self.backward_ms = _pooled_times(profile)
@@ -209,7 +209,7 @@ class CostModel:
     def boundary(self, lo: int, hi: int) -> int:
         """Bytes of one micro-batch's values nodes ``[lo, hi)`` made that later stages read
         and no node of the range keeps: alive once the range's forward is done."""
-        return self._live(lo, hi, {}).leaving
+        return self.live(lo, hi, {}).leaving
 
     def carried(self, lo: int, hi: int) -> int:
         """Bytes of the distributed runtime's buffers a stage of nodes ``[lo, hi)`` holds per
@@ -256,10 +256,10 @@ class CostModel:
         partitioners' search leaves it out and checks it once a split is chosen."""
         if not waits:
             return [0] * len(balance)
-        sent = self._gradient_bytes(balance)
+        sent = self.gradient_bytes(balance)
         return [sum(sent[p][s] * waits[p][s] for p in range(s)) for s in range(len(balance))]
 
-    def _gradient_bytes(self, balance: Sequence[int]) -> list[list[int]]:
+    def gradient_bytes(self, balance: Sequence[int]) -> list[list[int]]:
         """``[p][s]``: bytes of one micro-batch's gradients that wait at stage ``s`` for stage
         ``p``'s backward. The schedule-driven runtimes keep a value's gradient, summed over its
         readers, on the stage of its last reader until its producer ``p`` takes it. Under
@@ -301,7 +301,7 @@ class CostModel:
         backwards (``states``), the micro-batches it holds and the gradients waiting there."""
         forward = self.waiting_gradients(balance, waits)
         outputs = self.waiting_outputs(balance, policies)
-        sent = self._gradient_bytes(balance) if states else []
+        sent = self.gradient_bytes(balance) if states else []
         backward = [backward_waiting(states[s], [(p, sent[p][s]) for p in range(s) if sent[p][s]]) if states else ()
                     for s in range(len(balance))]
         return [(f + o, b) for f, o, b in zip(forward, outputs, backward)]
@@ -383,7 +383,7 @@ class CostModel:
         that wait at the stage for other stages while it runs forwards, and at each of its
         backwards what it holds and the bytes waiting (:meth:`waiting`), known once a split
         is."""
-        return self._peak(lo, hi, in_flight, self._live(lo, hi, policies), weight_versions, waiting)
+        return self._peak(lo, hi, in_flight, self.live(lo, hi, policies), weight_versions, waiting)
 
     def peaks(
         self,
@@ -398,7 +398,7 @@ class CostModel:
         return [self._peak(lo, hi, in_flight, live, weight_versions, waiting) for live in self._lives(lo, hi, variants)]
 
     def _peak(
-        self, lo: int, hi: int, in_flight: float, live: "_Live", weight_versions: int, waiting: Waiting
+        self, lo: int, hi: int, in_flight: float, live: "LiveBytes", weight_versions: int, waiting: Waiting
     ) -> StagePeak:
         static = self.static(lo, hi, weight_versions)
         # stages as processes keep each micro-batch's outputs until its backward
@@ -429,7 +429,7 @@ class CostModel:
         region's stash comes back at its last node's backward), in node order."""
         layout = _Layout.one(lo, hi, policy_codes(policies, self.n))
         codes, runs = layout.code, _runs(self._arrays, layout)
-        found = {int(at - lo) for peak in self._live(lo, hi, policies).peaks_at for at in (peak, peak - 1)}
+        found = {int(at - lo) for peak in self.live(lo, hi, policies).peaks_at for at in (peak, peak - 1)}
         chosen = {int(runs.of[k]) for k in found if 0 <= k < hi - lo and codes[k]}
         return [lo + k for run in sorted(chosen) for k in range(int(runs.starts[run]), int(runs.stops[run]))]
 
@@ -438,7 +438,7 @@ class CostModel:
         graph's output: GPipe's merge reads them once every micro-batch's forward is done."""
         return self._to_output[hi] - self._to_output[lo]
 
-    def _forward_peak(self, in_flight: float, live: "_Live", static: int, boundary: int) -> StagePeak:
+    def _forward_peak(self, in_flight: float, live: "LiveBytes", static: int, boundary: int) -> StagePeak:
         """The peak of the forward of the last micro-batch in flight."""
         others = round((in_flight - 1) * live.stashed)
         return StagePeak(static, others + live.forward[0], live.forward[1], boundary)
@@ -448,7 +448,7 @@ class CostModel:
         lo: int,
         hi: int,
         in_flight: float,
-        live: "_Live",
+        live: "LiveBytes",
         static: int,
         states: Sequence[tuple[float, int]],
         cached: int = 0,
@@ -483,7 +483,7 @@ class CostModel:
         return own + round(self.borrowed(lo, hi) * self._grads_per_param) if self.carry else own
 
     def _last_peaks(
-        self, lo: int, in_flight: float, live: "_Live", static: int
+        self, lo: int, in_flight: float, live: "LiveBytes", static: int
     ) -> tuple[list[StagePeak], StagePeak | None]:
         """The last stage's forward and loss peaks: it also holds the training batch, and the
         loss made from its outputs. Under GPipe every micro-batch's outputs wait for their
@@ -521,14 +521,14 @@ class CostModel:
     def _final_outputs(self, lo: int) -> int:
         return self._to_graph_output[self.n] - self._to_graph_output[lo]
 
-    def _gradients(self, lo: int, hi: int) -> _Array:
+    def range_gradients(self, lo: int, hi: int) -> _Array:
         """:func:`_gradients` of ``[lo, hi)``, kept for the last range asked: a stage's
         optimisation prices one range hundreds of times, and they do not depend on policies."""
         if self._range_gradients[0] != (lo, hi):
             self._range_gradients = (lo, hi), _gradients(self._arrays, lo, hi)
         return self._range_gradients[1]
 
-    def _live(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> "_Live":
+    def live(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> "LiveBytes":
         """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
         (cached)."""
         if policies.codes[lo:hi].any() if isinstance(policies, CodedPolicies) else any(lo <= i < hi for i in policies):
@@ -537,7 +537,7 @@ class CostModel:
             self._kept[lo, hi] = _live(self, lo, hi, None)[0]
         return self._kept[lo, hi]
 
-    def _lives(self, lo: int, hi: int, variants: Sequence["CodedPolicies"]) -> list["_Live"]:
+    def _lives(self, lo: int, hi: int, variants: Sequence["CodedPolicies"]) -> list["LiveBytes"]:
         """:meth:`_live` under each of ``variants`` (cached), those not priced yet at once."""
         if (len(self._priced) + len(variants)) * self.n > _PRICED_BYTES:
             self._priced.clear()
@@ -560,7 +560,7 @@ def backward_waiting(states: Sequence[BackwardState], sent: Sequence[tuple[int, 
 
 
 @dataclass
-class _Live:
+class LiveBytes:
     """One micro-batch on a stage: its stash, the values still to be read after its forward,
     and the most bytes alive in its forward and in its backward (each as stash, other)."""
 
@@ -706,8 +706,8 @@ class _Layout:
         return at, (at >= 0) & (np.arange(at.size) < stops[at])
 
 
-def _live(model: CostModel, lo: int, hi: int, codes: "_Codes2 | None") -> list[_Live]:
-    """See :meth:`CostModel._live`, for each row of ``codes`` (every node's policy,
+def _live(model: CostModel, lo: int, hi: int, codes: "_Codes2 | None") -> list[LiveBytes]:
+    """See :meth:`CostModel.live`, for each row of ``codes`` (every node's policy,
     :func:`_policy_codes`; ``None``: one row, all kept). Within a row, a swapped or recomputed
     run drops the stash it alone keeps, a recomputed region keeps its inputs instead, and both
     bring their stash back for their backward (:func:`_drop_stashes`)."""
@@ -738,7 +738,7 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes2 | None") -> list[_
     # node saving an input an earlier stage made takes it on only as it runs)
     ends = (kept[:, -1] + leaving)[:, None]
     forward = np.concatenate((kept[:, :-1] + held + a.made[lo:hi] + a.workspace[lo:hi], ends), axis=1)
-    common = kept[:, 1:] + model._gradients(lo, hi) + a.backward[lo:hi] + back.reshape(rows, size)
+    common = kept[:, 1:] + model.range_gradients(lo, hi) + a.backward[lo:hi] + back.reshape(rows, size)
     # a fresh gradient of the node's parameters, to add to theirs; under the local GPipe, whose
     # one backward sums the micro-batches' gradients before the parameter takes them, a new
     # tensor, their sum: made once the node's backward has returned, its workspace freed, with
@@ -753,7 +753,7 @@ def _live(model: CostModel, lo: int, hi: int, codes: "_Codes2 | None") -> list[_
     columns = zip(*(x.tolist() for x in (
         kept[:, -1], leaving, kept[at, f], forward[at, f] - kept[at, f], kept[at, b + 1],
         backward[at, b] - kept[at, b + 1], kept[at, g + 1], first_backward[at, g] - kept[at, g + 1], b, g)))
-    return [_Live(stashed=s, leaving=out, forward=(fs, fr), backward=(bs, br), first_backward=(gs, gr),
+    return [LiveBytes(stashed=s, leaving=out, forward=(fs, fr), backward=(bs, br), first_backward=(gs, gr),
                   peaks_at=(lo + bk, lo + gk))
             for s, out, fs, fr, bs, br, gs, gr, bk, gk in columns]
 

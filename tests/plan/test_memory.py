@@ -158,9 +158,9 @@ def test_a_recomputed_region_reading_the_graph_input_keeps_no_copy_of_it():
     # 1F1B was over-predicted by 13.0%, exactly its in-flight micro-batches' inputs)
     nodes = [node(0, 100), node(1, 200), node(2, 50), node(3, 300), node(4, 10, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "float32", 4, input_bytes=64, input_users=[0, 3]))
-    kept = model._live(0, 5, {}).stashed
-    assert model._live(0, 5, {3: "recompute"}).stashed == kept - 300
-    assert model._live(0, 5, {0: "recompute", 3: "recompute"}).stashed == kept - 100 - 300
+    kept = model.live(0, 5, {}).stashed
+    assert model.live(0, 5, {3: "recompute"}).stashed == kept - 300
+    assert model.live(0, 5, {0: "recompute", 3: "recompute"}).stashed == kept - 100 - 300
 
 
 def test_gpipes_backward_holds_no_returned_loss():
@@ -196,8 +196,8 @@ def test_a_recomputed_region_makes_again_what_it_saved_but_not_its_inputs():
              replace(node(2, 50, made=0, out=20, grad=0), saved_inputs_bytes=50, saved_inputs_from=1),
              node(3, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
-    assert model._live(0, 3, {}).stashed == 150
-    recomputed = model._live(0, 3, {1: "recompute", 2: "recompute"})
+    assert model.live(0, 3, {}).stashed == 150
+    recomputed = model.live(0, 3, {1: "recompute", 2: "recompute"})
     assert recomputed.stashed == 100 and recomputed.backward == (100, 50)
 
 
@@ -223,7 +223,7 @@ def test_a_value_the_stage_keeps_for_its_backward_is_not_held_for_a_later_stage_
                      saved_inputs_from=0),
              node(2, 20), node(3, 20), node(4, 20), node(5, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="gpipe", chunks=3)
-    kept, recomputed = model._live(0, 4, {}), model._live(0, 4, {1: "recompute"})
+    kept, recomputed = model.live(0, 4, {}), model.live(0, 4, {1: "recompute"})
     assert (kept.leaving, recomputed.leaving) == (0, 0)
     assert recomputed.stashed == kept.stashed
     assert model.waiting_outputs([4, 2], {1: "recompute"}) == [0, 0]
@@ -236,9 +236,9 @@ def test_under_gpipe_a_gradient_summed_over_several_stages_waits_at_each_for_the
     nodes = [node(0, users=[1, 2, 3], out=64), node(1, out=8, users=[2]), node(2, out=8, users=[3]),
              node(3, out=8, users=[-1])]
     gpipe = CostModel(Profile(nodes, "cpu", "f", 1), schedule="gpipe", chunks=4)
-    assert gpipe._gradient_bytes([1, 1, 1, 1]) == [[0, 64, 0, 0], [0, 0, 64 + 8, 0], [0, 0, 0, 64 + 8], [0] * 4]
+    assert gpipe.gradient_bytes([1, 1, 1, 1]) == [[0, 64, 0, 0], [0, 0, 64 + 8, 0], [0, 0, 0, 64 + 8], [0] * 4]
     scheduled = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=4)
-    assert scheduled._gradient_bytes([1, 1, 1, 1]) == [[0, 0, 0, 64], [0, 0, 8, 0], [0, 0, 0, 8], [0] * 4]
+    assert scheduled.gradient_bytes([1, 1, 1, 1]) == [[0, 0, 0, 64], [0, 0, 8, 0], [0, 0, 0, 8], [0] * 4]
 
 
 def test_a_value_read_by_a_later_run_of_one_policy_lives_until_that_run_ends():
@@ -247,8 +247,8 @@ def test_a_value_read_by_a_later_run_of_one_policy_lives_until_that_run_ends():
     nodes = [node(0, 0, held=100, until=2, users=[2]), node(1, 0, users=[2]), node(2, users=[3]),
              node(3, 0, held=500, until=4, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
-    assert model._live(0, 4, {}).forward == (0, 500)
-    assert model._live(0, 4, {1: "recompute"}).forward == (0, 100 + 500)
+    assert model.live(0, 4, {}).forward == (0, 500)
+    assert model.live(0, 4, {1: "recompute"}).forward == (0, 100 + 500)
 
 
 @pytest.mark.parametrize("read_after", [False, True])
@@ -259,7 +259,7 @@ def test_a_value_a_recomputed_region_returns_lives_through_its_forward_run_again
     nodes = [node(0, 0, held=100, until=3 if read_after else 1, users=[1, 3] if read_after else [1]),
              node(1, 10), node(2, 10, workspace=300), node(3, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
-    recomputed = model._live(0, 3, dict.fromkeys(range(3), "recompute"))
+    recomputed = model.live(0, 3, dict.fromkeys(range(3), "recompute"))
     assert sum(recomputed.backward) == 10 + 100 * read_after + 10 + 300
 
 
@@ -270,7 +270,7 @@ def test_a_recomputed_nodes_stash_a_later_kept_node_saves_too_is_held_once():
     nodes = [replace(node(0, 100, users=[1]), last_saver=1), node(1, 0, made=10, held=10, until=2, users=[2]),
              node(2, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
-    kept, recomputed = model._live(0, 2, {}), model._live(0, 2, {0: "recompute"})
+    kept, recomputed = model.live(0, 2, {}), model.live(0, 2, {0: "recompute"})
     assert recomputed.stashed == kept.stashed == 100
     assert sum(recomputed.backward) == sum(kept.backward) == 100 + 100  # with node 0's output gradient
 
@@ -280,8 +280,8 @@ def test_a_gradient_handed_on_from_a_later_stage_waits_where_it_arrived():
     # stage, that gradient is the later stage's storage (see CostModel.waiting), not node 0's
     nodes = [node(0, out=64), replace(node(1, out=64), forwarded_grads=[0]), node(2, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
-    assert model._gradients(0, 2).tolist() == [0, 0]
-    assert model._gradients(0, 3).tolist() == [64, 0, 0]
+    assert model.range_gradients(0, 2).tolist() == [0, 0]
+    assert model.range_gradients(0, 3).tolist() == [64, 0, 0]
 
 
 def test_a_gradient_handed_on_to_a_value_a_later_stage_reads_too_is_summed_here():
@@ -291,11 +291,11 @@ def test_a_gradient_handed_on_to_a_value_a_later_stage_reads_too_is_summed_here(
     nodes = [node(0, out=64, users=[1, 2], until=2), replace(node(1, out=64), forwarded_grads=[0]),
              node(2, 8, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
-    assert model._gradients(0, 2).tolist() == [64, 0]
+    assert model.range_gradients(0, 2).tolist() == [64, 0]
     # read on the later stage only by the graph's output, gathered in a container, it takes none
     container = replace(nodes[2], made_bytes=0, saved_bytes=0)
     model = CostModel(Profile([*nodes[:2], container], "cpu", "f", 1), schedule="1f1b", chunks=1)
-    assert model._gradients(0, 2).tolist() == [0, 0]
+    assert model.range_gradients(0, 2).tolist() == [0, 0]
 
 
 def test_a_stage_ends_its_forward_with_its_whole_stash_and_what_leaves_it():
@@ -305,7 +305,7 @@ def test_a_stage_ends_its_forward_with_its_whole_stash_and_what_leaves_it():
              replace(node(1, 64, made=32, held=32, until=2), saved_inputs_bytes=64, saved_inputs_from=0),
              node(2, users=[-1])]
     model = CostModel(Profile(nodes, "cpu", "f", 1), schedule="1f1b", chunks=1)
-    assert model._live(1, 2, {}).forward == (64, 32)
+    assert model.live(1, 2, {}).forward == (64, 32)
 
 
 def test_coded_policies_price_as_the_policies_they_code():
