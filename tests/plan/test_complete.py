@@ -69,7 +69,7 @@ def setting(seed: int, n: int) -> tuple[Profile, list[int], Schedule, int, float
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", range(4))
+@pytest.mark.parametrize("block", range(2))  # 200 random profiles
 def test_dawnpiper_fits_whenever_any_balance_fits(block):
     outcomes = []
     for seed in range(100 * block, 100 * block + 100):
@@ -84,7 +84,7 @@ def test_dawnpiper_fits_whenever_any_balance_fits(block):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", range(2))
+@pytest.mark.parametrize("block", range(1))  # 40 random profiles
 def test_plan_fits_answers_as_fitting_plan_does(block):
     # the search over sizes asks plan_fits, which stops at dawnpiper's first split that fits:
     # were it to differ from the plan the strategy makes, the largest size found would not plan
