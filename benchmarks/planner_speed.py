@@ -11,10 +11,11 @@ import random
 import time
 
 from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.partitioners import Stages, partition
+from lightning_pipe.plan.partitioners import partition
 from lightning_pipe.plan.plan import max_microbatch
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.schedule import in_flight
+from lightning_pipe.plan.stages import Stages
 
 MiB = 1 << 20
 

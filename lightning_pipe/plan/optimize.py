@@ -21,14 +21,16 @@ from dataclasses import dataclass, field
 from lightning_pipe.plan.memory import CostModel, StagePeak, Waiting
 from lightning_pipe.plan.policy import CodedPolicies, Policy
 
-__all__ = ["NOISE", "Descent", "StageOptimum", "lowest_peak", "optimize_stage", "policy_time", "prune_stage"]
+__all__ = ["TIME_NOISE", "Descent", "StageOptimum", "lowest_peak", "optimize_stage", "policy_time", "prune_stage"]
 
 # Measured times closer than this (relative) count as equal. Node times are measured: on a CPU
-# a plan's predicted step moves by 1-2% (one standard deviation) from one profile to the next.
-NOISE = 0.1
+# a plan's predicted step moves by 1-2% (one standard deviation) from one profile to the next;
+# 10% is some five of them, so that profiling again does not change which split wins.
+TIME_NOISE = 0.1
 # A stage the greedy and the low-memory fallbacks leave at most this far over its capacity is
-# searched further (Descent).
-DESCENT = 1.25
+# searched further (Descent). Not every stage: the descent prices a stage hundreds of times and
+# a split search tries thousands of stages; one this far over is dropped without it.
+DESCENT_MARGIN = 1.25
 
 
 @dataclass
@@ -102,7 +104,7 @@ def optimize_stage(
     if base.fits or not optimise:
         return base
     best = _greedy(stage, base)
-    if not best.fits and ((capacity <= 0 and thorough) or best.peak.total <= DESCENT * capacity):
+    if not best.fits and ((capacity <= 0 and thorough) or best.peak.total <= DESCENT_MARGIN * capacity):
         best = Descent(stage, best).down_to(capacity)
     return best
 
@@ -312,13 +314,13 @@ def _join_swaps(model: CostModel, lo: int, hi: int, i: int, policies: dict[int, 
 
 
 def _steady_order(costs: list[tuple[float, int]], saved: Sequence[int]) -> list[tuple[float, int]]:
-    """``(cost, node)`` cheapest first, where costs within :data:`NOISE` of a run's cheapest
+    """``(cost, node)`` cheapest first, where costs within :data:`TIME_NOISE` of a run's cheapest
     count as equal and the node keeping more bytes goes first: measured times vary from one
     profile to the next, bytes do not, so the same model gets the same choices."""
     ordered = sorted(costs)
     runs: list[list[tuple[float, int]]] = []
     for cost in ordered:
-        if runs and cost[0] <= runs[-1][0][0] * (1 + NOISE):
+        if runs and cost[0] <= runs[-1][0][0] * (1 + TIME_NOISE):
             runs[-1].append(cost)
         else:
             runs.append([cost])

@@ -24,312 +24,29 @@ Capacities are per stage device and may differ (heterogeneous devices).
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from functools import cached_property
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal, TypeVar, cast
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
-from lightning_pipe.plan.optimize import NOISE, Descent, StageOptimum, lowest_peak, optimize_stage, prune_stage
+from lightning_pipe.plan.optimize import TIME_NOISE, StageOptimum
 from lightning_pipe.plan.policy import Policy
 from lightning_pipe.plan.profile import Profile
-from lightning_pipe.plan.schedule import Action, BackwardState
-from lightning_pipe.plan.simulate import Replay, StageTime
+from lightning_pipe.plan.stages import Stages
 
 __all__ = [
-    "BASELINES", "NOISE", "PARTITIONERS", "Partitioner", "Stages", "fitting_split", "lowest_peak_balance", "partition",
-    "split",
+    "BASELINES", "PARTITIONERS", "REACH_MARGIN", "Partitioner", "bisected", "bisection", "fill_first", "fill_fitting",
+    "fitting_split", "floor", "lowest_peak_balance", "partition", "reachable", "reaching", "split",
 ]
 
-# Stages.reachable's margin over the capacities: lowest peaks are not quite monotone in the range,
-# so a split fill-first misses at the capacities can still be under them.
-REACH = 1.05
+# How far over the capacities :func:`reachable` looks: lowest peaks are not quite monotone in
+# the range, so a split fill-first misses at the capacities can still be under them.
+REACH_MARGIN = 1.05
 
 Partitioner = Literal["dawnpiper", "capslog", "time", "params", "uniform"]
 PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params", "uniform")
 BASELINES: tuple[Partitioner, ...] = ("time", "params", "uniform", "capslog")
-
-
-
-@dataclass
-class Stages:
-    """What a partitioner plans for: a cost model, and per stage its device's capacity (bytes)
-    and the micro-batches it holds at once; the schedule's weight copies; the host link; the
-    schedule's :func:`~lightning_pipe.plan.schedule.gradient_waits` (none wait when empty) and
-    its per-stage :func:`~lightning_pipe.plan.schedule.actions`, which price a whole split by
-    its simulated step (without them: by its slowest stage). ``optimise_memory`` false: no
-    stage recomputes or swaps. ``backward_states``: what a stage holds and what waits at it
-    at each of its backwards (:func:`~lightning_pipe.plan.schedule.backward_states`)."""
-
-    model: CostModel
-    capacities: Sequence[int]
-    in_flight: Sequence[int]
-    weight_versions: int = 1
-    host_bandwidth: float | None = None
-    waits: Sequence[Sequence[int]] = ()
-    order: Sequence[Sequence[Action]] = ()
-    optimise_memory: bool = True
-    backward_states: Sequence[Sequence[BackwardState]] = ()
-    thorough: bool = False  # search stages asked for their lowest peak further (optimize_stage)
-    _found: "_Found" = field(default_factory=lambda: _Found(), repr=False)
-
-    @property
-    def count(self) -> int:
-        return len(self.capacities)
-
-    def optimum(
-        self, lo: int, hi: int, s: int, reserved: int = 0, waiting: Waiting = (0, ()), chosen: Mapping[int, Policy] = {}
-    ) -> StageOptimum:
-        """Memory optimisation of nodes ``[lo, hi)`` as stage ``s`` with ``reserved`` bytes of
-        its capacity taken by something else, ``waiting`` at it and the earlier stages'
-        policies ``chosen`` (cached)."""
-        earlier = self.earlier(lo, hi, chosen)
-        key = (lo, hi, s, reserved, waiting[0], tuple(waiting[1]), tuple(earlier.items()))
-        if key not in self._found.optima:
-            self._found.optima[key] = optimize_stage(
-                self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
-                self.host_bandwidth, self.optimise_memory, self.thorough, waiting, earlier,
-            )
-        return self._found.optima[key]
-
-    def earlier(self, lo: int, hi: int, chosen: Mapping[int, Policy]) -> dict[int, Policy]:
-        """Of the policies ``chosen`` for earlier stages, those a stage on ``[lo, hi)`` is
-        priced with (:meth:`CostModel.depends_on`)."""
-        if not chosen:
-            return {}
-        return {i: chosen[i] for i in self.model.depends_on(lo, hi) if i in chosen}
-
-    def kept(self) -> "Stages":
-        """These stages with no memory optimisation."""
-        return self._varied(optimise_memory=False)
-
-    def searched_further(self) -> "Stages":
-        """These stages with each asked for its lowest peak searched further (``thorough``)."""
-        return self._varied(thorough=True)
-
-    def _varied(self, **changes: Any) -> "Stages":
-        """These stages with ``changes``, and none of what was found for these (cached) kept."""
-        return replace(self, **changes, _found=_Found())
-
-    def floor(self) -> list[int]:
-        """:func:`lowest_peak_balance` of these stages searched further: the split any plan
-        comes closest to fitting with (cached: the search and the error that reports it ask)."""
-        if self._found.floor is None:
-            self._found.floor = lowest_peak_balance(self._searched(), self.reachable)
-        return self._found.floor
-
-    @cached_property
-    def bisected(self) -> list[int]:
-        """DawnPiper's binary partition of these stages (:func:`bisection`; cached: dawnpiper's
-        first candidate, and its split when none fits)."""
-        return bisection(self)
-
-    @cached_property
-    def reachable(self) -> list[int] | None:
-        """A split whose every stage, searched further, gets within :data:`REACH` of its
-        capacity: fill-first on the lowest peaks, one step of :meth:`floor`'s search, in a
-        fraction of its time, and where that finds none, fill-first from the last stage (lowest
-        peaks are not monotone in the range: a stage's stash holds what crosses its first cut,
-        so the first stage's greedy ends can leave a rest that fits nowhere, and the last
-        stage's not). The peaks searched further are asked for only where the stages' own
-        lowest peaks (never lower, and some fifty times cheaper) reach nowhere. ``None``: no
-        split comes that close either way, so :meth:`floor`'s, found by fill-first too, has a
-        stage over its capacity."""
-        limits, n = [REACH * c for c in self.capacities], self.model.n
-        return reaching(n, limits, self.reaches) or reaching(n, limits, self._searched().reaches)
-
-    def _searched(self) -> "Stages":
-        """:meth:`searched_further`, kept: :meth:`reachable` and :meth:`floor` share its optima."""
-        if self._found.further is None:
-            self._found.further = self.searched_further()
-        return self._found.further
-
-    def lowest(self, lo: int, hi: int, s: int) -> int:
-        """The lowest peak memory optimisation reaches for nodes ``[lo, hi)`` as stage ``s``: its
-        optimum with the whole capacity reserved (so cached like the others); searched
-        further, its whole descent (:meth:`reaches`)."""
-        if self.thorough:
-            return self._descent(lo, hi, s).down_to(0).peak.total
-        return self.optimum(lo, hi, s, self.capacities[s]).peak.total
-
-    def reaches(self, lo: int, hi: int, s: int, limit: float) -> bool:
-        """Whether :meth:`lowest` of nodes ``[lo, hi)`` as stage ``s`` is at most ``limit``:
-        searched further, known once the stage's descent gets under it (cached, to go on from
-        there when asked a lower limit)."""
-        if self.thorough:
-            return self._descent(lo, hi, s).down_to(limit).peak.total <= limit
-        return self.lowest(lo, hi, s) <= limit
-
-    def _descent(self, lo: int, hi: int, s: int) -> Descent:
-        if (lo, hi, s) not in self._found.descents:
-            self._found.descents[lo, hi, s] = lowest_peak(self.model, lo, hi, self.in_flight[s], self.weight_versions,
-                                                    self.host_bandwidth, self.optimise_memory)
-        return self._found.descents[lo, hi, s]
-
-    def placed(self, balance: Sequence[int]) -> list[StageOptimum]:
-        """Every stage of ``balance`` optimised under its capacity with what waits at it
-        (:meth:`CostModel.waiting`: gradients for earlier stages, and outputs for a stage
-        beyond the next), known only for a whole split; what waits depends on the policies
-        chosen, so the split is priced again with them, and where that goes over, again
-        with every stage pruned (:meth:`pruned`; cached)."""
-        if (placed := self._found.placed.get(tuple(balance))) is None:
-            placed = self._place(balance, list(self._optimised(balance)))
-        return placed
-
-    def _place(self, balance: Sequence[int], optima: list[StageOptimum]) -> list[StageOptimum]:
-        """:meth:`placed` of ``balance`` from its stages' ``optima`` (:meth:`_optimised`), cached."""
-        placed = self._priced(balance, optima)
-        if all(o.fits for o in optima) and not all(o.fits for o in placed):
-            placed = self._pruned(balance, optima)
-        self._found.placed[tuple(balance)] = placed
-        return placed
-
-    def _optimised(self, balance: Sequence[int]) -> Iterator[StageOptimum]:
-        """Each stage of ``balance`` optimised under its capacity with what waits at it, in order:
-        a stage is priced with the earlier ones' choices (so :meth:`fits` can stop at one over)."""
-        waits = self.model.waiting(balance, self.waits, self.backward_states)
-        chosen: dict[int, Policy] = {}
-        for s, r in enumerate(stage_ranges(balance)):
-            found = self.optimum(r.start, r.stop, s, waiting=waits[s], chosen=chosen)
-            chosen.update(found.policies)
-            yield found
-
-    def pruned(self, balance: Sequence[int]) -> list[StageOptimum]:
-        """:meth:`placed`, each stage without the choices it fits without. The search leaves
-        them (a choice seldom turns out to free nothing once its neighbours are chosen, and
-        finding one costs a pricing per choice), so only a chosen split is pruned."""
-        placed = self.placed(balance)
-        if not all(o.fits for o in placed):
-            return placed
-        pruned = self._pruned(balance, placed)
-        return pruned if all(o.fits for o in pruned) else placed
-
-    def _pruned(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
-        """``optima`` without the choices each stage fits without, with what waits at it."""
-        chosen = {i: p for o in optima for i, p in o.policies.items()}
-        waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
-        return self._priced(balance, [
-            self._pruned_stage(r.start, r.stop, s, o, waits[s], chosen)
-            for s, (r, o) in enumerate(zip(stage_ranges(balance), optima))
-        ])
-
-    def _pruned_stage(
-        self, lo: int, hi: int, s: int, found: StageOptimum, waiting: Waiting, chosen: Mapping[int, Policy]
-    ) -> StageOptimum:
-        """:func:`~lightning_pipe.plan.optimize.prune_stage` of stage ``s`` on ``[lo, hi)`` (cached: a
-        search moving one cut prunes the whole split again, its other stages as before)."""
-        earlier = self.earlier(lo, hi, chosen)
-        key = (lo, hi, s, tuple(found.policies.items()), waiting[0], tuple(waiting[1]), tuple(earlier.items()))
-        if key not in self._found.prunes:
-            pruned = prune_stage(self.model, lo, hi, self.in_flight[s], self.capacities[s], found,
-                                 self.weight_versions, self.host_bandwidth, waiting, earlier)
-            self._found.prunes[key] = None if pruned is found else pruned  # None: nothing to drop
-        return self._found.prunes[key] or found
-
-    def _priced(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
-        """``optima`` with their peaks priced with every stage's policies and what waits."""
-        chosen = {i: p for o in optima for i, p in o.policies.items()}
-        waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
-        peaks = [self.model.peak(r.start, r.stop, self.in_flight[s], chosen, self.weight_versions, waits[s])
-                 for s, r in enumerate(stage_ranges(balance))]
-        return [replace(o, peak=p, fits=o.fits and p.total <= c) for o, p, c in zip(optima, peaks, self.capacities)]
-
-    def fits(self, balance: Sequence[int]) -> bool:
-        """Whether every stage of ``balance``, placed, fits (a stage :meth:`overfull` does not:
-        known before any optimisation; nor does one that does not fit optimised, known before
-        the later stages are)."""
-        if any(self.overfull(r.start, r.stop, s) for s, r in enumerate(stage_ranges(balance))):
-            return False
-        if (placed := self._found.placed.get(tuple(balance))) is None:
-            optima = []
-            for found in self._optimised(balance):
-                if not found.fits:
-                    return False
-                optima.append(found)
-            placed = self._place(balance, optima)
-        return all(o.fits for o in placed)
-
-    def overfull(self, lo: int, hi: int, s: int) -> bool:
-        """Whether stage ``s`` on ``[lo, hi)`` goes over its capacity with what no memory
-        optimisation takes off (parameters, their state, the largest workspace): a bound that
-        costs no optimisation."""
-        return self.model.static(lo, hi, self.weight_versions) + self.model.transient(lo, hi) > self.capacities[s]
-
-    def times(self, balance: Sequence[int]) -> list[StageTime]:
-        """Per stage of ``balance``, placed, its times per micro-batch."""
-        model, times = self.model, []
-        for r, o in zip(stage_ranges(balance), self.placed(balance)):
-            forward = model.forward_time(r.start, r.stop)
-            backward = model.compute_ms(r.start, r.stop) - forward
-            times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, model.send_ms(r.start, r.stop)))
-        return times
-
-    def step_ms(self, balance: Sequence[int]) -> float:
-        """Simulated step time of ``balance``, placed; its slowest stage without an ``order`` (cached)."""
-        key = tuple(balance)
-        if key not in self._found.steps:
-            times = self.times(balance)
-            if self.order and self._found.replay is None:
-                self._found.replay = Replay(self.order)
-            self._found.steps[key] = (
-                self._found.replay.run(times).step_ms if self._found.replay
-                else max(t.forward + t.backward + t.recompute + t.swap + t.send for t in times)
-            )
-        return self._found.steps[key]
-
-    def stage_time(self, lo: int, hi: int, s: int) -> float:
-        """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation,
-        sending its outputs included; infinite when it cannot fit."""
-        base = self.model.peak(lo, hi, self.in_flight[s], {}, self.weight_versions)
-        compute = self.model.compute_ms(lo, hi) + self.model.send_ms(lo, hi)
-        if base.total <= self.capacities[s]:
-            return compute
-        found = self.optimum(lo, hi, s)
-        return compute + found.added_ms if found.fits else math.inf
-
-    def group_time(self, lo: int, hi: int, first: int, stop: int) -> float:
-        """Estimated slowest-stage time of stages ``[first, stop)`` sharing ``[lo, hi)``:
-        exact for one stage; for several, the group is priced as one stage of their summed
-        capacity and mean in-flight count whose work is spread evenly, with the bytes over
-        capacity recomputed at the range's mean forward time per saved byte; its last stage
-        also sends what leaves the range."""
-        k = stop - first
-        if k == 1:
-            return self.stage_time(lo, hi, first)
-        model = self.model
-        held = sum(self.in_flight[first:stop]) / k
-        demand = model.static(lo, hi, self.weight_versions) + held * model.stashed(lo, hi) + model.transient(lo, hi)
-        excess = demand - sum(self.capacities[first:stop])
-        compute = model.compute_ms(lo, hi)
-        if excess <= 0:
-            return compute / k + model.send_ms(lo, hi)
-        stashed = model.stashed(lo, hi)
-        if excess > held * stashed or not self.optimise_memory:
-            return math.inf
-        return (compute + model.forward_time(lo, hi) * excess / (held * stashed)) / k + model.send_ms(lo, hi)
-
-    def group_memory(self, lo: int, hi: int, first: int, stop: int) -> float:
-        """Memory demand of stages ``[first, stop)`` on ``[lo, hi)`` relative to their capacity."""
-        model = self.model
-        held = sum(self.in_flight[first:stop]) / (stop - first)
-        demand = model.static(lo, hi, self.weight_versions) + held * model.stashed(lo, hi)
-        return demand / sum(self.capacities[first:stop])
-
-
-@dataclass
-class _Found:
-    """What a :class:`Stages` found, each cached by what it was asked; one object, so that
-    stages with a setting changed (:meth:`Stages._varied`) start over from none of it."""
-
-    optima: dict[tuple[object, ...], StageOptimum] = field(default_factory=dict)
-    placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict)
-    prunes: dict[tuple[object, ...], StageOptimum | None] = field(default_factory=dict)  # None: nothing to drop
-    steps: dict[tuple[int, ...], float] = field(default_factory=dict)
-    descents: dict[tuple[int, int, int], Descent] = field(default_factory=dict)
-    replay: Replay | None = None
-    floor: list[int] | None = None
-    further: Stages | None = None
+_Found = TypeVar("_Found", list[int], list[int] | None)
 
 
 def partition(
@@ -369,6 +86,43 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
     if name == "uniform":
         return [model.n // count + (s < model.n % count) for s in range(count)]
     raise ValueError(f"unknown partitioner {name!r}; use one of {', '.join(PARTITIONERS)}.")
+
+
+def floor(stages: Stages) -> list[int]:
+    """:func:`lowest_peak_balance` of ``stages`` searched further: the split any plan comes
+    closest to fitting with (cached: the search and the error that reports it ask)."""
+    return _cached(stages, "floor", lambda: lowest_peak_balance(stages.further(), reachable(stages)))
+
+
+def bisected(stages: Stages) -> list[int]:
+    """:func:`bisection` of ``stages`` (cached: dawnpiper's first candidate, and its split when
+    none fits)."""
+    return _cached(stages, "bisection", lambda: bisection(stages))
+
+
+def reachable(stages: Stages) -> list[int] | None:
+    """A split whose every stage, searched further, gets within :data:`REACH_MARGIN` of its
+    capacity: fill-first on the lowest peaks, one step of :func:`floor`'s search, in a
+    fraction of its time, and where that finds none, fill-first from the last stage (lowest
+    peaks are not monotone in the range: a stage's stash holds what crosses its first cut,
+    so the first stage's greedy ends can leave a rest that fits nowhere, and the last
+    stage's not). The peaks searched further are asked for only where the stages' own
+    lowest peaks (never lower, and some fifty times cheaper) reach nowhere. ``None``: no
+    split comes that close either way, so :func:`floor`'s, found by fill-first too, has a
+    stage over its capacity (cached)."""
+    limits, n = [REACH_MARGIN * c for c in stages.capacities], stages.model.n
+
+    def search() -> list[int] | None:
+        return reaching(n, limits, stages.reaches) or reaching(n, limits, stages.further().reaches)
+
+    return _cached(stages, "reachable", search)
+
+
+def _cached(stages: Stages, search: str, find: Callable[[], _Found]) -> _Found:
+    """``find()``, kept in ``stages``' cache under ``search``."""
+    if search not in stages.cache.splits:
+        stages.cache.splits[search] = find()
+    return cast(_Found, stages.cache.splits[search])
 
 
 def lowest_peak_balance(stages: Stages, start: Sequence[int] | None = None) -> list[int]:
@@ -484,7 +238,7 @@ def _dawnpiper(stages: Stages) -> list[int]:
     """The fastest split that fits (up to timing noise: :func:`_steadiest`) of
     :func:`_dawnpiper_fitting`'s; when none fits, the bisection's split."""
     fitting = list(_dawnpiper_fitting(stages))
-    return _steadiest(stages, fitting) if fitting else stages.bisected
+    return _steadiest(stages, fitting) if fitting else bisected(stages)
 
 
 def _dawnpiper_fitting(stages: Stages) -> Iterator[list[int]]:
@@ -492,35 +246,35 @@ def _dawnpiper_fitting(stages: Stages) -> Iterator[list[int]]:
     bisection's split and every baseline's, so dawnpiper is never worse than another
     partitioner; the bisection also runs without memory optimisation, so optimising never
     loses a split that fits without it. When none fits, unless no split comes near fitting
-    (:meth:`Stages.reachable`), a search for any split that fits, then the split with the
-    lowest peak (:meth:`Stages.floor`, the split
+    (:func:`reachable`), a search for any split that fits, then the split with the
+    lowest peak (:func:`floor`, the split
     :class:`~lightning_pipe.plan.plan.InfeasiblePlanError` reports: so a plan is refused only
     when that split does not fit either)."""
     searches = [stages, stages.kept()] if stages.optimise_memory else [stages]
-    candidates = [m.bisected for m in searches] + [split(name, stages) for name in BASELINES]
+    candidates = [bisected(m) for m in searches] + [split(name, stages) for name in BASELINES]
     found = False
     for balance in dict.fromkeys(map(tuple, candidates)):
         if stages.fits(balance):
             found = True
             yield list(balance)
-    if found or stages.reachable is None:  # else no split comes near fitting
+    if found or reachable(stages) is None:  # else no split comes near fitting
         return
     for m in searches:
         if fill := fill_fitting(m):
             yield fill
             return
-    if stages.fits(stages.floor()):
-        yield stages.floor()
+    if stages.fits(floor(stages)):
+        yield floor(stages)
 
 
 def _steadiest(stages: Stages, fitting: list[list[int]]) -> list[int]:
     """Of the ``fitting`` splits and their neighbours, the one timing noise moves least. Splits
-    predicted within :data:`NOISE` of the fastest count as equally fast; each cut of those moves,
+    predicted within :data:`TIME_NOISE` of the fastest count as equally fast; each cut of those moves,
     one at a time, to where the fewest bytes cross it (what the devices send each other) while
     the split stays that fast and fits; then the split sending the fewest bytes wins (then the
     one recomputing and swapping the fewest, then the faster, then the earlier cuts). Byte
     counts do not vary between runs."""
-    limit = min(map(stages.step_ms, fitting)) * (1 + NOISE)
+    limit = min(map(stages.step_ms, fitting)) * (1 + TIME_NOISE)
     settled = [_settled(stages, b, limit) for b in fitting if stages.step_ms(b) <= limit]
     return min(settled, key=lambda b: (sum(stages.model.crossing[c] for c in _cuts(b)), *_cheapest(stages, b)))
 
@@ -536,11 +290,11 @@ def _settled(stages: Stages, balance: list[int], limit: float) -> list[int]:
     """``balance`` with its cuts moved one at a time, over and over, to where fewer bytes cross:
     to the fewest that keep the split fitting and its step within ``limit``, the cheapest such
     position (:func:`_cheapest`). A cut looks only as far as the compute of its two stages
-    stays within :data:`NOISE` of the slowest stage's; each move lowers the bytes crossing, so
+    stays within :data:`TIME_NOISE` of the slowest stage's; each move lowers the bytes crossing, so
     this ends."""
     model, n = stages.model, stages.model.n
     cuts, settling = _cuts(balance), True
-    reach = (1 + NOISE) * max(_compute(model, r.start, r.stop) for r in stage_ranges(balance))
+    reach = (1 + TIME_NOISE) * max(_compute(model, r.start, r.stop) for r in stage_ranges(balance))
     while settling:
         settling = False
         for k, start in enumerate(cuts):
@@ -695,3 +449,4 @@ def bisection(stages: Stages) -> list[int]:
 
     bisect(0, stages.model.n, 0, stages.count)
     return [b - a for a, b in zip([0] + cuts, cuts + [stages.model.n])]
+

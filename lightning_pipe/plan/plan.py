@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum
-from lightning_pipe.plan.partitioners import Partitioner, Stages, fitting_split, split
+from lightning_pipe.plan.partitioners import Partitioner, fitting_split, floor, split
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.schedule import (
     Schedule,
@@ -22,6 +22,7 @@ from lightning_pipe.plan.schedule import (
     weight_versions,
 )
 from lightning_pipe.plan.simulate import StageTime, simulate
+from lightning_pipe.plan.stages import Stages
 from lightning_pipe.units import format_bytes
 
 __all__ = [
@@ -405,7 +406,7 @@ def _infeasible(
 ) -> InfeasiblePlanError:
     """Explain what does not fit and what to change, with the lowest peak any plan reaches."""
     # optimised as far as they go, whatever the targets, searched further than a split's search can afford
-    floor = stages.floor()
+    lowest = floor(stages)
     unbounded = replace(stages.searched_further(), capacities=[0] * stages.count)
     bad = next(s for s, o in enumerate(optima) if not o.fits)
     optimised = "with memory optimisation" if stages.optimise_memory else "without memory optimisation"
@@ -418,7 +419,7 @@ def _infeasible(
         return peaks[worst] / stages.capacities[worst], worst, peaks
 
     # the lowest-peak search is a heuristic: a balance that fits is a lower one
-    _, worst, peaks = min(fullest(floor), fullest(fitting)) if fits else fullest(floor)
+    _, worst, peaks = min(fullest(lowest), fullest(fitting)) if fits else fullest(lowest)
     if fits:
         return InfeasiblePlanError(
             f"partitioner {partitioner!r} gave balance {balance}, whose stage {bad} needs "
@@ -437,7 +438,7 @@ def _infeasible(
         relief = "use a faster host link"
     return InfeasiblePlanError(
         f"no plan fits: the smallest peak any plan reaches {optimised} is {peaks[worst]} "
-        f"bytes on stage {worst} (planning target {stages.capacities[worst]}), with balance {floor}. "
+        f"bytes on stage {worst} (planning target {stages.capacities[worst]}), with balance {lowest}. "
         f"Lower the micro-batch size (max_microbatch finds the largest that fits), add stages or "
         f"device memory, use a schedule that holds fewer micro-batches ('1f1b' rather than 'gpipe'), "
         f"or {relief}.",

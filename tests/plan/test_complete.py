@@ -6,14 +6,15 @@ import random
 import pytest
 
 from lightning_pipe.plan.memory import CostModel, stage_ranges
+from lightning_pipe.plan.optimize import TIME_NOISE
 from lightning_pipe.plan.partitioners import (
     BASELINES,
-    NOISE,
     PARTITIONERS,
-    REACH,
-    Stages,
+    REACH_MARGIN,
     fill_first,
     fill_fitting,
+    floor,
+    reachable,
     reaching,
     split,
 )
@@ -27,6 +28,7 @@ from lightning_pipe.plan.plan import (
 )
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.schedule import Schedule, in_flight, weight_versions
+from lightning_pipe.plan.stages import Stages
 from tests.plan.test_partitioners import balances
 
 
@@ -137,7 +139,7 @@ def test_dawnpiper_is_as_fast_as_any_baseline_that_fits_within_the_noise(block):
             theirs = split(name, stages)
             if stages.fits(theirs):
                 assert stages.fits(ours)
-                assert stages.step_ms(ours) <= (1 + NOISE) * stages.step_ms(theirs) * (1 + 1e-12), (seed, name)
+                assert stages.step_ms(ours) <= (1 + TIME_NOISE) * stages.step_ms(theirs) * (1 + 1e-12), (seed, name)
 
 
 def residual_blocks(blocks: int, width: int, seed: int) -> Profile:
@@ -259,7 +261,7 @@ def test_dawnpiper_fits_where_the_split_an_infeasible_plan_would_report_fits():
     profile = Bench(paper_models()["bert"], DEVICE).profile.scaled(113)
     stages = planning_stages(profile, [int(DEVICE.memory * PLANNING_HEADROOM)] * 4, "gpipe", 4,
                              DEVICE.host_bandwidth, DEVICE.link_bandwidth)
-    assert stages.fits(stages.floor())
+    assert stages.fits(floor(stages))
     assert stages.fits(split("dawnpiper", stages))
 
 
@@ -272,7 +274,7 @@ def test_a_split_only_filling_from_the_last_stage_finds_near_fitting_is_searched
     profile, capacities, schedule, chunks, host_bandwidth = setting(9528, n)
     stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth)
     assert not any(stages.fits(split(name, stages)) for name in BASELINES)
-    limits = [REACH * c for c in capacities]
+    limits = [REACH_MARGIN * c for c in capacities]
     assert fill_first(n, limits, stages.searched_further().reaches) is None
     assert any(stages.fits(b) for b in balances(n, len(capacities)))
     assert stages.fits(split("dawnpiper", stages))
@@ -287,12 +289,12 @@ def test_reachable_asks_for_searched_lowest_peaks_only_where_the_stages_own_opti
         n = random.Random(seed).randint(8, 24)
         stages = planning_stages(*setting(seed, n))
         further = stages.searched_further()
-        limits = [REACH * c for c in stages.capacities]
+        limits = [REACH_MARGIN * c for c in stages.capacities]
         reached = reaching(n, limits, further.reaches)
         asked: list[Stages] = []
         searched_further = stages.searched_further
         stages.searched_further = lambda: asked.append(searched_further()) or asked[-1]  # noqa: B023 (used at once)
-        found = stages.reachable
+        found = reachable(stages)
         if reached is not None:
             assert found is not None, seed
         if found is not None:
@@ -307,15 +309,15 @@ def test_reachable_asks_for_searched_lowest_peaks_only_where_the_stages_own_opti
 @pytest.mark.parametrize("block", range(2))
 def test_no_split_within_reach_means_the_lowest_peak_split_does_not_fit(block):
     # dawnpiper searches further only where fill-first on the lowest peaks finds a split near
-    # fitting (Stages.reachable): where it finds none, the split InfeasiblePlanError reports
+    # fitting (partitioners.reachable): where it finds none, the split InfeasiblePlanError reports
     # must not fit, or a plan would be refused while its error names a peak under the target
     reached = []
     for seed in range(2000 + 60 * block, 2060 + 60 * block):
         n = random.Random(seed).randint(8, 24)
         stages = planning_stages(*setting(seed, n))
-        reached.append(stages.reachable is not None)
+        reached.append(reachable(stages) is not None)
         if not reached[-1]:
-            assert not stages.fits(stages.floor()), seed
+            assert not stages.fits(floor(stages)), seed
     assert 0.1 < sum(reached) / len(reached) < 0.9  # both kinds of case are exercised
 
 

@@ -5,8 +5,9 @@ import random
 import pytest
 
 from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.partitioners import Stages, bisection, partition, split
+from lightning_pipe.plan.partitioners import bisection, partition, split
 from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.stages import Stages
 
 
 def letters(i):

@@ -1,0 +1,188 @@
+"""Activations: one micro-batch's live bytes through a stage's forward and backward.
+
+Per node: what the nodes before it stashed, the values still to be read, its own allocations
+and workspace; in the backward, the stash still held, the gradients not yet taken and the
+backward's growth. Per-node policies change the stash: a swapped or recomputed run drops what
+it alone keeps and brings it back for its backward; a recomputed region keeps its inputs
+instead (:mod:`lightning_pipe.plan.recompute`).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_pipe.plan.layout import (
+    NO_REGION_INPUTS,
+    CodeRows,
+    Layout,
+    Runs,
+    held_end,
+    policy_runs,
+    until_run_returns,
+)
+from lightning_pipe.plan.nodes import Array, NodeArrays
+from lightning_pipe.plan.recompute import recomputed_regions, recomputing, regions_inputs
+
+__all__ = ["LiveBytes", "backward_gradients", "live_bytes"]
+
+
+@dataclass
+class LiveBytes:
+    """One micro-batch on a stage: its stash, the values still to be read after its forward,
+    and the most bytes alive in its forward and in its backward (each as stash, other)."""
+
+    stashed: int
+    leaving: int
+    forward: tuple[int, int]
+    backward: tuple[int, int]  # with every parameter gradient made earlier (counted as static)
+    first_backward: tuple[int, int]  # with the parameter gradients of the nodes done so far
+    peaks_at: tuple[int, int] = (0, 0)  # the nodes whose backwards reach the two above
+
+
+def live_bytes(
+    a: NodeArrays, lo: int, hi: int, codes: "CodeRows | None", gradients: Array, *, summed_parameter_grads: bool = False
+) -> list[LiveBytes]:
+    """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``, for
+    each row of ``codes`` (every node's policy, :func:`~lightning_pipe.plan.policy.policy_codes`;
+    ``None``: one row, all kept). ``gradients``: :func:`backward_gradients` of the range.
+    ``summed_parameter_grads``: the backward sums every micro-batch's parameter gradients into
+    a new tensor (the local GPipe with more than one micro-batch). Within a row, a swapped or
+    recomputed run drops the stash it alone keeps, a recomputed region keeps its inputs
+    instead, and both bring their stash back for their backward (:func:`drop_stashes`)."""
+    layout = Layout(lo, hi, np.zeros((1, a.n), dtype=np.int8) if codes is None else codes)
+    rows, size, node = layout.rows, layout.size, layout.node
+    stash = a.saved[node]
+    back = np.zeros(stash.size, dtype=np.int64)
+    stashed = NO_REGION_INPUTS
+    runs = None
+    if codes is not None:
+        runs = policy_runs(a, layout)
+        if layout.code.any():
+            stashed = drop_stashes(a, layout, runs, stash, back)
+    kept = np.zeros((rows, size + 1), dtype=np.int64)
+    np.cumsum(stash.reshape(rows, size), axis=1, out=kept[:, 1:])
+    # values a node makes and does not keep itself stay alive after it until kept, or read
+    end = held_end(a, layout, runs, stashed)
+    held = np.zeros((rows, size + 1), dtype=np.int64)
+    first = node - lo + 1 + layout.row * (size + 1)
+    leaving = np.zeros(rows, dtype=np.int64)
+    for values, until in [(a.held[node], end), *dropped_outputs(a, layout, runs)]:
+        np.add.at(held.ravel(), first, values)
+        np.add.at(held.ravel(), np.maximum(first, first + np.minimum(until, hi - 1) - node), -values)
+        np.add.at(leaving, layout.row, np.where(until >= hi, values, 0))
+    held = np.cumsum(held, axis=1)[:, :size]
+    # each node's forward, and the end of the stage's: its whole stash and what leaves it (a
+    # node saving an input an earlier stage made takes it on only as it runs)
+    ends = (kept[:, -1] + leaving)[:, None]
+    forward = np.concatenate((kept[:, :-1] + held + a.made[lo:hi] + a.workspace[lo:hi], ends), axis=1)
+    common = kept[:, 1:] + gradients + a.backward[lo:hi] + back.reshape(rows, size)
+    # a fresh gradient of the node's parameters, to add to theirs; under the local GPipe, whose
+    # one backward sums the micro-batches' gradients before the parameter takes them, a new
+    # tensor, their sum: made once the node's backward has returned, its workspace freed, with
+    # what it hands its inputs and the two summed alive
+    grads = a.grads[lo:hi]
+    backward = common + grads
+    if summed_parameter_grads:
+        backward += np.maximum(0, grads - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
+    first_backward = common + np.cumsum(grads[::-1])[::-1]  # the parameter gradients made so far
+    f, b, g = (np.argmax(x, axis=1) for x in (forward, backward, first_backward))
+    at = np.arange(rows)
+    columns = zip(*(x.tolist() for x in (
+        kept[:, -1], leaving, kept[at, f], forward[at, f] - kept[at, f], kept[at, b + 1],
+        backward[at, b] - kept[at, b + 1], kept[at, g + 1], first_backward[at, g] - kept[at, g + 1], b, g)))
+    return [LiveBytes(stashed=s, leaving=out, forward=(fs, fr), backward=(bs, br), first_backward=(gs, gr),
+                  peaks_at=(lo + bk, lo + gk))
+            for s, out, fs, fr, bs, br, gs, gr, bk, gk in columns]
+
+
+def drop_stashes(
+    a: NodeArrays, layout: Layout, runs: Runs, stash: Array, back: Array
+) -> tuple[Array, Array]:
+    """Take off ``stash`` (per position of ``layout``) what each swapped or recomputed run
+    drops, give a recomputed region its inputs, and add to ``back`` the bytes brought back
+    during each node's backward. A run drops the stash its nodes alone keep (a swapped run
+    keeps on the device what it saves of values made before it); the stash comes back whole
+    (a swapped run's once the backward of the segment after it begins, a recomputed one's at
+    its own last node) and leaves again as each node's backward takes its part. All runs
+    (``runs``) are priced at once: a stage may have hundreds. Returns the positions of the
+    storages the recomputed regions keep as inputs and the first node of the region keeping
+    each (:func:`~lightning_pipe.plan.recompute.regions_inputs`)."""
+    code, node = layout.code, layout.node
+    starts, segment = runs.starts, runs.of
+    start, stop = node[starts][segment], runs.stop_nodes(layout)[segment]
+    saver = a.last_saver[node]
+    freed = np.where(runs.drops, a.saved[node], 0)
+    inputs_from = a.saved_inputs_from[node]
+    before = (inputs_from >= 0) & (inputs_from < start)  # saves inputs made before its segment
+    freed = np.maximum(0, freed - np.where((code == 2) & before, a.saved_inputs[node], 0))
+    stash -= freed
+    # a recomputed node's stash a kept node after its region saves too: that one keeps it, only
+    # until its own backward; the region makes its own again
+    rebuilt = freed.copy()
+    shared = np.flatnonzero((code == 1) & (saver >= stop) & (saver < layout.hi))
+    keeper = shared + saver[shared] - node[shared]  # its position, in the row
+    shared, keeper = shared[code[keeper] == 0], keeper[code[keeper] == 0]
+    rebuilt[shared] = a.saved[node[shared]]
+    # what comes back: a recomputed region's inputs stay (the region keeps them), not made again
+    made_again = np.maximum(0, rebuilt - np.where((code == 1) & before, a.saved_inputs[node], 0))
+    if shared.size:
+        gone = np.zeros(node.size + 1, dtype=np.int64)
+        np.add.at(gone, shared, made_again[shared])
+        np.add.at(gone, keeper, -made_again[shared])
+        back -= np.cumsum(gone)[:-1]
+    total = np.cumsum(made_again)
+    back += total - np.concatenate(([0], total))[starts][segment]
+    kind = code[starts]
+    dropped = np.add.reduceat(freed, starts)
+    after = np.zeros(starts.size, dtype=np.int64)  # a swapped run's stash, back for the segment after it (its row's)
+    swapped = np.flatnonzero((kind[:-1] == 2) & (starts[1:] % layout.size != 0))
+    after[swapped + 1] = dropped[swapped]
+    back += after[segment]
+    first, last = recomputed_regions(a, layout, runs)
+    if not first.size:
+        return NO_REGION_INPUTS
+    regions = layout.regions(first, last)
+    back[last - 1] += recomputing(a, layout, first, last, regions, made_again)
+    totals, storages, since = regions_inputs(a, layout, first, last, regions)
+    stash[first] += totals
+    return storages, since
+
+
+def dropped_outputs(a: NodeArrays, layout: Layout, runs: Runs | None) -> list[tuple[Array, Array]]:
+    """The outputs recomputed or swapped nodes keep themselves (a ReLU's) and drop with their
+    stash, per position, and the node until which each lives in the forward: its last reader
+    (none, or one entry: ``(bytes, end)``)."""
+    if runs is None or not layout.code.any():
+        return []
+    node = layout.node
+    own = np.where(runs.drops, a.own_output[node], 0)
+    if not own.any():
+        return []
+    end = a.last_reader[node]
+    return [(own, until_run_returns(layout, runs, end, end < layout.hi))]
+
+
+def backward_gradients(a: NodeArrays, lo: int, hi: int) -> Array:
+    """Per node of ``[lo, hi)``, bytes of the gradients the range's later nodes made for values
+    made up to it that are still to be taken when its backward runs (by it or an earlier node).
+    One a node hands on the gradient of its output (an ``add``'s, slices of a ``cat``'s) that
+    only later stages read is the storage that came from them, held where it arrived (see
+    :meth:`~lightning_pipe.plan.memory.CostModel.waiting`), not here; unless the value it goes
+    to is made here and read on a later stage as well (:attr:`NodeArrays.summed_with`): autograd
+    adds the two into a new tensor here, held until the value's maker takes it."""
+    edges = np.arange(*np.searchsorted(a.consumer, [lo, hi]))
+    later = a.forwarded[edges] & (a.first_reader[a.consumer[edges]] >= hi)
+    summed_here = (a.summed_at[edges] >= lo) & (a.summed_with[edges] >= hi)
+    edges = edges[~(later & ~summed_here)]
+    producers, consumers = a.producer[edges], a.consumer[edges]
+    live = np.zeros(hi - lo + 1, dtype=np.int64)
+    if producers.size:
+        unique, index = np.unique(producers, return_inverse=True)
+        latest = np.zeros(unique.size, dtype=np.int64)
+        np.maximum.at(latest, index, consumers)
+        gradient = np.zeros(unique.size, dtype=np.int64)
+        np.maximum.at(gradient, index, a.gradient[edges])
+        begin = np.maximum(unique, lo) - lo  # from the producer (or the stage start) ...
+        np.add.at(live, begin, gradient)
+        np.add.at(live, latest - lo, -gradient)  # ... to before its last reader in the range
+    return np.cumsum(live)[:-1]
