@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_pipe.graph.capture import Captured, NeedsExampleInputs
+from lightning_pipe.graph.capture import Captured, NeedsExampleInputs, buffer_writes, get_attr
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.graph.shapes import Shapes, batch_shapes, grown, largest, show, tile
 from lightning_pipe.graph.variants import Variants, follow_balance
@@ -417,6 +417,16 @@ class LocalEngine(Engine):
 
     def replans(self) -> bool:
         return self._planner_splits and self.options.max_replans > 0
+
+    def written_buffers(self) -> list[Tensor]:
+        """BatchNorm's statistics and the buffers the training graph writes in place (an EMA in
+        ``forward``, allowed with ``chunks=1``): a failed attempt wrote them already."""
+        written = super().written_buffers()
+        if self.captured is not None:  # the graph reads attributes by their names in the module
+            seen = {id(b) for b in written}
+            written += [b for b in (get_attr(self.module, name) for name in buffer_writes(self.captured))
+                        if id(b) not in seen]
+        return written
 
     def recover(self, failure: Failure) -> None:
         """Plan again below the memory the failed step showed each stage takes, and rebuild."""

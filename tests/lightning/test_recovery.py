@@ -11,11 +11,11 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from benchmarks.faults import Cut
-from examples.models import loader
+from examples.models import TokenDataset, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.lightning.recovery import RecoveryError
 from tests.helpers import max_rel_diff, trainer
-from tests.models import Denoiser, MetricUNet, make
+from tests.models import Denoiser, MetricUNet, WritesInForward, make
 
 STEPS = 4
 
@@ -213,3 +213,38 @@ def test_the_last_good_checkpoint_is_intact_when_no_plan_fits(tmp_path):
     restored, _ = make("gpt")
     restored.load_state_dict(checkpoint["state_dict"])
     assert max_rel_diff(restored, _reference("gpt", steps=2)) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_buffer_forward_writes_is_put_back_when_the_step_runs_again():
+    """With ``chunks=1`` forward may write a buffer in place (an EMA of its outputs): a failed
+    attempt wrote it already, so the step run again must start from the value before it, or
+    the EMA takes the step twice."""
+    torch.manual_seed(0)
+    reference = WritesInForward("ema")
+    trainer(max_steps=STEPS).fit(reference, loader(TokenDataset(16), 4))
+    torch.manual_seed(0)
+    unconstrained = MemoryPipeStrategy(chunks=1, measure_memory=True)
+    trainer(unconstrained, 2, max_steps=1).fit(WritesInForward("ema"), loader(TokenDataset(16), 4))
+    torch.manual_seed(0)
+    model = WritesInForward("ema")
+    limit = max(s.peak.total for s in unconstrained.plan.stages)
+    strategy = MemoryPipeStrategy(chunks=1, measure_memory=True, memory_limit=limit)
+    fit = trainer(strategy, 2, max_steps=STEPS, callbacks=[_CutBeforeBackward(strategy, stage=1, step=2)])
+    with pytest.warns(UserWarning, match="Planned again"):
+        fit.fit(model, loader(TokenDataset(16), 4))
+    assert torch.equal(model.ema, reference.ema)
+    assert max_rel_diff(model, reference) < 1e-5
+
+
+class _CutBeforeBackward(Callback):
+    """At batch ``step``, once forward has run, ``stage`` gets 90% of what it holds: it runs out in the backward."""
+
+    def __init__(self, strategy: MemoryPipeStrategy, stage: int, step: int) -> None:
+        self.strategy, self.stage, self.step, self.done = strategy, stage, step, False
+
+    def on_before_backward(self, trainer, module, loss) -> None:
+        meter = self.strategy.meter
+        if trainer.global_step == self.step and not self.done:
+            self.done = True
+            meter.capacities[self.stage] = int(0.9 * meter.stages[self.stage].total)

@@ -29,6 +29,7 @@ from lightning_pipe.plan.plan import (
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.schedule import Schedule, in_flight, weight_versions
 from lightning_pipe.plan.stages import Stages
+from tests.plan.corpus.replay import profile as corpus_profile
 from tests.plan.test_partitioners import balances
 
 
@@ -256,9 +257,9 @@ def test_dawnpiper_fits_where_the_split_an_infeasible_plan_would_report_fits():
     # InfeasiblePlanError reports, fits every stage, so dawnpiper must fit too (it once refused,
     # its error naming a smallest peak below the target, when no candidate fitted and its fill
     # search found nothing)
-    from benchmarks.paper import DEVICE, Bench, paper_models
+    from benchmarks.paper import DEVICE
 
-    profile = Bench(paper_models()["bert"], DEVICE).profile.scaled(113)
+    profile = corpus_profile("paper_bert").scaled(113)  # as benchmarks.paper profiles it (make_profiles.py)
     stages = planning_stages(profile, [int(DEVICE.memory * PLANNING_HEADROOM)] * 4, "gpipe", 4,
                              DEVICE.host_bandwidth, DEVICE.link_bandwidth)
     assert stages.fits(floor(stages))

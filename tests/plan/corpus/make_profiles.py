@@ -5,7 +5,7 @@
 Random chains from seeded generators, the project's model families at test scale profiled on
 fake tensors, and GPT-2 small (with a small and with the full vocabulary) and large, BERT-large
 and T5-large by fake execution with times for an A100-40GB, as ``lightning-pipe plan --devices
-8xA100-40GB`` profiles them.
+8xA100-40GB`` profiles them; BERT-large also as ``benchmarks/paper.py`` profiles it.
 """
 
 import gzip
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import transformers
 
+from benchmarks.paper import DEVICE, Bench, paper_models
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.devices import DEVICES
@@ -105,6 +106,8 @@ MAKERS: dict[str, Callable[[], Profile]] = {
     "gpt2_large": hf(t.GPT2LMHeadModel, t.GPT2Config(n_layer=36, n_embd=1280, n_head=20, use_cache=False), 1024, 2),
     "bert_large": hf(t.BertForMaskedLM, t.BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                                                      intermediate_size=4096), 512, 2),
+    # BERT-large as benchmarks/paper.py profiles it (tests/plan/test_complete.py's infeasible case)
+    "paper_bert": lambda: Bench(paper_models()["bert"], DEVICE).profile,
     "t5_large": hf(t.T5ForConditionalGeneration,
                    t.T5Config(d_model=1024, d_ff=4096, num_layers=24, num_decoder_layers=24, num_heads=16, d_kv=64,
                               use_cache=False, decoder_start_token_id=0, pad_token_id=0), 512, 2),
