@@ -19,6 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, make_plan
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.units import format_bytes, parse_bytes
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     profile = profile_graph(captured, (), inputs, optimizer=torch.optim.AdamW(model.parameters()), fake=True)
     profiled_at = time.perf_counter()
     targets = [int(parse_bytes(args.memory) * PLANNING_HEADROOM)] * args.stages
-    plan = make_plan(profile, targets, "dawnpiper", "1f1b", args.chunks)
+    plan = make_plan(profile, PlanRequest(targets, "dawnpiper", "1f1b", args.chunks))
     planned_at = time.perf_counter()
 
     result = {

@@ -51,6 +51,7 @@ from lightning_pipe.plan.devices import DEVICES, DeviceSpec
 from lightning_pipe.plan.partitioners import PARTITIONERS
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, Plan, fitting_plan, largest_plan
 from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.runtime.fake import TrainingStep, fake_training, meta_copy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,16 +212,14 @@ class Bench:
 
     def plan(self, stages: int, schedule: str, memopt: bool, partitioner: str, microbatch: int) -> Plan | None:
         """The strategy's plan at ``microbatch``, or ``None`` where the planner refuses."""
-        return fitting_plan(self.profile.scaled(microbatch), self._targets(stages), partitioner, schedule, stages,
-                            self.device.host_bandwidth, self.device.link_bandwidth, optimise_memory=memopt)
+        return fitting_plan(self.profile.scaled(microbatch), self._request(stages, schedule, memopt, partitioner))
 
     def largest(self, stages: int, schedule: str, memopt: bool, partitioner: str, at_least: int = 0) -> Plan | None:
         """The planner's plan at its largest micro-batch (``None``: none fits), the search started
         from ``at_least`` where given: a size known to fit (dawnpiper fits whatever another
         partitioner's plan fits)."""
         try:
-            return largest_plan(self.profile, self._targets(stages), partitioner, schedule, stages,
-                                self.device.host_bandwidth, self.device.link_bandwidth, optimise_memory=memopt,
+            return largest_plan(self.profile, self._request(stages, schedule, memopt, partitioner),
                                 at_least=max(at_least, 1))
         except InfeasiblePlanError:
             return None
@@ -239,8 +238,11 @@ class Bench:
             self._runs[key] = meter.peaks()
         return self._runs[key]
 
-    def _targets(self, stages: int) -> list[int]:
-        return [int(self.device.memory * PLANNING_HEADROOM)] * stages
+    def _request(self, stages: int, schedule: str, memopt: bool, partitioner: str) -> PlanRequest:
+        """What the strategy asks of the planner on ``stages`` of this device: ``stages``
+        micro-batches, each stage planned to the device's memory times the headroom."""
+        return PlanRequest([int(self.device.memory * PLANNING_HEADROOM)] * stages, partitioner, schedule, stages,
+                           self.device.host_bandwidth, self.device.link_bandwidth, optimise_memory=memopt)
 
     def measure(self, stages: int, schedule: str, memopt: bool, partitioner: str, at_least: int = 0) -> Row:
         """The row of one configuration: a fake run of the predicted size, and where a stage

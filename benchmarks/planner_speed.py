@@ -14,6 +14,7 @@ from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.partitioners import partition
 from lightning_pipe.plan.plan import max_microbatch
 from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import in_flight
 from lightning_pipe.plan.stages import Stages
 
@@ -82,8 +83,8 @@ def compare_max_microbatch(num_stages: int) -> None:
     profile = cnn_like(120)
     capacity = 1024 * MiB
     chunks = 2 * num_stages
-    ours = max_microbatch(profile, [capacity] * num_stages, "dawnpiper", "1f1b", chunks)
-    theirs = max_microbatch(profile, [capacity] * num_stages, "time", "1f1b", chunks)
+    ours = max_microbatch(profile, PlanRequest([capacity] * num_stages, "dawnpiper", "1f1b", chunks))
+    theirs = max_microbatch(profile, PlanRequest([capacity] * num_stages, "time", "1f1b", chunks))
     print(
         f"CNN-like, {num_stages} stages, 1f1b, {chunks} micro-batches, {capacity // MiB} MiB each: "
         f"max micro-batch dawnpiper {ours}, time {theirs}, ratio {ours / theirs:.2f}"

@@ -53,6 +53,7 @@ from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.partitioners import BASELINES, PARTITIONERS, partition
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, make_plan
 from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import in_flight
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,8 +186,9 @@ def run_probe(bench: Bench, config: Config, microbatch: int, profile_at: Callabl
                                           memory_limit=config.capacity, measure_memory=True)
         else:  # the planner's split with every activation kept, planned and checked as the strategy plans
             profile = profile_at(microbatch)
-            plan = checked(lambda t: make_plan(profile, t, config.planner, config.schedule, CHUNKS,
-                                               optimise_memory=False), limits(config), bench.check)
+            plan = checked(lambda t: make_plan(profile, PlanRequest(t, config.planner, config.schedule, CHUNKS,
+                                                                    optimise_memory=False)),
+                           limits(config), bench.check)
             strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=config.schedule, planner=None,
                                           balance=plan.balance, memory_limit=config.capacity, measure_memory=True)
         fit(bench.model(), bench.data(microbatch * CHUNKS * STEPS), microbatch * CHUNKS, strategy, config.stages, STEPS)
@@ -240,8 +242,9 @@ def predicted_max(bench: Bench, profile: Profile, config: Config) -> int | None:
     """The planner's own prediction of the largest micro-batch, each plan checked by a fake
     training step as the strategy checks its own (``None``: not even one)."""
     try:
-        return checked_max_microbatch(profile, limits(config), bench.check, config.planner, config.schedule, CHUNKS,
-                                      optimise_memory=config.memopt)
+        request = PlanRequest(limits(config), config.planner, config.schedule, CHUNKS,
+                              optimise_memory=config.memopt)
+        return checked_max_microbatch(profile, request, bench.check)
     except InfeasiblePlanError:
         return None
 
@@ -337,7 +340,7 @@ def simulated(profiles: dict[str, Profile], configs: list[Config]) -> list[dict[
         for planner in PARTITIONERS:
             row = {"model": name, "stages": stages, "schedule": schedule, "microbatch": microbatch, "planner": planner}
             try:
-                plan = make_plan(profiles[name].scaled(microbatch), capacities, planner, schedule, CHUNKS)
+                plan = make_plan(profiles[name].scaled(microbatch), PlanRequest(capacities, planner, schedule, CHUNKS))
                 row.update(step_ms=plan.step_ms, bubble=plan.bubble)
             except InfeasiblePlanError:
                 row.update(step_ms=None, bubble=None)
@@ -361,7 +364,7 @@ def planner_time(sizes: list[tuple[int, int]]) -> list[dict[str, Any]]:
         worst = max(model.peak(r.start, r.stop, flight[s]).total for s, r in enumerate(stage_ranges(timed)))
         start = time.perf_counter()
         try:
-            make_plan(profile, [int(0.85 * worst)] * stages, "dawnpiper", "1f1b", chunks)
+            make_plan(profile, PlanRequest([int(0.85 * worst)] * stages, "dawnpiper", "1f1b", chunks))
             feasible = True
         except InfeasiblePlanError:
             feasible = False
@@ -521,7 +524,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"does not fit. Plans are made as the strategy makes them: to the capacity, and where a stage is "
         f"predicted above {PLANNING_HEADROOM:.0%} of it, checked by a training step on fake tensors and, if that goes "
         f"over, made again below the capacity by the error it measured. *memopt off*: the partitioner's split "
-        f"planned with every activation kept (`make_plan(..., optimise_memory=False)`), from the strategy's "
+        f"planned with every activation kept (`PlanRequest(..., optimise_memory=False)`), from the strategy's "
         f"profile at that micro-batch, checked the same way. `+`: the probe cap "
         f"({results['settings']['max_probes']}) was reached before the answer was bracketed. "
         f"*predicted*: the planner's own largest micro-batch, from the profile at micro-batch "

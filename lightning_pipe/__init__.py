@@ -18,19 +18,21 @@ if TYPE_CHECKING:
     from lightning_pipe.measure.meter import StageOutOfMemoryError
     from lightning_pipe.plan.memory import StagePeak
     from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, StageReport
+    from lightning_pipe.plan.request import PlanRequest
 
 _HOMES = {
     "CaptureError": "lightning_pipe.graph.capture",
     "InfeasiblePlanError": "lightning_pipe.plan.plan",
     "MemoryPipeStrategy": "lightning_pipe.lightning.strategy",
     "Plan": "lightning_pipe.plan.plan",
+    "PlanRequest": "lightning_pipe.plan.request",
     "StageOutOfMemoryError": "lightning_pipe.measure.meter",
     "StagePeak": "lightning_pipe.plan.memory",
     "StageReport": "lightning_pipe.plan.plan",
 }
 __all__ = [
-    "CaptureError", "InfeasiblePlanError", "MemoryPipeStrategy", "Plan", "StageOutOfMemoryError", "StagePeak",
-    "StageReport",
+    "CaptureError", "InfeasiblePlanError", "MemoryPipeStrategy", "Plan", "PlanRequest", "StageOutOfMemoryError",
+    "StagePeak", "StageReport",
 ]
 __version__ = "0.1.0"
 

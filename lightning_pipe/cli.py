@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, cast
 
@@ -32,6 +32,7 @@ from lightning_pipe.plan.headroom import Check, checked, checked_max_microbatch
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.request import PlanRequest, check_settings
 from lightning_pipe.plan.schedule import SCHEDULES, Schedule
 from lightning_pipe.runtime.build import Policy
 from lightning_pipe.runtime.fake import fake_training, meta_copy
@@ -134,13 +135,12 @@ def _setup(args: argparse.Namespace) -> _Setup:
     device, limits = _limits(args, trainer, settings)
     host_bandwidth = _given(args.host_bandwidth, settings.get("host_bandwidth"), device and device.host_bandwidth)
     link_bandwidth = _given(args.link_bandwidth, settings.get("link_bandwidth"), device and device.link_bandwidth)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
         raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}.")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
     for name, rate in (("host_bandwidth", host_bandwidth), ("link_bandwidth", link_bandwidth)):
-        if rate is not None and (not isinstance(rate, (int, float)) or rate <= 0):
+        if rate is not None and not isinstance(rate, (int, float)):
             raise ValueError(f"{name} must be a positive number of bytes per second, got {rate!r}.")
+    check_settings(chunks, schedule, host_bandwidth, link_bandwidth)
     return _Setup(path, model, _inputs(args.input, model, path), limits, chunks, schedule, host_bandwidth,
                   list(settings.get("leaf_modules") or []), device, link_bandwidth)
 
@@ -301,10 +301,10 @@ def _config_limits(path: str, devices: Any, limit: Any) -> list[int]:
 def _plan(profile: Profile, name: Partitioner, setup: _Setup, check: Check) -> tuple[Plan, int] | InfeasiblePlanError:
     """The partitioner's plan and its largest micro-batch, each checked as the strategy checks
     its plan, or why nothing fits."""
-    settings = (setup.schedule, setup.chunks, setup.host_bandwidth, setup.link_bandwidth)
+    request = PlanRequest(setup.limits, name, setup.schedule, setup.chunks, setup.host_bandwidth, setup.link_bandwidth)
     try:
-        plan = checked(lambda targets: make_plan(profile, targets, name, *settings), setup.limits, check)
-        return plan, checked_max_microbatch(profile, setup.limits, check, name, *settings)
+        plan = checked(lambda targets: make_plan(profile, replace(request, capacities=targets)), setup.limits, check)
+        return plan, checked_max_microbatch(profile, request, check)
     except InfeasiblePlanError as err:
         return err
 

@@ -3,6 +3,7 @@
 
 import functools
 import json
+import logging
 from dataclasses import asdict, replace
 
 import pytest
@@ -12,6 +13,7 @@ from benchmarks.models import Bench
 from benchmarks.run import Config, memory_config, reference_capacity, sample_profile, search
 from examples.models import GPT, TokenDataset
 from lightning_pipe.plan.devices import DEVICES
+from lightning_pipe.plan.request import PlanRequest
 
 
 def _tiny_gpt() -> GPT:
@@ -19,15 +21,41 @@ def _tiny_gpt() -> GPT:
     return GPT(dim=32, layers=2, context=16)
 
 
-def _tiny_gpt2_on_a_small_gpu():
-    """The paper benchmark's module, a 1-layer GPT-2 workload built from its config, and an
-    A100 with 16 MiB, so that the paper's pipeline runs in seconds."""
+@functools.cache
+def _tiny_gpt2_workload():
     transformers = pytest.importorskip("transformers")
     from benchmarks import paper
 
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, use_cache=False)
-    tiny = paper.Workload("gpt2", "tiny GPT-2", paper._hf(transformers.GPT2LMHeadModel, config), paper._tokens(16),
+    return paper.Workload("gpt2", "tiny GPT-2", paper._hf(transformers.GPT2LMHeadModel, config), paper._tokens(16),
                           paper._keywords, paper._hf_loss)
+
+
+_PROFILED: dict[str, object] = {}  # repr(device): the tiny GPT-2 workload's first Bench on it
+
+
+def _tiny_gpt2_on_a_small_gpu(monkeypatch: pytest.MonkeyPatch):
+    """The paper benchmark's module, a 1-layer GPT-2 workload built from its config, and an
+    A100 with 16 MiB, so that the paper's pipeline runs in seconds. The workload is captured
+    and profiled once for this file's tests (a capture and profile took most of a paper test's
+    time): a Bench of it reuses the first one's model, graph and profile (a fake run copies
+    the model; nothing changes them), and measures every configuration afresh."""
+    tiny = _tiny_gpt2_workload()
+    from benchmarks import paper
+
+    built = paper.Bench
+
+    class Bench(built):
+        def __init__(self, workload, device):
+            first = _PROFILED.get(repr(device)) if workload is tiny else None
+            if first is None:
+                super().__init__(workload, device)
+                if workload is tiny:
+                    _PROFILED[repr(device)] = self
+            else:
+                vars(self).update(vars(first), _runs={})
+
+    monkeypatch.setattr(paper, "Bench", Bench)
     return paper, tiny, replace(DEVICES["A100-40GB"], name="A100-16MiB", memory=16 * 2**20)
 
 
@@ -62,8 +90,8 @@ def test_hugging_face_capture_benchmark_runs_on_a_tiny_gpt2():
 
 
 @pytest.mark.slow
-def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(tmp_path):
-    paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
+def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(tmp_path, monkeypatch):
+    paper, tiny, small = _tiny_gpt2_on_a_small_gpu(monkeypatch)
     results = paper.main(["--stages", "2", "--out", str(tmp_path)], workloads=[tiny], device=small)
 
     rows = results["rows"]
@@ -88,7 +116,7 @@ def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(t
 def test_a_paper_run_cut_short_keeps_the_tasks_it_finished(tmp_path, monkeypatch):
     # a task (model, stage count) is written out as it ends: the run of 2 then 3 stages fails
     # in its second task, and the first task's rows are on file and on the page
-    paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
+    paper, tiny, small = _tiny_gpt2_on_a_small_gpu(monkeypatch)
     measure = paper.measure_stages
 
     def failing(workload, stages, settings, device):
@@ -117,19 +145,19 @@ def test_amoebanet_has_gpipes_parameter_counts(normal, filters, millions):
 
 
 @pytest.mark.slow
-def test_paper_benchmark_trains_a_small_amoebanet_at_its_prediction(tmp_path):
+def test_paper_benchmark_trains_a_small_amoebanet_at_its_prediction(tmp_path, monkeypatch):
     """AmoebaNet-D's cells read the two cells before them: under 2BW with memory optimisation,
     each partitioner's plan trains at exactly its predicted size; the page's targets take its
     ratio as the CNN's."""
-    paper, _, small = _tiny_gpt2_on_a_small_gpu()
+    paper, _, small = _tiny_gpt2_on_a_small_gpu(monkeypatch)
     from benchmarks.amoebanet import AmoebaNetD
 
     def build():
         with torch.device("meta"):
             return AmoebaNetD(normal=1, filters=16, classes=10)
 
-    def batch(n):
-        return {"image": torch.zeros(n, 3, 32, 32, device="meta"), "label": torch.zeros(n, dtype=torch.long,
+    def batch(n):  # 64x64 images: fewer samples fit than at 32x32, so each search plans fewer sizes
+        return {"image": torch.zeros(n, 3, 64, 64, device="meta"), "label": torch.zeros(n, dtype=torch.long,
                                                                                         device="meta")}
 
     tiny = paper.Workload("amoebanet", "tiny AmoebaNet-D", build, batch, paper._image, paper._classification_loss)
@@ -166,7 +194,7 @@ def test_a_value_read_on_its_stage_and_on_a_later_one_has_its_gradients_summed_o
     recomputed = set(names[: names.index("cells_0_ops_3_5")]) | {"cells_0_ops_3_7", "cells_0_ops_3_8"}
     balance, policies = [first, len(names) - first], ["recompute" if n in recomputed else "keep" for n in names]
     profile = bench.profile.scaled(8)
-    stages = planning_stages(profile, [2**40] * 2, "2bw", 2)
+    stages = planning_stages(profile, PlanRequest([2**40] * 2, schedule="2bw", chunks=2))
     predicted = predict_peaks(profile, balance, stages.in_flight, policies, stages.weight_versions, stages.waits,
                               backward_states=stages.backward_states, schedule="2bw", chunks=2)
     model, graph = meta_copy(bench.model, bench.captured)
@@ -213,9 +241,9 @@ def test_paper_benchmark_guesses_the_next_size_from_the_measured_peaks():
 
 
 @pytest.mark.slow
-def test_paper_benchmark_rows_are_the_same_from_worker_processes():
+def test_paper_benchmark_rows_are_the_same_from_worker_processes(monkeypatch):
     # the workers run one (stages, schedule, memopt) group each, on the profile made before they forked
-    paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
+    paper, tiny, small = _tiny_gpt2_on_a_small_gpu(monkeypatch)
     settings = paper.Settings(["gpt2"], [2, 3], ["1f1b", "2bw"], ["params", "dawnpiper"], [False])
     pooled, inline = (paper.run([tiny], settings, small, jobs) for jobs in (2, 1))
     assert [(r.stages, r.schedule, r.partitioner, r.max_microbatch) for r in pooled] == [
@@ -230,21 +258,19 @@ def test_paper_benchmark_rows_are_the_same_from_worker_processes():
 
 
 @pytest.mark.slow
-def test_distributed_benchmark_runs_every_runtime_and_matches_pipelinings_peaks():
+def test_distributed_benchmark_runs_every_runtime_and_matches_pipelinings_peaks(monkeypatch, capsys):
     """``python -m benchmarks.distributed`` at a tiny size: a row per runtime, and on the same
-    split our 1F1B holds what torch.distributed.pipelining's does on every rank."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    split our 1F1B holds what torch.distributed.pipelining's does on every rank. Its ``main``
+    runs here, on the command line's arguments (the ranks it spawns start fresh interpreters
+    of their own; a process of its own for ``main`` cost one more start-up of torch and
+    Lightning)."""
+    from benchmarks import distributed
 
-    root = Path(__file__).parents[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.distributed", "--width", "128", "--depth", "4", "--batch", "16",
-         "--steps", "1"], cwd=root, capture_output=True, text=True, timeout=300, check=True,
-        env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
-    )
-    rows = {line[:36].strip(): line[36:].split(maxsplit=1) for line in result.stdout.splitlines()[2:]}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what the spawned ranks start with
+    monkeypatch.setattr("sys.argv", ["benchmarks/distributed.py", "--width", "128", "--depth", "4", "--batch", "16",
+                                     "--steps", "1"])
+    distributed.main()
+    rows = {line[:36].strip(): line[36:].split(maxsplit=1) for line in capsys.readouterr().out.splitlines()[2:]}
     assert set(rows) == {"lightning_pipe distributed 1F1B", "torch pipelining Schedule1F1B",
                          "lightning_pipe interleaved 1F1B, v=2", "lightning_pipe local GPipe (1 proc)"}
     assert rows["lightning_pipe distributed 1F1B"][1] == rows["torch pipelining Schedule1F1B"][1]
@@ -300,8 +326,11 @@ def _tiny_results() -> dict:
     }
 
 
-def test_benchmark_run_writes_a_folder_of_its_own_and_the_docs_only_when_asked(tmp_path, monkeypatch, capsys):
+def test_benchmark_run_writes_a_folder_of_its_own_and_the_docs_only_when_asked(tmp_path, monkeypatch, capsys, request):
     from benchmarks import run
+
+    quieted = logging.getLogger("lightning.pytorch")  # main() quiets Lightning for the whole process
+    request.addfinalizer(functools.partial(quieted.setLevel, quieted.level))
 
     faults = "## Fault injection (measured)\n\nkept\n"  # a section another benchmark writes
     tracked = {tmp_path / "docs" / "benchmarks.md": (

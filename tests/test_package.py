@@ -2,6 +2,7 @@
 
 import ast
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -45,13 +46,43 @@ def test_the_planner_imports_without_lightning_torch_or_the_strategy():
     assert float(seconds) < 1.0
 
 
+# One fresh process for what only a fresh process shows (each start imports torch and Lightning,
+# most of such a test's time): what importing lightning_pipe registers, loads and leaves alone.
+FRESH_IMPORTS = """
+import sys
+import lightning
+from lightning.pytorch.strategies import StrategyRegistry
+before = set(sys.modules)
+import lightning_pipe
+registered = ['memory_pipe' in StrategyRegistry]
+lightning_pipe.MemoryPipeStrategy
+registered.append('memory_pipe' in StrategyRegistry)
+import lightning_pipe.cli
+new = [m for m in set(sys.modules) - before if m.split('.')[0] == 'transformers']
+assert not new, new
+from lightning_pipe.plan import report
+import matplotlib
+after_import = matplotlib.get_backend()
+from tests.lightning.test_reporting import _plan
+report.save(_plan([2**20], [2**30]), sys.argv[1])
+pyplot = sys.modules.get("matplotlib.pyplot")
+print(*registered, after_import, matplotlib.get_backend(), len(pyplot.get_fignums()) if pyplot else 0)
+"""
+
+
 @pytest.mark.slow
-def test_importing_the_strategy_registers_its_name():
-    code = ("import lightning_pipe; from lightning.pytorch.strategies import StrategyRegistry; "
-            "before = 'memory_pipe' in StrategyRegistry; lightning_pipe.MemoryPipeStrategy; "
-            "print(before, 'memory_pipe' in StrategyRegistry)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.split() == ["False", "True"]
+def test_importing_lightning_pipe_registers_the_strategy_adds_no_transformers_and_leaves_matplotlib_alone(tmp_path):
+    """In a fresh process: importing the strategy registers its name (importing the package
+    does not yet); lightning_pipe, its strategy and its CLI add no module of transformers to
+    what Lightning loaded (Lightning itself imports transformers where it is installed, for
+    torchmetrics' BERTScore); and importing lightning_pipe and saving a plan picks no
+    matplotlib backend for the process (a notebook's inline one) nor leaves figures for the
+    user's ``plt.show()``. (No module of lightning_pipe names transformers: test_hf_models.py.)"""
+    out = subprocess.run([sys.executable, "-c", FRESH_IMPORTS, str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300, env={**os.environ, "MPLBACKEND": "svg"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "svg", "svg", "0"]
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_positional_arguments_and_unknown_names_are_refused():

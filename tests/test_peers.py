@@ -1,9 +1,13 @@
 """The peers' harness: its meter counts real bytes, and each peer really trains the model."""
 
+import socket
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torch import nn
 
+from benchmarks import peers
 from benchmarks.peers import LR, ProcessMeter, pipelining_steps, sequential, sequential_data, torchgpipe_steps
 
 
@@ -36,8 +40,20 @@ def test_process_meter_counts_live_storages_once():
     assert meter.stages[0].total == 0
 
 
+def _forked(rank_fn, world, *args):
+    """:func:`benchmarks.peers.spawn`'s ranks, forked: they start with this process's imports
+    (torch, Lightning), a few seconds each that a spawned rank spends importing them again
+    (``spawn`` itself starts the ranks of test_benchmarks.py's distributed benchmark)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(peers._gloo_rank, args=(world, port, rank_fn, args), nprocs=world, join=True,
+                       start_method="fork")
+
+
 @pytest.mark.slow
-def test_pipelining_trains_like_one_process_and_reports_each_rank():
+def test_pipelining_trains_like_one_process_and_reports_each_rank(monkeypatch):
+    monkeypatch.setattr(peers, "spawn", _forked)
     width, depth, batch, steps = 16, 2, 8, 3
     result = pipelining_steps([3, 2], batch, chunks=4, steps=steps, warmup=1, width=width, depth=depth)
 

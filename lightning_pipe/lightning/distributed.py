@@ -18,7 +18,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -86,6 +86,7 @@ from lightning_pipe.measure.profiler import device_spec, profile_graph
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.headroom import checked, flat
 from lightning_pipe.plan.plan import Plan, make_plan
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import actions
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
@@ -445,7 +446,6 @@ class DistributedEngine(Engine):
             step.record(self.profile)
         o = self.options
         assert o.planner is not None
-        settings = (o.planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth)
         profile = self.profile
 
         def checked_on_every_rank(plan: Plan) -> list[int]:
@@ -454,8 +454,9 @@ class DistributedEngine(Engine):
             return self._stage_peaks(plan, self._gather_checks(check(plan)))
 
         # a check is one fake step on each rank at once: every plan is checked
-        replicas = self.world_size // self.num_stages
-        return checked(lambda targets: make_plan(profile, targets, *settings, carry=True, replicas=replicas),
+        request = PlanRequest(capacities, o.planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth,
+                              carry=True, replicas=self.world_size // self.num_stages)
+        return checked(lambda targets: make_plan(profile, replace(request, capacities=targets)),
                        capacities, checked_on_every_rank, always=True)
 
     def _check_rank(

@@ -9,6 +9,7 @@ order (:mod:`.steps`). With a planner, the first training batch profiles one mic
 
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -50,6 +51,7 @@ from lightning_pipe.plan import report
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.headroom import checked, flat
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.runtime.batchnorm import DeferredBatchNorm
 from lightning_pipe.runtime.build import Policy, Program, build
 from lightning_pipe.runtime.gpipe import Pipeline
@@ -300,12 +302,12 @@ class LocalEngine(Engine):
         devices = list(self.parallel_devices)
         o, planner = self.options, self.options.planner
         assert planner is not None
-        settings = (planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth)
         profile = self.profile
         before = self.plan
         corrections = self._corrections
         limits = self._limits() if corrections is None else corrections.limits(self._limits())
-        self.plan = checked(lambda targets: make_plan(profile, targets, *settings), limits,
+        request = PlanRequest(limits, planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth)
+        self.plan = checked(lambda targets: make_plan(profile, replace(request, capacities=targets)), limits,
                             partial(self._check, batch, batch_idx), always=corrections is not None)
         self._checked = self._checks.get(_key(self.plan)) or [s.peak.total for s in self.plan.stages]
         if before is not None and corrections is None:

@@ -10,7 +10,8 @@ from typing import Literal, get_args
 
 from lightning_pipe.lightning.microlog import LossReduction
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
-from lightning_pipe.plan.schedule import SCHEDULES, Schedule
+from lightning_pipe.plan.request import check_settings
+from lightning_pipe.plan.schedule import Schedule
 from lightning_pipe.units import MemorySize, parse_bytes
 
 __all__ = ["PipeOptions", "Runtime", "StateDictType", "check_balance_entries"]
@@ -74,12 +75,9 @@ class PipeOptions:
         _check_types(chunks=(chunks, int), max_replans=(max_replans, int),
                      host_bandwidth=(host_bandwidth, float | None), link_bandwidth=(link_bandwidth, float | None),
                      measure_memory=(measure_memory, bool), deferred_batch_norm=(deferred_batch_norm, bool))
-        if chunks < 1:
-            raise ValueError(f"chunks must be >= 1, got {chunks}.")
+        check_settings(chunks, schedule, host_bandwidth, link_bandwidth)
         if max_replans < 0:
             raise ValueError(f"max_replans must be >= 0 (0: never plan again after running out), got {max_replans}.")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}.")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(
                 f"loss_reduction must be 'mean' (training_step returns a per-sample mean) or 'sum' "
@@ -87,10 +85,6 @@ class PipeOptions:
             )
         if planner is not None and planner not in PARTITIONERS:
             raise ValueError(f"planner must be one of {list(PARTITIONERS)} or None, got {planner!r}.")
-        if host_bandwidth is not None and host_bandwidth <= 0:
-            raise ValueError(f"host_bandwidth must be positive (bytes per second), got {host_bandwidth}.")
-        if link_bandwidth is not None and link_bandwidth <= 0:
-            raise ValueError(f"link_bandwidth must be positive (bytes per second), got {link_bandwidth}.")
         if plan_shapes is not None and not (
             isinstance(plan_shapes, Mapping)
             and all(isinstance(k, str) and isinstance(v, list | tuple) and v and all(

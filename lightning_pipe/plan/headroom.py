@@ -12,8 +12,8 @@ model's error, every plan is checked.
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
-from lightning_pipe.plan.partitioners import Partitioner
 from lightning_pipe.plan.plan import (
     PLANNING_HEADROOM,
     PREDICTION_ERROR,
@@ -23,7 +23,7 @@ from lightning_pipe.plan.plan import (
     max_microbatch,
 )
 from lightning_pipe.plan.profile import Profile
-from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.plan.request import PlanRequest
 
 __all__ = ["Check", "checked", "checked_max_microbatch", "flat"]
 
@@ -95,30 +95,19 @@ def checked(
     )
 
 
-def checked_max_microbatch(
-    profile: Profile,
-    limits: Sequence[int],
-    check: Check,
-    partitioner: Partitioner = "dawnpiper",
-    schedule: Schedule = "1f1b",
-    chunks: int = 1,
-    host_bandwidth: float | None = None,
-    link_bandwidth: float | None = None,
-    *,
-    optimise_memory: bool = True,
-) -> int:
-    """The largest micro-batch size whose plan fits ``limits`` as :func:`checked` measures it.
+def checked_max_microbatch(profile: Profile, request: PlanRequest, check: Check) -> int:
+    """The largest micro-batch size whose plan for ``request`` fits its capacities, here the
+    stages' memory limits, as :func:`checked` measures it.
 
     Raises:
         InfeasiblePlanError: not even a micro-batch of one fits.
     """
-    settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
 
     def largest(targets: list[int]) -> Plan:
-        size = max_microbatch(profile, targets, *settings, optimise_memory=optimise_memory)
-        return make_plan(profile.scaled(size), targets, *settings, optimise_memory=optimise_memory)
+        at_targets = replace(request, capacities=targets)
+        return make_plan(profile.scaled(max_microbatch(profile, at_targets)), at_targets)
 
-    return checked(largest, limits, check).microbatch_size
+    return checked(largest, request.capacities, check).microbatch_size
 
 
 def flat(plan: Plan) -> list[int]:

@@ -13,8 +13,8 @@ from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum
 from lightning_pipe.plan.partitioners import Partitioner, fitting_split, floor, split
 from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import (
-    Schedule,
     actions,
     backward_states,
     gradient_waits,
@@ -139,90 +139,42 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(
-    profile: Profile,
-    capacities: list[int],
-    partitioner: Partitioner = "dawnpiper",
-    schedule: Schedule = "1f1b",
-    chunks: int = 1,
-    host_bandwidth: float | None = None,
-    link_bandwidth: float | None = None,
-    *,
-    optimise_memory: bool = True,
-    carry: bool = False,
-    replicas: int = 1,
-) -> Plan:
-    """Plan ``profile`` over one stage per planning target in ``capacities`` (bytes): split
-    with ``partitioner``, then fit every stage with recompute and, given ``host_bandwidth``
-    (bytes/s), swap (``optimise_memory`` false: neither). ``link_bandwidth`` (bytes/s between
-    stage devices) prices the values crossing each cut. ``carry``: stages pass on what later
-    stages read, holding it for every micro-batch of a step (``runtime="distributed"``), and
-    reduce their gradients over ``replicas`` data-parallel copies.
+def make_plan(profile: Profile, request: PlanRequest) -> Plan:
+    """Plan ``profile`` over one stage per planning target in ``request.capacities`` (bytes):
+    split with its partitioner, then fit every stage with recompute and, given a host
+    bandwidth, swap (``optimise_memory`` false: neither); see :class:`PlanRequest`.
 
     Raises:
         InfeasiblePlanError: a stage does not fit even with memory optimisation.
     """
-    stages, balance, optima = _attempt(
-        profile, capacities, partitioner, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory, carry,
-        replicas,
-    )
+    stages, balance, optima = _attempt(profile, request)
     if not all(o.fits for o in optima):
-        raise _infeasible(stages, partitioner, balance, optima)
-    return _plan(stages, partitioner, schedule, balance, optima)
+        raise _infeasible(stages, request.partitioner, balance, optima)
+    return _plan(stages, request, balance, optima)
 
 
-def fitting_plan(
-    profile: Profile,
-    capacities: list[int],
-    partitioner: Partitioner = "dawnpiper",
-    schedule: Schedule = "1f1b",
-    chunks: int = 1,
-    host_bandwidth: float | None = None,
-    link_bandwidth: float | None = None,
-    *,
-    optimise_memory: bool = True,
-) -> Plan | None:
+def fitting_plan(profile: Profile, request: PlanRequest) -> Plan | None:
     """:func:`make_plan`'s plan, or ``None`` where it does not fit, without the search for the
     lowest peak that :class:`InfeasiblePlanError` reports (on a large model it costs more than
     the plan): for a caller trying sizes that needs no reason (:func:`plan_fits` where it
     needs no plan either)."""
-    stages, balance, optima = _attempt(
-        profile, capacities, partitioner, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory
-    )
-    return _plan(stages, partitioner, schedule, balance, optima) if all(o.fits for o in optima) else None
+    stages, balance, optima = _attempt(profile, request)
+    return _plan(stages, request, balance, optima) if all(o.fits for o in optima) else None
 
 
-def plan_fits(
-    profile: Profile,
-    capacities: list[int],
-    partitioner: Partitioner = "dawnpiper",
-    schedule: Schedule = "1f1b",
-    chunks: int = 1,
-    host_bandwidth: float | None = None,
-    link_bandwidth: float | None = None,
-    *,
-    optimise_memory: bool = True,
-) -> bool:
+def plan_fits(profile: Profile, request: PlanRequest) -> bool:
     """Whether :func:`fitting_plan` finds a plan, found without choosing among the splits that
     fit (:func:`~lightning_pipe.plan.partitioners.fitting_split`): what a search over sizes asks."""
-    settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
-    return _probed(profile, capacities, settings, optimise_memory) is not None
+    return _probed(profile, request) is not None
 
 
-def _probed(
-    profile: Profile,
-    capacities: list[int],
-    settings: tuple[Partitioner, Schedule, int, float | None, float | None],
-    optimise_memory: bool,
-) -> Stages | None:
+def _probed(profile: Profile, request: PlanRequest) -> Stages | None:
     """:func:`plan_fits`' stages where a split fits, with what it found (``None``: none fits)."""
-    partitioner, schedule, chunks, host_bandwidth, link_bandwidth = settings
-    stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory)
-    return stages if fitting_split(partitioner, stages) is not None else None
+    stages = planning_stages(profile, request)
+    return stages if fitting_split(request.partitioner, stages) is not None else None
 
 
-def _plan(stages: Stages, partitioner: Partitioner, schedule: Schedule, balance: list[int],
-          optima: list[StageOptimum]) -> Plan:
+def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list[StageOptimum]) -> Plan:
     """The plan of a split whose stages fit, with what it predicts."""
     model = stages.model
     policies = ["keep"] * model.n
@@ -249,10 +201,10 @@ def _plan(stages: Stages, partitioner: Partitioner, schedule: Schedule, balance:
             )
         )
         times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, send))
-    sim = simulate(times, actions(schedule, model.chunks, stages.count))
+    sim = simulate(times, actions(request.schedule, model.chunks, stages.count))
     return Plan(
-        partitioner=partitioner,
-        schedule=schedule,
+        partitioner=request.partitioner,
+        schedule=request.schedule,
         targets=list(stages.capacities),
         microbatch_size=model.profile.microbatch_size,
         chunks=model.chunks,
@@ -266,19 +218,8 @@ def _plan(stages: Stages, partitioner: Partitioner, schedule: Schedule, balance:
     )
 
 
-def max_microbatch(
-    profile: Profile,
-    capacities: list[int],
-    partitioner: Partitioner = "dawnpiper",
-    schedule: Schedule = "1f1b",
-    chunks: int = 1,
-    host_bandwidth: float | None = None,
-    link_bandwidth: float | None = None,
-    *,
-    optimise_memory: bool = True,
-    at_least: int = 1,
-) -> int:
-    """The largest micro-batch size whose plan fits, predicting other sizes with
+def max_microbatch(profile: Profile, request: PlanRequest, *, at_least: int = 1) -> int:
+    """The largest micro-batch size whose plan for ``request`` fits, predicting other sizes with
     :meth:`Profile.scaled` (doubling from ``at_least``, then binary search). ``at_least``
     above one: a size known to fit (another partitioner's answer, where this is dawnpiper,
     which fits whatever another fits), so that the search starts near the answer.
@@ -286,22 +227,10 @@ def max_microbatch(
     Raises:
         InfeasiblePlanError: not even a micro-batch of one fits.
     """
-    settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
-    return _largest(profile, capacities, settings, optimise_memory, at_least)[0]
+    return _largest(profile, request, at_least)[0]
 
 
-def largest_plan(
-    profile: Profile,
-    capacities: list[int],
-    partitioner: Partitioner = "dawnpiper",
-    schedule: Schedule = "1f1b",
-    chunks: int = 1,
-    host_bandwidth: float | None = None,
-    link_bandwidth: float | None = None,
-    *,
-    optimise_memory: bool = True,
-    at_least: int = 1,
-) -> Plan:
+def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1) -> Plan:
     """:func:`fitting_plan`'s plan at :func:`max_microbatch`'s size (``plan.microbatch_size``),
     made on what the search's probe of that size found: choosing among the splits that fit
     starts from the ones it priced.
@@ -309,31 +238,23 @@ def largest_plan(
     Raises:
         InfeasiblePlanError: not even a micro-batch of one fits.
     """
-    settings = (partitioner, schedule, chunks, host_bandwidth, link_bandwidth)
-    size, stages = _largest(profile, capacities, settings, optimise_memory, at_least)
+    size, stages = _largest(profile, request, at_least)
     if stages is None:  # at_least, never probed
-        stages = planning_stages(profile.scaled(size), capacities, schedule, chunks, host_bandwidth, link_bandwidth,
-                                 optimise_memory)
-    balance, optima = _chosen(stages, partitioner)
+        stages = planning_stages(profile.scaled(size), request)
+    balance, optima = _chosen(stages, request.partitioner)
     if not all(o.fits for o in optima):  # at_least did not fit after all
-        raise _infeasible(stages, partitioner, balance, optima)
-    return _plan(stages, partitioner, schedule, balance, optima)
+        raise _infeasible(stages, request.partitioner, balance, optima)
+    return _plan(stages, request, balance, optima)
 
 
-def _largest(
-    profile: Profile,
-    capacities: list[int],
-    settings: tuple[Partitioner, Schedule, int, float | None, float | None],
-    optimise_memory: bool,
-    at_least: int,
-) -> tuple[int, Stages | None]:
+def _largest(profile: Profile, request: PlanRequest, at_least: int) -> tuple[int, Stages | None]:
     """:func:`max_microbatch`'s size, with the stages its probe of that size priced (``None``:
     ``at_least``, taken as known to fit, was the answer)."""
     found: Stages | None = None  # the last probe that fit: each probe is above every size found to fit
 
     def fits(size: int) -> bool:
         nonlocal found
-        stages = _probed(profile.scaled(size), capacities, settings, optimise_memory)
+        stages = _probed(profile.scaled(size), request)
         if stages is not None:
             found = stages
         return stages is not None
@@ -341,7 +262,7 @@ def _largest(
     if at_least < 1:
         raise ValueError(f"at_least={at_least} is not a micro-batch size; give 1 or a size known to fit.")
     if at_least == 1 and not fits(1):
-        make_plan(profile.scaled(1), capacities, *settings, optimise_memory=optimise_memory)  # raises
+        make_plan(profile.scaled(1), request)  # raises
     low, high = at_least, 2 * at_least
     while high <= _MAX_MICROBATCH and fits(high):
         low, high = high, high * 2
@@ -351,48 +272,26 @@ def _largest(
     return low, found
 
 
-def planning_stages(
-    profile: Profile,
-    capacities: list[int],
-    schedule: Schedule = "1f1b",
-    chunks: int = 1,
-    host_bandwidth: float | None = None,
-    link_bandwidth: float | None = None,
-    optimise_memory: bool = True,
-    carry: bool = False,
-    replicas: int = 1,
-) -> Stages:
+def planning_stages(profile: Profile, request: PlanRequest) -> Stages:
     """What :func:`make_plan` hands its partitioner (:func:`~lightning_pipe.plan.partitioners.split`)."""
-    count = len(capacities)
+    r = request
+    count = len(r.capacities)
     return Stages(
-        CostModel(profile, link_bandwidth, schedule=schedule, chunks=chunks, carry=chunks if carry else 0,
-                  replicas=replicas),
-        list(capacities),
-        in_flight(schedule, chunks, count),
-        weight_versions(schedule), host_bandwidth, gradient_waits(schedule, chunks, count),
-        actions(schedule, chunks, count), optimise_memory=optimise_memory,
+        CostModel(profile, r.link_bandwidth, schedule=r.schedule, chunks=r.chunks, carry=r.chunks if r.carry else 0,
+                  replicas=r.replicas),
+        list(r.capacities),
+        in_flight(r.schedule, r.chunks, count),
+        weight_versions(r.schedule), r.host_bandwidth, gradient_waits(r.schedule, r.chunks, count),
+        actions(r.schedule, r.chunks, count), optimise_memory=r.optimise_memory,
         # the distributed runtime sends a stage's input gradients back at once: none wait
-        backward_states=() if carry else backward_states(schedule, chunks, count),
+        backward_states=() if r.carry else backward_states(r.schedule, r.chunks, count),
     )
 
 
-def _attempt(
-    profile: Profile,
-    capacities: list[int],
-    partitioner: Partitioner,
-    schedule: Schedule,
-    chunks: int,
-    host_bandwidth: float | None,
-    link_bandwidth: float | None,
-    optimise_memory: bool,
-    carry: bool = False,
-    replicas: int = 1,
-) -> tuple[Stages, list[int], list[StageOptimum]]:
+def _attempt(profile: Profile, request: PlanRequest) -> tuple[Stages, list[int], list[StageOptimum]]:
     """Split and optimise every stage; the caller checks whether all fit."""
-    stages = planning_stages(
-        profile, capacities, schedule, chunks, host_bandwidth, link_bandwidth, optimise_memory, carry, replicas
-    )
-    return stages, *_chosen(stages, partitioner)
+    stages = planning_stages(profile, request)
+    return stages, *_chosen(stages, request.partitioner)
 
 
 def _chosen(stages: Stages, partitioner: Partitioner) -> tuple[list[int], list[StageOptimum]]:

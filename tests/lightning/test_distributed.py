@@ -262,9 +262,19 @@ def test_an_error_on_one_rank_ends_every_rank(tmp_path):
     assert "[rank0]: rank 1 stopped first, with RuntimeError: rank 1 fails on purpose" in launch.result.stderr
 
 
+@pytest.fixture(scope="module")
+def torchrun_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    # torchrun leaves a rank to go on after a failed fit (refused), and ends the launch once
+    # every rank has failed (indivisible, last)
+    return _launch(tmp_path_factory.mktemp("torchrun_ranks"), 2, str(STEPS), "gpt:1f1b:2", "refused", "indivisible",
+                   torchrun=True)
+
+
 @pytest.mark.slow
-def test_torchrun_starts_the_ranks_and_training_equals_single_device_and_bad_input_is_named_on_every_rank(tmp_path):
-    launch = _launch(tmp_path, 2, str(STEPS), "gpt:1f1b:2", "refused", torchrun=True)
+def test_torchrun_starts_the_ranks_and_training_equals_single_device_and_bad_input_is_named_on_every_rank(
+    torchrun_ranks,
+):
+    launch = torchrun_ranks
     _check(launch, 2, "gpt:1f1b:2")
     for rank in range(2):  # both refused at the first batch, before any collective (the ranks went on)
         buffer = launch.path(f"refused-buffer-rank{rank}.txt").read_text()
@@ -279,8 +289,10 @@ def test_torchrun_starts_the_ranks_and_training_equals_single_device_and_bad_inp
 
 
 @pytest.mark.slow
-def test_stages_that_do_not_divide_the_processes_are_named_before_any_collective(tmp_path):
-    launch = _launch(tmp_path, 2, "indivisible")
+def test_stages_that_do_not_divide_the_processes_are_named_before_any_collective(torchrun_ranks):
+    # the last scenario of the torchrun launch (a launch of its own cost two more processes'
+    # start-up; every rank fails before any collective, under either launcher)
+    launch = torchrun_ranks
     assert launch.result.returncode != 0
     message = "stages=3 does not divide the 2 processes into whole pipeline replicas"
     assert f"ValueError: {message}" in launch.result.stderr

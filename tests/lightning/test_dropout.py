@@ -13,6 +13,7 @@ from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.plan import InfeasiblePlanError, make_plan
+from lightning_pipe.plan.request import PlanRequest
 from tests.helpers import max_rel_diff, trainer
 
 CHUNKS, STAGES = 4, 2
@@ -90,7 +91,7 @@ def _tight_limit(front_end: str, schedule: str) -> int:
     captured = capture(model, example_inputs=(args, kwargs))
     profile = profile_graph(captured, args, kwargs, optimizer=model.configure_optimizers(), repeats=1)
     with pytest.raises(InfeasiblePlanError) as nothing_fits:
-        make_plan(profile, [1] * STAGES, "dawnpiper", schedule, CHUNKS)
+        make_plan(profile, PlanRequest([1] * STAGES, "dawnpiper", schedule, CHUNKS))
     # 1% over the floor: the plans there recompute nearly every node, dropouts included, while
     # 3% lets a GPipe plan keep the (cheap to keep, region-bounding) dropout nodes
     return int(nothing_fits.value.min_peak * 1.01)

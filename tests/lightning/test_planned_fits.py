@@ -14,6 +14,7 @@ from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.plan.headroom import checked_max_microbatch
 from lightning_pipe.plan.plan import PREDICTION_ERROR, InfeasiblePlanError, make_plan
 from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.request import PlanRequest
 from tests.helpers import trainer
 
 CASES, CHUNKS, STEPS = 50, 4, 2  # the second step is the steady one: gradients and optimizer state exist
@@ -53,8 +54,8 @@ def _case(seed: int) -> tuple[str, int, str, int]:
     rnd = random.Random(seed)
     family, stages = rnd.choice(sorted(BENCHES)), rnd.choice([2, 3, 4])
     schedule = rnd.choice(["gpipe", "1f1b", "2bw"])
-    unbound = make_plan(_profile(family).scaled(8), [1 << 40] * stages, "params", schedule, CHUNKS,
-                        optimise_memory=False)
+    unbound = make_plan(_profile(family).scaled(8),
+                        PlanRequest([1 << 40] * stages, "params", schedule, CHUNKS, optimise_memory=False))
     return family, stages, schedule, int(rnd.uniform(0.3, 0.9) * max(s.peak.total for s in unbound.stages))
 
 
@@ -65,8 +66,8 @@ def test_the_planned_microbatch_trains_within_its_caps(seed):
     strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, memory_limit=capacity, measure_memory=True)
     bench = BENCHES[family]
     try:  # the largest micro-batch as the strategy's checked plans fit it (a fake training step of each)
-        microbatch = checked_max_microbatch(_profile(family), [capacity] * stages, bench.check, "dawnpiper", schedule,
-                                            CHUNKS)
+        request = PlanRequest([capacity] * stages, "dawnpiper", schedule, CHUNKS)
+        microbatch = checked_max_microbatch(_profile(family), request, bench.check)
     except InfeasiblePlanError:  # the planner refuses even one sample: so does the strategy
         with pytest.raises(InfeasiblePlanError):
             trainer(strategy, stages, max_steps=1).fit(bench.model(), loader(bench.data(CHUNKS), CHUNKS))

@@ -25,6 +25,7 @@ from lightning_pipe.plan.plan import (
     max_microbatch,
     planning_stages,
 )
+from lightning_pipe.plan.request import PlanRequest
 from tests.helpers import trainer
 from tests.models import LossInside, Skipped, make
 
@@ -61,7 +62,8 @@ def _limited(name, schedule, host_bandwidth):
     host link, closer to the latter, so that swaps, which keep their segment's inputs, suffice
     (and, where the planner's plan there swaps nothing, the nearest share at which it does)."""
     profile = _unlimited(name, schedule).profile
-    least = planning_stages(profile, [1] * STAGES, schedule, CHUNKS)  # optimised as far as it goes
+    # optimised as far as it goes
+    least = planning_stages(profile, PlanRequest([1] * STAGES, schedule=schedule, chunks=CHUNKS))
     low = max(o.peak.total for o in least.placed(lowest_peak_balance(least)))
     kept = least.kept()  # below the peak of every stage kept whole, before what waits at it
     high = min(max(kept.lowest(r.start, r.stop, k) for k, r in enumerate(stage_ranges(lowest_peak_balance(kept)))),
@@ -83,8 +85,8 @@ def _swaps(profile, schedule, limit):
     for speed in (1 / 4, 1, 4):
         nodes = [replace(n, forward_ms=n.forward_ms / speed, backward_ms=n.backward_ms / speed) for n in profile.nodes]
         try:
-            plan = make_plan(replace(profile, nodes=nodes), [limit] * STAGES, "dawnpiper", schedule, CHUNKS,
-                             HOST_BANDWIDTH)
+            plan = make_plan(replace(profile, nodes=nodes),
+                             PlanRequest([limit] * STAGES, "dawnpiper", schedule, CHUNKS, HOST_BANDWIDTH))
         except InfeasiblePlanError:
             return False
         if "swap" not in plan.policies:
@@ -198,7 +200,8 @@ def test_logits_in_the_output_made_before_the_last_stage_are_predicted(schedule)
     trainer(planned, 4, max_steps=1).fit(LossInside(), data)
     balance = [2, 2, 2, 3]  # embed, body_0 | body_1, body_2 | body_3, head | flatten, flatten_1, cross_entropy
     assert [n.name for n in planned.profile.nodes][4:6] == ["body_3", "head"]
-    predicted = planning_stages(planned.profile, [2**40] * 4, schedule, CHUNKS).placed(balance)
+    request = PlanRequest([2**40] * 4, schedule=schedule, chunks=CHUNKS)
+    predicted = planning_stages(planned.profile, request).placed(balance)
     metered = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, balance=balance, measure_memory=True)
     torch.manual_seed(0)
     trainer(metered, 4, max_steps=STEPS).fit(LossInside(), data)
@@ -216,7 +219,8 @@ def test_a_convolutions_gradient_sum_under_gpipe_comes_after_its_workspace_is_fr
     profiled = MemoryPipeStrategy(chunks=CHUNKS, planner="uniform")
     trainer(profiled, 4, max_steps=1).fit(bench.model(), loader(bench.data(batch), batch))
     assert [n.name for n in profiled.profile.nodes][17] == "up_0_0"
-    predicted = planning_stages(profiled.profile, [2**40] * 4, "gpipe", CHUNKS).placed(balance)
+    request = PlanRequest([2**40] * 4, schedule="gpipe", chunks=CHUNKS)
+    predicted = planning_stages(profiled.profile, request).placed(balance)
     metered = MemoryPipeStrategy(chunks=CHUNKS, planner=None, balance=balance, measure_memory=True)
     trainer(metered, 4, max_steps=STEPS).fit(bench.model(), loader(bench.data(batch * STEPS), batch))
     errors = [(p.peak.total - m) / m for p, m in zip(predicted, metered.meter.peaks())]
@@ -236,10 +240,10 @@ def test_a_recomputed_regions_forward_run_again_is_predicted(monkeypatch):
     ``add`` hands on its output's gradient as it is: the storage the next stage made and
     holds (the second stage was 1.9% over when it counted it too)."""
 
-    def recompute_attention(profile, targets, partitioner, schedule, chunks, *args, **kwargs):
+    def recompute_attention(profile, request):
         names = [n.name for n in profile.nodes]
         region = range(names.index("blocks_0_attn_qkv"), names.index("softmax") + 1)
-        plan = make_plan(profile, [1 << 40] * 3, "uniform", schedule, chunks)
+        plan = make_plan(profile, PlanRequest([1 << 40] * 3, "uniform", request.schedule, request.chunks))
         return replace(plan, balance=[39, 38, len(names) - 77],
                        policies=["recompute" if i in region else "keep" for i in range(len(names))])
 
@@ -247,7 +251,7 @@ def test_a_recomputed_regions_forward_run_again_is_predicted(monkeypatch):
     bench, batch = suite(full=False)["gpt"], 8 * CHUNKS
     strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="2bw", measure_memory=True)
     trainer(strategy, 3, max_steps=STEPS).fit(bench.model(), loader(bench.data(batch * STEPS), batch))
-    stages = planning_stages(strategy.profile, [1 << 40] * 3, "2bw", CHUNKS)
+    stages = planning_stages(strategy.profile, PlanRequest([1 << 40] * 3, schedule="2bw", chunks=CHUNKS))
     predicted = predict_peaks(strategy.profile, strategy.plan.balance, stages.in_flight, strategy.plan.policies,
                               stages.weight_versions, stages.waits, backward_states=stages.backward_states,
                               schedule="2bw", chunks=CHUNKS)
@@ -283,10 +287,10 @@ def test_a_value_a_recomputed_region_sends_on_is_predicted_while_the_region_runs
     on stage 1, is one of the region's outputs: run again before its backward, the region holds
     it until it stops. Taken as freed at its last reader in the region, stage 0 was 3.5% under."""
 
-    def recompute_stem(profile, targets, partitioner, schedule, chunks, *args, **kwargs):
+    def recompute_stem(profile, request):
         names = [n.name for n in profile.nodes]
         region = range(names.index("net_stem_1"), names.index("net_cells_0_ops_1") + 1)
-        plan = make_plan(profile, [1 << 40] * 2, "uniform", schedule, chunks)
+        plan = make_plan(profile, PlanRequest([1 << 40] * 2, "uniform", request.schedule, request.chunks))
         return replace(plan, balance=[41, len(names) - 41],
                        policies=["recompute" if i in region else "keep" for i in range(len(names))])
 
@@ -296,7 +300,7 @@ def test_a_value_a_recomputed_region_sends_on_is_predicted_while_the_region_runs
                                           torch.randint(0, 10, (32,), generator=generator))
     strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b", measure_memory=True)
     trainer(strategy, 2, max_steps=STEPS).fit(_Amoeba(), loader(data, 16))
-    stages = planning_stages(strategy.profile, [1 << 40] * 2, "1f1b", CHUNKS)
+    stages = planning_stages(strategy.profile, PlanRequest([1 << 40] * 2, schedule="1f1b", chunks=CHUNKS))
     predicted = predict_peaks(strategy.profile, strategy.plan.balance, stages.in_flight, strategy.plan.policies,
                               stages.weight_versions, stages.waits, backward_states=stages.backward_states,
                               schedule="1f1b", chunks=CHUNKS)
@@ -316,7 +320,7 @@ def test_the_unets_first_and_last_stages_are_predicted_to_the_byte(schedule, sta
     of every unreduced value), which Lightning drops before the backward."""
     profile = _benchmark_run("unet", "uniform", 2**40, 1).profile
     limit = int(7_223_661 * PLANNING_HEADROOM)  # the planning target of the benchmark row these came from
-    microbatch = max_microbatch(profile, [limit] * 4, "dawnpiper", schedule, CHUNKS)
+    microbatch = max_microbatch(profile, PlanRequest([limit] * 4, "dawnpiper", schedule, CHUNKS))
     strategy = _benchmark_run("unet", "dawnpiper", limit, microbatch, schedule)
     predicted, metered = strategy.plan.stages[stage].peak.total, strategy.meter.peaks()[stage]
     assert abs(predicted - metered) <= 0.001 * metered

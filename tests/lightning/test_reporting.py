@@ -2,9 +2,6 @@
 
 import csv
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from lightning.pytorch import Trainer
@@ -107,24 +104,5 @@ def test_plot_draws_a_target_near_the_bars_on_the_axis():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0\n60.0MiB", "1\n50.0MiB"]
 
 
-@pytest.mark.slow
-def test_reports_leave_the_matplotlib_backend_and_pyplot_alone(tmp_path):
-    """Importing lightning_pipe and saving a plan must not pick a backend for the process (a
-    notebook's inline one) nor leave figures for the user's ``plt.show()``."""
-    code = f"""
-import sys
-from tests.lightning.test_reporting import _plan
-import lightning_pipe
-from lightning_pipe.plan import report
-import matplotlib
-after_import = matplotlib.get_backend()
-report.save(_plan([2**20], [2**30]), {str(tmp_path)!r})
-pyplot = sys.modules.get("matplotlib.pyplot")
-print(after_import, matplotlib.get_backend(), len(pyplot.get_fignums()) if pyplot else 0)
-"""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "MPLBACKEND": "svg"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["svg", "svg", "0"]
-    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+# That importing lightning_pipe and saving a plan picks no matplotlib backend and leaves no
+# figures: tests/test_package.py, in the one fresh process it starts for such checks.

@@ -2,6 +2,7 @@
 (U-Net-like: a value read again many nodes later, whose gradient waits under 1F1B)."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -27,6 +28,7 @@ from lightning_pipe.plan.plan import (
     planning_stages,
 )
 from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import Schedule, in_flight, weight_versions
 from lightning_pipe.plan.stages import Stages
 from tests.plan.corpus.replay import profile as corpus_profile
@@ -55,9 +57,9 @@ def skipping(n: int, seed: int) -> Profile:
     return Profile(nodes, "cpu", "f", 1, input_bytes=1000, input_users=[0])
 
 
-def setting(seed: int, n: int) -> tuple[Profile, list[int], Schedule, int, float | None]:
-    """A random profile, schedule and host link, and capacities (equal or not) from a third of
-    to a little above the fullest stage of the even split."""
+def setting(seed: int, n: int) -> tuple[Profile, PlanRequest]:
+    """A random profile, and a request of a random schedule and host link with capacities
+    (equal or not) from a third of to a little above the fullest stage of the even split."""
     rnd = random.Random(seed)
     count = rnd.randint(2, 4)
     schedule: Schedule = rnd.choice(["gpipe", "1f1b", "2bw"])
@@ -68,7 +70,9 @@ def setting(seed: int, n: int) -> tuple[Profile, list[int], Schedule, int, float
     fullest = max(model.peak(r.start, r.stop, flight[s], {}, weight_versions(schedule)).total
                   for s, r in enumerate(stage_ranges(even)))
     shares = [rnd.uniform(0.3, 1.1) for _ in range(count)] if rnd.random() < 0.3 else [rnd.uniform(0.3, 1.1)] * count
-    return profile, [int(fullest * share) for share in shares], schedule, chunks, rnd.choice([None, None, 1e6, 1e7])
+    capacities = [int(fullest * share) for share in shares]
+    return profile, PlanRequest(capacities, schedule=schedule, chunks=chunks,
+                                host_bandwidth=rnd.choice([None, None, 1e6, 1e7]))
 
 
 @pytest.mark.slow
@@ -77,10 +81,10 @@ def test_dawnpiper_fits_whenever_any_balance_fits(block):
     outcomes = []
     for seed in range(100 * block, 100 * block + 100):
         n = random.Random(seed).randint(6, 11)
-        profile, capacities, schedule, chunks, host_bandwidth = setting(seed, n)
+        profile, request = setting(seed, n)
         for optimise in (True, False):
-            stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth, optimise_memory=optimise)
-            any_fits = any(stages.fits(b) for b in balances(n, len(capacities)))
+            stages = planning_stages(profile, replace(request, optimise_memory=optimise))
+            any_fits = any(stages.fits(b) for b in balances(n, len(request.capacities)))
             assert stages.fits(split("dawnpiper", stages)) == any_fits, (seed, optimise)
             outcomes.append(any_fits)
     assert 0.2 < sum(outcomes) / len(outcomes) < 0.9  # both kinds of case are exercised
@@ -94,20 +98,19 @@ def test_plan_fits_answers_as_fitting_plan_does(block):
     outcomes = []
     for seed in range(500 + 40 * block, 540 + 40 * block):
         n = random.Random(seed).randint(8, 20)
-        profile, capacities, schedule, chunks, host_bandwidth = setting(seed, n)
+        profile, request = setting(seed, n)
         for name in PARTITIONERS:
             for optimise in (True, False):
-                settings = (profile, capacities, name, schedule, chunks, host_bandwidth)
-                planned = fitting_plan(*settings, optimise_memory=optimise) is not None
-                assert plan_fits(*settings, optimise_memory=optimise) == planned, (seed, name, optimise)
+                asked = replace(request, partitioner=name, optimise_memory=optimise)
+                planned = fitting_plan(profile, asked) is not None
+                assert plan_fits(profile, asked) == planned, (seed, name, optimise)
                 outcomes.append(planned)
     assert 0.2 < sum(outcomes) / len(outcomes) < 0.9  # both kinds of case are exercised
 
 
-def largest(profile, capacities, partitioner, schedule, chunks, host_bandwidth, optimise):
+def largest(profile, request):
     try:
-        return max_microbatch(profile, capacities, partitioner, schedule, chunks, host_bandwidth,
-                              optimise_memory=optimise)
+        return max_microbatch(profile, request)
     except InfeasiblePlanError:
         return 0
 
@@ -116,10 +119,10 @@ def largest(profile, capacities, partitioner, schedule, chunks, host_bandwidth, 
 @pytest.mark.parametrize("seed", range(12))
 def test_dawnpiper_fits_the_largest_microbatch_and_optimising_never_loses(seed):
     n = random.Random(seed).randint(14, 30)
-    profile, capacities, schedule, chunks, host_bandwidth = setting(seed, n)
-    capacities = [8 * c for c in capacities]  # micro-batches of several samples fit
+    profile, request = setting(seed, n)
+    request = replace(request, capacities=[8 * c for c in request.capacities])  # micro-batches of several samples fit
     sizes = {
-        (name, optimise): largest(profile, capacities, name, schedule, chunks, host_bandwidth, optimise)
+        (name, optimise): largest(profile, replace(request, partitioner=name, optimise_memory=optimise))
         for name in PARTITIONERS
         for optimise in (True, False)
     }
@@ -177,7 +180,8 @@ def test_the_fitting_search_reaches_past_its_window_to_a_thin_cut(seed):
     even = [n // 3 + (s < n % 3) for s in range(3)]
     fullest = max(model.peak(r.start, r.stop, flight[s], {}, weight_versions(schedule)).total
                   for s, r in enumerate(stage_ranges(even)))
-    stages = planning_stages(profile, [int(fullest * rnd.uniform(0.3, 0.9))] * 3, schedule, chunks)
+    stages = planning_stages(profile, PlanRequest([int(fullest * rnd.uniform(0.3, 0.9))] * 3, schedule=schedule,
+                                                  chunks=chunks))
     assert not any(stages.fits(split(name, stages)) for name in BASELINES)
     found = fill_fitting(stages, slack=1)
     assert found is not None and stages.fits(found)
@@ -222,12 +226,12 @@ def test_the_fitting_search_places_the_last_but_one_stage_only_where_the_last_on
     for seed in range(400, 420):
         rnd = random.Random(seed)
         n = rnd.randint(12, 24)
-        profile, capacities, schedule, chunks, host_bandwidth = setting(seed, n)
-        capacities[-1] = 1  # nothing fits the last stage
-        stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth)
+        profile, request = setting(seed, n)
+        no_last = replace(request, capacities=[*request.capacities[:-1], 1])  # nothing fits the last stage
+        stages = planning_stages(profile, no_last)
         priced = recorded(stages)
         assert fill_fitting(stages) is None
-        placed = [(lo, hi) for lo, hi, s in priced if s == len(capacities) - 2]
+        placed = [(lo, hi) for lo, hi, s in priced if s == stages.count - 2]
         starts = {lo for lo, _ in placed}
         # only the binary searches for the longest run, about log2(n) placements per start
         assert len(placed) <= len(starts) * (24).bit_length(), seed
@@ -239,8 +243,8 @@ def test_a_stage_dropping_more_never_lowers_a_later_stages_price():
     for seed in range(500, 540):
         rnd = random.Random(seed)
         n = rnd.randint(8, 20)
-        profile, _, schedule, chunks, _ = setting(seed, n)
-        model = CostModel(profile, schedule=schedule, chunks=chunks)
+        profile, request = setting(seed, n)
+        model = CostModel(profile, schedule=request.schedule, chunks=request.chunks)
         cut = rnd.randint(2, n - 2)
         policies = {i: rnd.choice(["recompute", "swap"]) for i in range(cut) if rnd.random() < 0.5}
         fewer = {i: p for i, p in policies.items() if rnd.random() < 0.5}
@@ -260,8 +264,9 @@ def test_dawnpiper_fits_where_the_split_an_infeasible_plan_would_report_fits():
     from benchmarks.paper import DEVICE
 
     profile = corpus_profile("paper_bert").scaled(113)  # as benchmarks.paper profiles it (make_profiles.py)
-    stages = planning_stages(profile, [int(DEVICE.memory * PLANNING_HEADROOM)] * 4, "gpipe", 4,
-                             DEVICE.host_bandwidth, DEVICE.link_bandwidth)
+    stages = planning_stages(profile, PlanRequest([int(DEVICE.memory * PLANNING_HEADROOM)] * 4, schedule="gpipe",
+                                                  chunks=4, host_bandwidth=DEVICE.host_bandwidth,
+                                                  link_bandwidth=DEVICE.link_bandwidth))
     assert stages.fits(floor(stages))
     assert stages.fits(split("dawnpiper", stages))
 
@@ -272,12 +277,11 @@ def test_a_split_only_filling_from_the_last_stage_finds_near_fitting_is_searched
     # does; a split fits, so dawnpiper must find one (T5-large over 4 A100-40GB under 2BW was
     # refused at micro-batch 80 so, while 79 and 81 planned)
     n = 10
-    profile, capacities, schedule, chunks, host_bandwidth = setting(9528, n)
-    stages = planning_stages(profile, capacities, schedule, chunks, host_bandwidth)
+    stages = planning_stages(*setting(9528, n))
     assert not any(stages.fits(split(name, stages)) for name in BASELINES)
-    limits = [REACH_MARGIN * c for c in capacities]
+    limits = [REACH_MARGIN * c for c in stages.capacities]
     assert fill_first(n, limits, stages.searched_further().reaches) is None
-    assert any(stages.fits(b) for b in balances(n, len(capacities)))
+    assert any(stages.fits(b) for b in balances(n, stages.count))
     assert stages.fits(split("dawnpiper", stages))
 
 
@@ -328,12 +332,12 @@ def test_whether_a_stage_reaches_a_limit_is_its_lowest_peak_compared_whatever_wa
     rnd = random.Random(7)
     for seed in range(2300, 2320):
         n = random.Random(seed).randint(8, 24)
-        profile, capacities, schedule, chunks, host_bandwidth = setting(seed, n)
-        whole = planning_stages(profile, capacities, schedule, chunks, host_bandwidth).searched_further()
-        asked = planning_stages(profile, capacities, schedule, chunks, host_bandwidth).searched_further()
+        profile, request = setting(seed, n)
+        whole = planning_stages(profile, request).searched_further()
+        asked = planning_stages(profile, request).searched_further()
         for _ in range(6):
             lo = rnd.randrange(n - 1)
-            hi, s = rnd.randint(lo + 1, n), rnd.randrange(len(capacities))
+            hi, s = rnd.randint(lo + 1, n), rnd.randrange(whole.count)
             lowest = whole.lowest(lo, hi, s)
             for limit in sorted({lowest - 1, lowest, lowest + 1, rnd.randint(lowest // 2, 2 * lowest)}, key=str):
                 assert asked.reaches(lo, hi, s, limit) == (lowest <= limit), (seed, lo, hi, s, limit)

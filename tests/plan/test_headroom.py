@@ -1,9 +1,11 @@
 import math
+from dataclasses import replace
 
 import pytest
 
 from lightning_pipe.plan.headroom import ROUNDS, checked, checked_max_microbatch, flat
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, PREDICTION_ERROR, InfeasiblePlanError, make_plan, max_microbatch
+from lightning_pipe.plan.request import PlanRequest
 from tests.plan.test_plan import CAP, cnn_like
 
 STAGES = 3
@@ -15,7 +17,7 @@ def _planner(profile):
 
     def plan_for(targets):
         asked.append(targets)
-        return make_plan(profile, targets, "dawnpiper", "1f1b", 4)
+        return make_plan(profile, PlanRequest(targets, "dawnpiper", "1f1b", 4))
 
     return plan_for, asked
 
@@ -27,7 +29,7 @@ def _under(error):
 
 def _tight(profile):
     """Limits the plan for unbounded memory is predicted to fill to 98%."""
-    unbounded = make_plan(profile, [1 << 40] * STAGES, "dawnpiper", "1f1b", 4)
+    unbounded = make_plan(profile, PlanRequest([1 << 40] * STAGES, "dawnpiper", "1f1b", 4))
     return [int(max(s.peak.total for s in unbounded.stages) / 0.98)] * STAGES
 
 
@@ -44,7 +46,7 @@ def test_a_plan_far_below_the_limits_is_not_checked():
 
 def test_always_checks_a_plan_within_the_flat_headroom_and_plans_again_where_it_goes_over():
     profile = cnn_like()
-    unbounded = make_plan(profile, [1 << 40] * STAGES, "dawnpiper", "1f1b", 4)
+    unbounded = make_plan(profile, PlanRequest([1 << 40] * STAGES, "dawnpiper", "1f1b", 4))
     limits = [int(max(s.peak.total for s in unbounded.stages) / 0.85)] * STAGES  # predicted within the headroom
     plan_for, asked = _planner(profile)
     checks = []
@@ -71,7 +73,7 @@ def test_a_plan_within_its_error_is_kept_at_the_limits():
 def test_a_plan_that_goes_over_is_planned_again_below_the_limits_by_the_error_seen():
     limits = _tight(cnn_like())
     plan_for, asked = _planner(cnn_like())
-    first = make_plan(cnn_like(), limits, "dawnpiper", "1f1b", 4)
+    first = make_plan(cnn_like(), PlanRequest(limits, "dawnpiper", "1f1b", 4))
     over = [math.ceil(s.peak.total * 1.05) > limit for s, limit in zip(first.stages, limits)]
     plan = checked(plan_for, limits, _under(0.05))
     assert len(asked) == 2 and asked[0] == limits and any(over)
@@ -116,7 +118,7 @@ def test_plans_that_keep_going_over_end_in_a_clear_error():
 
 
 def test_flat_assumes_the_worst_measured_error():
-    plan = make_plan(cnn_like(), [CAP] * STAGES, "dawnpiper", "1f1b", 4)
+    plan = make_plan(cnn_like(), PlanRequest([CAP] * STAGES, "dawnpiper", "1f1b", 4))
     assert flat(plan) == [math.ceil(s.peak.total * (1 + PREDICTION_ERROR)) for s in plan.stages]
     # as a check, it plans to the flat headroom: what the strategy falls back to
     limits = _tight(cnn_like())
@@ -129,7 +131,8 @@ def test_flat_assumes_the_worst_measured_error():
 def test_the_largest_microbatch_is_the_largest_whose_checked_plan_fits():
     profile = cnn_like()
     limits = [CAP] * STAGES
-    exact = checked_max_microbatch(profile, limits, _under(0.0), "dawnpiper", "1f1b", 4)
-    assert exact == max_microbatch(profile, limits, "dawnpiper", "1f1b", 4)  # predicted exactly: to the limit
-    under = checked_max_microbatch(profile, limits, _under(0.2), "dawnpiper", "1f1b", 4)
-    assert under == max_microbatch(profile, [int(c / 1.2001) for c in limits], "dawnpiper", "1f1b", 4) < exact
+    request = PlanRequest(limits, "dawnpiper", "1f1b", 4)
+    exact = checked_max_microbatch(profile, request, _under(0.0))
+    assert exact == max_microbatch(profile, request)  # predicted exactly: to the limit
+    under = checked_max_microbatch(profile, request, _under(0.2))
+    assert under == max_microbatch(profile, replace(request, capacities=[int(c / 1.2001) for c in limits])) < exact

@@ -1,10 +1,12 @@
 import random
+from dataclasses import replace
 
 import pytest
 
 from lightning_pipe.plan.memory import stage_ranges
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, fitting_plan, largest_plan, make_plan, max_microbatch
 from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import actions
 from lightning_pipe.plan.simulate import StageTime, simulate
 
@@ -26,10 +28,12 @@ def cnn_like(n=36, seed=0):
 
 
 CAP = 120_000
+#: What most tests here ask: four stages of CAP bytes, dawnpiper, 1F1B, 8 micro-batches.
+REQUEST = PlanRequest([CAP] * 4, "dawnpiper", "1f1b", 8)
 
 
 def test_plan_round_trips_through_json_and_matches_its_parts():
-    plan = make_plan(cnn_like().scaled(4), [CAP] * 4, "dawnpiper", "1f1b", 8, host_bandwidth=1e6)
+    plan = make_plan(cnn_like().scaled(4), replace(REQUEST, host_bandwidth=1e6))
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert sum(plan.balance) == 36 and len(plan.policies) == 36
@@ -45,7 +49,7 @@ def test_plan_round_trips_through_json_and_matches_its_parts():
 
 
 def test_table_has_a_line_per_stage():
-    plan = make_plan(cnn_like(), [CAP] * 3, "capslog", "gpipe", 3)
+    plan = make_plan(cnn_like(), PlanRequest([CAP] * 3, "capslog", "gpipe", 3))
     lines = plan.table().splitlines()
     assert lines[0].split()[:3] == ["stage", "nodes", "params"]
     for s, r in enumerate(stage_ranges(plan.balance)):
@@ -55,7 +59,7 @@ def test_table_has_a_line_per_stage():
 
 def test_infeasible_capacity_names_the_smallest_reachable_peak():
     with pytest.raises(InfeasiblePlanError) as err:
-        make_plan(cnn_like(), [5_000] * 4, "dawnpiper", "1f1b", 8)
+        make_plan(cnn_like(), replace(REQUEST, capacities=[5_000] * 4))
     e = err.value
     assert isinstance(e, ValueError)
     assert e.min_peak > 5_000 and str(e.min_peak) in str(e)
@@ -64,30 +68,30 @@ def test_infeasible_capacity_names_the_smallest_reachable_peak():
 
 @pytest.mark.slow
 def test_a_bad_balance_is_told_apart_from_no_plan_at_all():
-    profile = cnn_like().scaled(max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8))
+    profile = cnn_like().scaled(max_microbatch(cnn_like(), REQUEST))
     with pytest.raises(InfeasiblePlanError, match="Other balances fit") as err:
-        make_plan(profile, [CAP] * 4, "time", "1f1b", 8)
+        make_plan(profile, replace(REQUEST, partitioner="time"))
     assert str(err.value.min_peak) in str(err.value)
-    offered = make_plan(profile, [CAP] * 4, "dawnpiper", "1f1b", 8).balance  # dawnpiper fits
+    offered = make_plan(profile, REQUEST).balance  # dawnpiper fits
     assert "use partitioner 'dawnpiper'" in str(err.value) and f"balance={offered}" in str(err.value)
 
 
 @pytest.mark.slow
 def test_when_dawnpiper_fails_no_plan_fits_and_no_partitioner_is_recommended():
-    profile = cnn_like().scaled(max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8) + 1)
+    profile = cnn_like().scaled(max_microbatch(cnn_like(), REQUEST) + 1)
     for name in ("dawnpiper", "capslog", "time"):
         with pytest.raises(InfeasiblePlanError, match="no plan fits") as err:
-            make_plan(profile, [CAP] * 4, name, "1f1b", 8)
+            make_plan(profile, replace(REQUEST, partitioner=name))
         assert "use partitioner" not in str(err.value)
 
 
 @pytest.mark.slow
 def test_the_largest_microbatch_searched_from_a_size_that_fits_is_the_same():
-    largest = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
+    largest = max_microbatch(cnn_like(), REQUEST)
     for start in (1, 2, largest // 3, largest):
-        assert max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, at_least=start) == largest
+        assert max_microbatch(cnn_like(), REQUEST, at_least=start) == largest
     with pytest.raises(ValueError, match="at_least=0 is not a micro-batch size"):
-        max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, at_least=0)
+        max_microbatch(cnn_like(), REQUEST, at_least=0)
 
 
 @pytest.mark.slow
@@ -96,34 +100,36 @@ def test_the_largest_plan_is_the_plan_made_afresh_at_the_largest_microbatch(sche
     # largest_plan chooses among splits on the stages its search's last fitting probe priced
     for name in ("dawnpiper", "capslog", "time"):
         for start in (1, 3):
-            plan = largest_plan(cnn_like(), [CAP] * 4, name, schedule, 4, 1e6, at_least=start)
-            size = max_microbatch(cnn_like(), [CAP] * 4, name, schedule, 4, 1e6)
-            afresh = fitting_plan(cnn_like().scaled(size), [CAP] * 4, name, schedule, 4, 1e6)
+            request = PlanRequest([CAP] * 4, name, schedule, 4, 1e6)
+            plan = largest_plan(cnn_like(), request, at_least=start)
+            size = max_microbatch(cnn_like(), request)
+            afresh = fitting_plan(cnn_like().scaled(size), request)
             assert plan.microbatch_size == size and plan == afresh, (name, start)
     with pytest.raises(InfeasiblePlanError, match="no plan fits"):
-        largest_plan(cnn_like(), [5_000] * 4, "dawnpiper", schedule, 4)
+        largest_plan(cnn_like(), PlanRequest([5_000] * 4, "dawnpiper", schedule, 4))
 
 
 @pytest.mark.slow
 def test_without_memory_optimisation_nothing_is_recomputed_and_less_fits():
-    on = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
-    off = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8, optimise_memory=False)
+    on = max_microbatch(cnn_like(), REQUEST)
+    kept = replace(REQUEST, optimise_memory=False)
+    off = max_microbatch(cnn_like(), kept)
     assert off < on
-    plan = make_plan(cnn_like().scaled(off), [CAP] * 4, "dawnpiper", "1f1b", 8, optimise_memory=False)
+    plan = make_plan(cnn_like().scaled(off), kept)
     assert set(plan.policies) == {"keep"}
     with pytest.raises(InfeasiblePlanError, match="optimise_memory=True"):
-        make_plan(cnn_like().scaled(off + 1), [CAP] * 4, "dawnpiper", "1f1b", 8, optimise_memory=False)
+        make_plan(cnn_like().scaled(off + 1), kept)
 
 
 @pytest.mark.slow
 def test_2bw_keeps_a_second_weight_copy_and_fits_no_more_than_1f1b():
-    a = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "1f1b", 8)
-    b = max_microbatch(cnn_like(), [CAP] * 4, "dawnpiper", "2bw", 8)
+    a = max_microbatch(cnn_like(), REQUEST)
+    b = max_microbatch(cnn_like(), replace(REQUEST, schedule="2bw"))
     assert b <= a
     lowest = []
     for schedule in ("1f1b", "2bw"):
         with pytest.raises(InfeasiblePlanError) as err:
-            make_plan(cnn_like().scaled(a + 1), [CAP] * 4, "dawnpiper", schedule, 8)
+            make_plan(cnn_like().scaled(a + 1), replace(REQUEST, schedule=schedule))
         lowest.append(err.value.min_peak)
     assert lowest[1] > lowest[0]
 
@@ -132,9 +138,10 @@ def test_2bw_keeps_a_second_weight_copy_and_fits_no_more_than_1f1b():
 @pytest.mark.parametrize("count", [4, 6])
 def test_cnn_like_dawnpiper_fits_larger_microbatches_than_time_balance(count):
     profile = cnn_like()
-    ours = max_microbatch(profile, [CAP] * count, "dawnpiper", "1f1b", 2 * count)
-    theirs = max_microbatch(profile, [CAP] * count, "time", "1f1b", 2 * count)
+    request = PlanRequest([CAP] * count, "dawnpiper", "1f1b", 2 * count)
+    ours = max_microbatch(profile, request)
+    theirs = max_microbatch(profile, replace(request, partitioner="time"))
     assert ours >= theirs
-    make_plan(profile.scaled(ours), [CAP] * count, "dawnpiper", "1f1b", 2 * count)
+    make_plan(profile.scaled(ours), request)
     with pytest.raises(InfeasiblePlanError):
-        make_plan(profile.scaled(ours + 1), [CAP] * count, "dawnpiper", "1f1b", 2 * count)
+        make_plan(profile.scaled(ours + 1), request)

@@ -2,6 +2,7 @@ import math
 
 import pytest
 
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import Action, actions
 from lightning_pipe.plan.simulate import StageTime, simulate
 
@@ -53,8 +54,8 @@ def test_a_slow_link_prices_each_boundary_in_the_simulated_step():
     from lightning_pipe.plan.plan import make_plan
 
     profile = _chain([1000, 10**6, 1000, 1000])  # the uniform cut sends the 1 MB output of node 1
-    plain = make_plan(profile, [10**9] * 2, "uniform", "gpipe", chunks=4)
-    linked = make_plan(profile, [10**9] * 2, "uniform", "gpipe", chunks=4, link_bandwidth=1e9)
+    plain = make_plan(profile, PlanRequest([10**9] * 2, "uniform", "gpipe", chunks=4))
+    linked = make_plan(profile, PlanRequest([10**9] * 2, "uniform", "gpipe", chunks=4, link_bandwidth=1e9))
     assert [s.send_ms for s in linked.stages] == [1.0, 0.0]  # 1 MB at 1 GB/s; the last sends nothing
     assert math.isclose(linked.step_ms - plain.step_ms, 2 * 1.0)  # there, and the gradient back
     assert linked.link_bandwidth == 1e9 and plain.stages[0].send_ms == 0.0
@@ -65,7 +66,7 @@ def test_the_planner_cuts_where_less_crosses_when_the_link_is_slow(partitioner):
     from lightning_pipe.plan.plan import make_plan
 
     profile = _chain([10, 10, 10**8, 10, 10, 10])  # the compute-balanced cut sends 100 MB
-    assert make_plan(profile, [10**12] * 2, partitioner, "1f1b", chunks=4).balance == [3, 3]
-    plan = make_plan(profile, [10**12] * 2, partitioner, "1f1b", chunks=4, link_bandwidth=1e9)
+    assert make_plan(profile, PlanRequest([10**12] * 2, partitioner, "1f1b", chunks=4)).balance == [3, 3]
+    plan = make_plan(profile, PlanRequest([10**12] * 2, partitioner, "1f1b", chunks=4, link_bandwidth=1e9))
     assert plan.balance in ([2, 4], [4, 2])
     assert plan.stages[0].send_ms < 1.0

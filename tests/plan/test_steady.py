@@ -11,6 +11,7 @@ from lightning_pipe.graph.capture import capture
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.plan import make_plan
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import in_flight
 
 
@@ -41,6 +42,6 @@ def test_profiling_again_gives_the_same_plan(one_thread):
         fullest = max(model.peak(r.start, r.stop, flight[s]).total for s, r in enumerate(stage_ranges(even)))
         for share in (None, 0.9, 0.75):  # no memory pressure; some; recompute needed
             targets = [1 << 40 if share is None else int(share * fullest)] * count
-            plans = [make_plan(p, targets, "dawnpiper", "1f1b", 4) for p in profiles]
+            plans = [make_plan(p, PlanRequest(targets, "dawnpiper", "1f1b", 4)) for p in profiles]
             assert all((p.balance, p.policies) == (plans[0].balance, plans[0].policies) for p in plans), (
                 count, share, [p.balance for p in plans])

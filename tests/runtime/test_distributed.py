@@ -17,6 +17,7 @@ from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.plan import make_plan
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.distributed import DistributedPipeline, carried, cuts, pipeline_mesh
 from lightning_pipe.runtime.materialize import materialize, materialize_module, own_tensors
@@ -163,7 +164,7 @@ def test_the_plan_counts_what_each_stage_carries_for_every_microbatch(stages, un
     loaded = [distributed.batch + (CHUNKS * profile.input_bytes if s == 0 else 0) for s in range(stages)]
     assert grown == [CHUNKS * _buffer_bytes(program, model, microbatch, s) + loaded[s] for s in range(stages)]
     assert all(g > 0 for g in grown)
-    plan = make_plan(profile, [1 << 40] * stages, "params", "gpipe", CHUNKS, carry=True)
+    plan = make_plan(profile, PlanRequest([1 << 40] * stages, "params", "gpipe", CHUNKS, carry=True))
     assert plan.stages[1].peak.total == distributed.peak(plan.stages[1].start, plan.stages[1].stop, CHUNKS).total
 
 

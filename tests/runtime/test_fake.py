@@ -13,6 +13,7 @@ from lightning_pipe.graph.capture import capture
 from lightning_pipe.measure.meter import StageOutOfMemoryError
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.plan import make_plan
+from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.runtime import swap
 from lightning_pipe.runtime.fake import fake_training, meta_copy
 from tests.helpers import trainer
@@ -28,8 +29,9 @@ def _real_run(monkeypatch, family, schedule, memopt):
     chosen here, not by the planner, so that it neither depends on predictions nor can be
     all keep); the metered peaks and the plan."""
 
-    def chosen(profile, targets, partitioner, schedule, chunks, *args, **kwargs):
-        plan = make_plan(profile, [1 << 40] * len(targets), "uniform", schedule, chunks)
+    def chosen(profile, request):
+        plan = make_plan(profile, PlanRequest([1 << 40] * len(request.capacities), "uniform", request.schedule,
+                                              request.chunks))
         if memopt:
             plan = dataclasses.replace(plan, policies=[POLICIES[i % 6] for i in range(len(plan.policies))])
         return plan

@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning_pipe.plan.plan import InfeasiblePlanError, fitting_plan, max_microbatch
 from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.request import PlanRequest
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = HERE / "expected.json"
@@ -26,14 +27,14 @@ def profile(name: str) -> Profile:
 
 def answer(case: dict[str, Any]) -> dict[str, Any] | None:
     """What the planner answers for ``case`` (a dict as ``expected.json`` holds it, less ``answer``)."""
-    settings = (case["partitioner"], case["schedule"], case["chunks"], case["host_bandwidth"], case["link_bandwidth"])
+    request = PlanRequest(case["capacities"], case["partitioner"], case["schedule"], case["chunks"],
+                          case["host_bandwidth"], case["link_bandwidth"], optimise_memory=case["memopt"])
     if case["kind"] == "max_microbatch":
         try:
-            return {"size": max_microbatch(profile(case["profile"]), case["capacities"], *settings,
-                                           optimise_memory=case["memopt"])}
+            return {"size": max_microbatch(profile(case["profile"]), request)}
         except InfeasiblePlanError as err:
             return {"size": 0, "min_peak": err.min_peak}
-    plan = fitting_plan(profile(case["profile"]), case["capacities"], *settings, optimise_memory=case["memopt"])
+    plan = fitting_plan(profile(case["profile"]), request)
     if plan is None:
         return None
     return {

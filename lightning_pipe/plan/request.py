@@ -1,0 +1,85 @@
+"""What a plan is asked for: the planning targets and the settings every entry point of
+:mod:`lightning_pipe.plan.plan` takes besides the profile, in one value checked once."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
+from lightning_pipe.plan.schedule import SCHEDULES, Schedule
+
+__all__ = ["PlanRequest", "check_settings"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a plan is asked for besides the profile: a profile says what the model costs, a
+    request what it is planned to fit and how it runs. The planner's entry points take one
+    (``make_plan(profile, request)``); a caller trying other targets or settings makes another
+    with :func:`dataclasses.replace`.
+
+    ``capacities``: one planning target (bytes) per stage, below the device's memory limit by
+    the planning headroom (:data:`~lightning_pipe.plan.plan.PLANNING_HEADROOM`); a list is
+    stored as a tuple. ``partitioner`` splits the nodes over the stages; ``schedule`` orders
+    ``chunks`` micro-batches per step. ``host_bandwidth`` (bytes/s) lets stages swap saved
+    activations to the host (``None``: no swap); ``link_bandwidth`` (bytes/s between stage
+    devices) prices the values crossing each cut (``None``: free). ``optimise_memory`` false:
+    no stage recomputes or swaps. ``carry``: stages run as processes (``runtime="distributed"``)
+    and pass on what later stages read, holding it for every micro-batch of a step, and reduce
+    their gradients over ``replicas`` data-parallel copies.
+
+    Raises:
+        ValueError: a setting out of range, naming it and the fix.
+    """
+
+    capacities: Sequence[int]  # stored as a tuple
+    partitioner: Partitioner = "dawnpiper"
+    schedule: Schedule = "1f1b"
+    chunks: int = 1
+    host_bandwidth: float | None = None
+    link_bandwidth: float | None = None
+    optimise_memory: bool = True
+    carry: bool = False
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacities", tuple(self.capacities))  # frozen: hashable, not shared
+        if not self.capacities:
+            raise ValueError("capacities is empty: give one planning target (bytes) per stage.")
+        bad = [c for c in self.capacities if c <= 0]
+        if bad:
+            raise ValueError(
+                f"capacities {list(self.capacities)} has a planning target of {bad[0]} bytes; every stage's target "
+                f"must be positive: give each stage's device memory (bytes) times PLANNING_HEADROOM."
+            )
+        if self.partitioner not in PARTITIONERS:
+            raise ValueError(
+                f"partitioner must be one of {', '.join(map(repr, PARTITIONERS))}, got {self.partitioner!r}."
+            )
+        check_settings(self.chunks, self.schedule, self.host_bandwidth, self.link_bandwidth)
+        if self.replicas < 1:
+            raise ValueError(
+                f"replicas must be >= 1, got {self.replicas}: give the number of data-parallel copies of the "
+                f"pipeline (1 for none)."
+            )
+
+
+def check_settings(chunks: int, schedule: str, host_bandwidth: float | None, link_bandwidth: float | None) -> None:
+    """The settings a plan and the strategy's options both take, checked alike.
+
+    Raises:
+        ValueError: one out of range, naming it and the fix.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}: give the number of micro-batches per batch.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}.")
+    if host_bandwidth is not None and host_bandwidth <= 0:
+        raise ValueError(
+            f"host_bandwidth must be positive (bytes per second), got {host_bandwidth}; give None to plan without "
+            f"swapping."
+        )
+    if link_bandwidth is not None and link_bandwidth <= 0:
+        raise ValueError(
+            f"link_bandwidth must be positive (bytes per second), got {link_bandwidth}; give None to leave sends "
+            f"between stages unpriced."
+        )
