@@ -73,6 +73,7 @@ def test_a_request_plans_as_the_values_it_holds_however_it_was_made():
     assert make_plan(profile, replace(request, chunks=4)).chunks == 4
 
 
+@pytest.mark.slow
 def test_the_largest_microbatch_searches_with_every_setting_of_the_request():
     profile = cnn_like()
     request = PlanRequest([CAP] * 4, "dawnpiper", "1f1b", 8)
