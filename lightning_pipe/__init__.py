@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_pipe.graph.capture import CaptureError
+    from lightning_pipe.lightning.recovery import RecoveryError
     from lightning_pipe.lightning.strategy import MemoryPipeStrategy
     from lightning_pipe.measure.meter import StageOutOfMemoryError
     from lightning_pipe.plan.memory import StagePeak
@@ -26,13 +27,14 @@ _HOMES = {
     "MemoryPipeStrategy": "lightning_pipe.lightning.strategy",
     "Plan": "lightning_pipe.plan.plan",
     "PlanRequest": "lightning_pipe.plan.request",
+    "RecoveryError": "lightning_pipe.lightning.recovery",
     "StageOutOfMemoryError": "lightning_pipe.measure.meter",
     "StagePeak": "lightning_pipe.plan.memory",
     "StageReport": "lightning_pipe.plan.plan",
 }
 __all__ = [
-    "CaptureError", "InfeasiblePlanError", "MemoryPipeStrategy", "Plan", "PlanRequest", "StageOutOfMemoryError",
-    "StagePeak", "StageReport",
+    "CaptureError", "InfeasiblePlanError", "MemoryPipeStrategy", "Plan", "PlanRequest", "RecoveryError",
+    "StageOutOfMemoryError", "StagePeak", "StageReport",
 ]
 __version__ = "0.1.0"
 

@@ -11,16 +11,23 @@ from pathlib import Path
 import pytest
 
 import lightning_pipe
-from lightning_pipe import CaptureError, InfeasiblePlanError, MemoryPipeStrategy, Plan, StageOutOfMemoryError
+from lightning_pipe import (
+    CaptureError,
+    InfeasiblePlanError,
+    MemoryPipeStrategy,
+    Plan,
+    RecoveryError,
+    StageOutOfMemoryError,
+)
 
 ROOT = Path(__file__).parents[1]
 
 
 def test_the_errors_and_plan_types_are_exported_from_the_package():
-    assert {"MemoryPipeStrategy", "CaptureError", "InfeasiblePlanError", "StageOutOfMemoryError", "Plan"} <= set(
-        lightning_pipe.__all__
-    )
+    assert {"MemoryPipeStrategy", "CaptureError", "InfeasiblePlanError", "StageOutOfMemoryError", "RecoveryError",
+            "Plan", "PlanRequest"} <= set(lightning_pipe.__all__)
     assert issubclass(InfeasiblePlanError, ValueError) and issubclass(StageOutOfMemoryError, RuntimeError)
+    assert issubclass(RecoveryError, RuntimeError)
     assert issubclass(CaptureError, Exception) and callable(Plan.from_json)
     assert (ROOT / "lightning_pipe" / "py.typed").exists()
 
