@@ -32,7 +32,8 @@ its live bytes in :mod:`~lightning_pipe.plan.activations`, recomputed regions in
 :mod:`~lightning_pipe.plan.layout`, the profile as arrays in :mod:`~lightning_pipe.plan.nodes`
 and node times in :mod:`~lightning_pipe.plan.times`. :class:`CostModel` holds prefix sums over
 the profile so that a planner can price contiguous node ranges fast; one range's live bytes
-are computed once (vectorised) and cached. Given the ``link_bandwidth`` between stage
+are computed once (vectorised) and cached, under policies by only the policies they read
+(:meth:`CostModel.policy_key`). Given the ``link_bandwidth`` between stage
 devices, it also prices what a stage sends to the next (:meth:`CostModel.send_ms`).
 """
 
@@ -149,6 +150,8 @@ class CostModel:
         self._kept: dict[tuple[int, int], LiveBytes] = {}
         self._priced: dict[tuple[int, int, bytes], LiveBytes] = {}  # with policies; a search prices many twice
         self._borrowed: dict[tuple[int, int], int] = {}
+        self._depends: dict[tuple[int, int], list[int]] = {}
+        self._outsides: dict[tuple[int, int], Array] = {}
         self._range_gradients: tuple[tuple[int, int], Array] = ((0, 0), np.zeros(0, dtype=np.int64))
         self.forward_ms, self.backward_ms = pooled_times(profile)
         self.saved = [n.saved_bytes for n in nodes]
@@ -322,11 +325,13 @@ class CostModel:
         if not self.merges or self.carry:
             return waiting
         cuts = list(itertools.accumulate(balance))[:-1]
-        a = self._arrays
+        a, codes = self._arrays, policy_codes(policies, self.n)
         for s, r in enumerate(stage_ranges(balance)):
             if r.stop == self.n:
                 continue
-            layout = Layout.one(r.start, r.stop, policy_codes({i: p for i, p in policies.items() if i in r}, self.n))
+            ours = np.zeros(self.n, dtype=np.int8)  # the stage's own policies
+            ours[r.start : r.stop] = codes[r.start : r.stop]
+            layout = Layout.one(r.start, r.stop, ours)
             runs = policy_runs(a, layout)
             first, last = recomputed_regions(a, layout, runs)
             stashed = NO_REGION_INPUTS
@@ -364,12 +369,30 @@ class CostModel:
         """Nodes before ``lo`` whose policies the price of a stage on ``[lo, hi)`` depends on:
         those keeping first a storage the stage reads, and those making it. Whether such a
         node drops what it keeps or makes decides whether a recomputed region of ``[lo, hi)``
-        reading it keeps it instead (:func:`~lightning_pipe.plan.recompute.regions_inputs`)."""
-        a = self._arrays
-        begin, end = np.searchsorted(a.reader, [lo, hi])
-        storages = a.read_base[begin:end][a.read[begin:end] < lo]
-        keepers = a.held_by[storages]
-        found: list[int] = np.unique(np.concatenate((keepers[(keepers >= 0) & (keepers < lo)], storages))).tolist()
+        reading it keeps it instead (:func:`~lightning_pipe.plan.recompute.regions_inputs`).
+        Cached: a search asks for the same ranges over and over."""
+        if (found := self._depends.get((lo, hi))) is None:
+            a = self._arrays
+            begin, end = np.searchsorted(a.reader, [lo, hi])
+            storages = a.read_base[begin:end][a.read[begin:end] < lo]
+            keepers = a.held_by[storages]
+            found = np.unique(np.concatenate((keepers[(keepers >= 0) & (keepers < lo)], storages))).tolist()
+            self._depends[lo, hi] = found
+        return found
+
+    def policy_key(self, lo: int, hi: int, policies: CodedPolicies) -> bytes:
+        """The codes of ``policies`` that :meth:`peak` of ``[lo, hi)`` reads (the range's and
+        :meth:`_outside`'s): policies with the same key price the range alike."""
+        return policies.codes[lo:hi].tobytes() + policies.codes[self._outside(lo, hi)].tobytes()
+
+    def _outside(self, lo: int, hi: int) -> Array:
+        """The nodes outside ``[lo, hi)`` whose policies the range's live bytes read: those of
+        :meth:`depends_on`, and the later nodes keeping first what a node of the range makes
+        (:func:`~lightning_pipe.plan.layout.held_end`; cached)."""
+        if (found := self._outsides.get((lo, hi))) is None:
+            by = self._arrays.held_by[lo:hi]
+            found = np.unique(np.concatenate((np.array(self.depends_on(lo, hi), dtype=np.int64), by[by >= hi])))
+            self._outsides[lo, hi] = found
         return found
 
     def peak(
@@ -537,17 +560,18 @@ class CostModel:
     def live(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> LiveBytes:
         """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
         (cached)."""
-        if policies.codes[lo:hi].any() if isinstance(policies, CodedPolicies) else any(lo <= i < hi for i in policies):
-            return self._lives(lo, hi, [CodedPolicies.of(policies, self.n)])[0]
+        if policies and (coded := CodedPolicies.of(policies, self.n)).codes[lo:hi].any():
+            return self._lives(lo, hi, [coded])[0]
         if (lo, hi) not in self._kept:
             self._kept[lo, hi] = self._live_bytes(lo, hi, None)[0]
         return self._kept[lo, hi]
 
     def _lives(self, lo: int, hi: int, variants: Sequence[CodedPolicies]) -> list[LiveBytes]:
-        """:meth:`live` under each of ``variants`` (cached), those not priced yet at once."""
+        """:meth:`live` under each of ``variants`` (cached by the policies it reads,
+        :meth:`policy_key`), those not priced yet at once."""
         if (len(self._priced) + len(variants)) * self.n > _PRICED_BYTES:
             self._priced.clear()
-        keys = [(lo, hi, v.codes.tobytes()) for v in variants]
+        keys = [(lo, hi, self.policy_key(lo, hi, v)) for v in variants]
         new = {key: v.codes for key, v in zip(keys, variants) if key not in self._priced}
         batch = list(new.items())
         rows = max(1, _BATCH_POSITIONS // (hi - lo))

@@ -3,8 +3,10 @@
 What every partitioner's search asks: a stage's memory-optimised price on a node range
 (:mod:`lightning_pipe.plan.optimize`), whether a whole split fits once what waits at each
 stage is known, and its simulated step. Each answer is cached in one :class:`Found`, since
-a search asks the same ranges many times; the searches themselves live in
-:mod:`lightning_pipe.plan.partitioners`.
+a search asks the same ranges many times (a stage's peak under a whole split's policies, by
+only the policies it reads); bounds known from prefix sums alone (a split's step before any
+recompute or swap, a stage's peak keeping everything) rule out most candidates before they
+are priced. The searches themselves live in :mod:`lightning_pipe.plan.partitioners`.
 """
 
 import math
@@ -12,9 +14,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
+from lightning_pipe.plan.memory import CostModel, StagePeak, Waiting, stage_ranges
 from lightning_pipe.plan.optimize import Descent, StageOptimum, lowest_peak, optimize_stage, prune_stage
-from lightning_pipe.plan.policy import Policy
+from lightning_pipe.plan.policy import CodedPolicies, Policy
 from lightning_pipe.plan.schedule import Action, BackwardState
 from lightning_pipe.plan.simulate import Replay, StageTime
 
@@ -172,11 +174,20 @@ class Stages:
 
     def _priced(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
         """``optima`` with their peaks priced with every stage's policies and what waits."""
-        chosen = {i: p for o in optima for i, p in o.policies.items()}
+        chosen = CodedPolicies.of({i: p for o in optima for i, p in o.policies.items()}, self.model.n)
         waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
-        peaks = [self.model.peak(r.start, r.stop, self.in_flight[s], chosen, self.weight_versions, waits[s])
-                 for s, r in enumerate(stage_ranges(balance))]
+        peaks = [self._peak(r.start, r.stop, s, chosen, waits[s]) for s, r in enumerate(stage_ranges(balance))]
         return [replace(o, peak=p, fits=o.fits and p.total <= c) for o, p, c in zip(optima, peaks, self.capacities)]
+
+    def _peak(self, lo: int, hi: int, s: int, chosen: CodedPolicies, waiting: Waiting) -> StagePeak:
+        """:meth:`CostModel.peak` of stage ``s`` on ``[lo, hi)`` under a whole split's policies
+        ``chosen`` (cached by those it reads, :meth:`CostModel.policy_key`: a search moving one
+        cut prices the other stages again as they were)."""
+        key = (lo, hi, s, waiting[0], tuple(waiting[1]), self.model.policy_key(lo, hi, chosen))
+        if (peak := self.cache.peaks.get(key)) is None:
+            peak = self.cache.peaks[key] = self.model.peak(lo, hi, self.in_flight[s], chosen, self.weight_versions,
+                                                           waiting)
+        return peak
 
     def fits(self, balance: Sequence[int]) -> bool:
         """Whether every stage of ``balance``, placed, fits (a stage :meth:`overfull` does not:
@@ -220,6 +231,40 @@ class Stages:
                 else max(t.forward + t.backward + t.recompute + t.swap + t.send for t in times)
             )
         return self.cache.steps[key]
+
+    def least_step_ms(self, balance: Sequence[int]) -> float:
+        """A lower bound of :meth:`step_ms` known before any stage is optimised: the step with
+        no recompute or swap (a simulated step never shortens as a stage's time grows)."""
+        model, times = self.model, []
+        for r in stage_ranges(balance):
+            forward = model.forward_time(r.start, r.stop)
+            times.append(StageTime(forward, model.compute_ms(r.start, r.stop) - forward,
+                                   send=model.send_ms(r.start, r.stop)))
+        if self.order and self.cache.replay is None:
+            self.cache.replay = Replay(self.order)
+        return (self.cache.replay.run(times).step_ms if self.cache.replay
+                else max(t.forward + t.backward + t.send for t in times))
+
+    def kept_peak(self, lo: int, hi: int, s: int) -> int:
+        """The peak of stage ``s`` on ``[lo, hi)`` keeping every activation, with nothing
+        waiting (capslog's cost; cached: its threshold search prices many ranges again)."""
+        if (peak := self.cache.kept_peaks.get((lo, hi, s))) is None:
+            peak = self.cache.kept_peaks[lo, hi, s] = self.model.peak(lo, hi, self.in_flight[s], {},
+                                                                      self.weight_versions).total
+        return peak
+
+    def least_kept_peak(self, lo: int, hi: int, s: int) -> int:
+        """A lower bound of :meth:`kept_peak` from prefix sums: the stage's static bytes and,
+        before the last stage, the forward of its last micro-batch in flight, which ends
+        holding every micro-batch's stash (:meth:`CostModel.peak`). A fill-first search asks
+        mostly for ranges far over its limit, each some 500 times cheaper to rule out so than
+        to price."""
+        model = self.model
+        static = model.static(lo, hi, self.weight_versions)
+        if hi == model.n or model.carry:
+            return static
+        stashed = model.stashed(lo, hi)
+        return static + round((self.in_flight[s] - 1) * stashed) + stashed
 
     def stage_time(self, lo: int, hi: int, s: int) -> float:
         """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation,
@@ -269,6 +314,9 @@ class Found:
     placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict)
     prunes: dict[tuple[object, ...], StageOptimum | None] = field(default_factory=dict)  # None: nothing to drop
     steps: dict[tuple[int, ...], float] = field(default_factory=dict)
+    # a stage's peak under a whole split's policies, by the policies it reads (Stages._peak)
+    peaks: dict[tuple[object, ...], StagePeak] = field(default_factory=dict)
+    kept_peaks: dict[tuple[int, int, int], int] = field(default_factory=dict)  # Stages.kept_peak
     descents: dict[tuple[int, int, int], Descent] = field(default_factory=dict)
     replay: Replay | None = None
     further: Stages | None = None
