@@ -23,9 +23,10 @@ from lightning_pipe.plan.policy import CodedPolicies, Policy
 
 __all__ = ["TIME_NOISE", "Descent", "StageOptimum", "lowest_peak", "optimize_stage", "policy_time", "prune_stage"]
 
-# Measured times closer than this (relative) count as equal. Node times are measured: on a CPU
-# a plan's predicted step moves by 1-2% (one standard deviation) from one profile to the next;
-# 10% is some five of them, so that profiling again does not change which split wins.
+# Measured times closer than this (relative) count as equal when a stage orders the nodes to
+# recompute or swap. Node times are measured: on a CPU a plan's predicted step moves by 1-2%
+# (one standard deviation) from one profile to the next; 10% is some five of them, so that
+# profiling again does not change a stage's choices. (Splits tie within partitioners.TIE.)
 TIME_NOISE = 0.1
 # A stage the greedy and the low-memory fallbacks leave at most this far over its capacity is
 # searched further (Descent). Not every stage: the descent prices a stage hundreds of times and

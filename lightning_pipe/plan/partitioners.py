@@ -10,8 +10,9 @@
   compute-balanced cut is searched over every position. The bisection's split (also searched
   without memory optimisation) is one candidate and every baseline's is another, so dawnpiper
   fits whenever a baseline does; when none fits, a fill-first search looks for any split that
-  fits. Of the fitting candidates the fastest by simulated step wins, with near-ties settled
-  by bytes rather than timing noise (:func:`_steadiest`).
+  fits. Of the fitting candidates the fastest by simulated step wins; near-ties (within
+  :data:`TIE`) go first against idle stages (:data:`IDLE`), then to fewer bytes crossing the
+  cuts, which timing noise does not move (:func:`_steadiest`).
 * ``capslog``: CAPSlog's binary search on a memory threshold with fill-first; minimises the
   largest peak relative to the stage's capacity (with equal capacities: the largest peak).
 * ``time``: contiguous min-max of forward + backward (+ send) time (torchgpipe's
@@ -29,19 +30,26 @@ from typing import Literal, TypeVar, cast
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
-from lightning_pipe.plan.optimize import TIME_NOISE, StageOptimum
+from lightning_pipe.plan.optimize import StageOptimum
 from lightning_pipe.plan.policy import Policy
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.stages import Stages
 
 __all__ = [
-    "BASELINES", "PARTITIONERS", "REACH_MARGIN", "Partitioner", "bisected", "bisection", "fill_first", "fill_fitting",
-    "fitting_split", "floor", "lowest_peak_balance", "partition", "reachable", "reaching", "split",
+    "BASELINES", "IDLE", "PARTITIONERS", "REACH_MARGIN", "TIE", "Partitioner", "bisected", "bisection", "fill_first",
+    "fill_fitting", "fitting_split", "floor", "lowest_peak_balance", "partition", "reachable", "reaching", "split",
 ]
 
 # How far over the capacities :func:`reachable` looks: lowest peaks are not quite monotone in
 # the range, so a split fill-first misses at the capacities can still be under them.
 REACH_MARGIN = 1.05
+# Predicted steps closer than this (relative) count as equal when dawnpiper chooses among the
+# splits that fit: re-profiling moves a plan's predicted step by 1-2%, so ties within it are
+# settled by what does not vary (idle stages, bytes), while a split faster by more wins.
+TIE = 0.02
+# A stage taking under this share of the slowest stage's time is idle: its device mostly waits
+# while another bounds the step, so a tie-break never trades a split for one idling more.
+IDLE = 0.25
 
 Partitioner = Literal["dawnpiper", "capslog", "time", "params", "uniform"]
 PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params", "uniform")
@@ -75,10 +83,10 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
     if name == "dawnpiper":
         return _dawnpiper(stages)
     if name == "capslog":
-        def peak(lo: int, hi: int, s: int) -> float:
-            return model.peak(lo, hi, stages.in_flight[s], {}, stages.weight_versions).total
+        def within(lo: int, hi: int, s: int, limit: float) -> bool:  # most ranges asked are far over the limit
+            return stages.least_kept_peak(lo, hi, s) <= limit and stages.kept_peak(lo, hi, s) <= limit
 
-        return _min_max(model.n, stages.capacities, peak)
+        return _min_max(model.n, stages.capacities, stages.kept_peak, within=within)
     if name == "time":
         return _min_max(model.n, [1.0] * count, lambda lo, hi, s: model.compute_ms(lo, hi) + model.send_ms(lo, hi))
     if name == "params":
@@ -235,7 +243,7 @@ def fitting_split(name: Partitioner, stages: Stages) -> list[int] | None:
 
 
 def _dawnpiper(stages: Stages) -> list[int]:
-    """The fastest split that fits (up to timing noise: :func:`_steadiest`) of
+    """The fastest split that fits (up to :data:`TIE`: :func:`_steadiest`) of
     :func:`_dawnpiper_fitting`'s; when none fits, the bisection's split."""
     fitting = list(_dawnpiper_fitting(stages))
     return _steadiest(stages, fitting) if fitting else bisected(stages)
@@ -268,15 +276,28 @@ def _dawnpiper_fitting(stages: Stages) -> Iterator[list[int]]:
 
 
 def _steadiest(stages: Stages, fitting: list[list[int]]) -> list[int]:
-    """Of the ``fitting`` splits and their neighbours, the one timing noise moves least. Splits
-    predicted within :data:`TIME_NOISE` of the fastest count as equally fast; each cut of those moves,
-    one at a time, to where the fewest bytes cross it (what the devices send each other) while
-    the split stays that fast and fits; then the split sending the fewest bytes wins (then the
-    one recomputing and swapping the fewest, then the faster, then the earlier cuts). Byte
-    counts do not vary between runs."""
-    limit = min(map(stages.step_ms, fitting)) * (1 + TIME_NOISE)
+    """Of the ``fitting`` splits and their neighbours, the fastest, with near-ties settled by
+    what timing noise does not move. Splits predicted within :data:`TIE` of the fastest count
+    as equally fast; each cut of those moves, one at a time, to where the fewest bytes cross it
+    (what the devices send each other) while the split stays that fast, fits and idles no more
+    stages (:func:`_idle`); then the split idling the fewest stages wins, then the one sending
+    the fewest bytes (then the one recomputing and swapping the fewest, then the faster, then
+    the earlier cuts). Byte counts do not vary between runs."""
+    limit = min(map(stages.step_ms, fitting)) * (1 + TIE)
     settled = [_settled(stages, b, limit) for b in fitting if stages.step_ms(b) <= limit]
-    return min(settled, key=lambda b: (sum(stages.model.crossing[c] for c in _cuts(b)), *_cheapest(stages, b)))
+    return min(settled, key=lambda b: (_idle(stages, b), _crossing_bytes(stages.model, b), *_cheapest(stages, b)))
+
+
+def _idle(stages: Stages, balance: Sequence[int]) -> int:
+    """How many stages of ``balance``, placed, take under :data:`IDLE` of the slowest one's
+    time: their devices wait while another bounds the step."""
+    times = [t.forward + t.backward + t.recompute + t.swap + t.send for t in stages.times(balance)]
+    return sum(t < IDLE * max(times) for t in times)
+
+
+def _crossing_bytes(model: CostModel, balance: Sequence[int]) -> int:
+    """Bytes crossing the cuts of ``balance``: what its devices send each other."""
+    return sum(model.crossing[c] for c in _cuts(balance))
 
 
 def _cheapest(stages: Stages, balance: list[int]) -> tuple[int, float, list[int]]:
@@ -288,13 +309,20 @@ def _cheapest(stages: Stages, balance: list[int]) -> tuple[int, float, list[int]
 
 def _settled(stages: Stages, balance: list[int], limit: float) -> list[int]:
     """``balance`` with its cuts moved one at a time, over and over, to where fewer bytes cross:
-    to the fewest that keep the split fitting and its step within ``limit``, the cheapest such
-    position (:func:`_cheapest`). A cut looks only as far as the compute of its two stages
-    stays within :data:`TIME_NOISE` of the slowest stage's; each move lowers the bytes crossing, so
-    this ends."""
+    to the fewest that keep the split fitting, its step within ``limit`` and its idle stages
+    as few (:func:`_idle`), the cheapest such position (:func:`_cheapest`). A cut looks only as
+    far as the compute of its two stages stays within :data:`TIE` of the slowest stage's, and
+    a position whose step is over ``limit`` before any recompute or swap
+    (:meth:`~lightning_pipe.plan.stages.Stages.least_step_ms`) is priced no further; each move
+    lowers the bytes crossing, so this ends."""
     model, n = stages.model, stages.model.n
-    cuts, settling = _cuts(balance), True
-    reach = (1 + TIME_NOISE) * max(_compute(model, r.start, r.stop) for r in stage_ranges(balance))
+    cuts, settling, idle = _cuts(balance), True, _idle(stages, balance)
+    reach = (1 + TIE) * max(_compute(model, r.start, r.stop) for r in stage_ranges(balance))
+
+    def steady(moved: list[int]) -> bool:
+        return (stages.least_step_ms(moved) <= limit and stages.fits(moved) and stages.step_ms(moved) <= limit
+                and _idle(stages, moved) <= idle)
+
     while settling:
         settling = False
         for k, start in enumerate(cuts):
@@ -311,7 +339,7 @@ def _settled(stages: Stages, balance: list[int], limit: float) -> list[int]:
                         fewer.setdefault(model.crossing[c], []).append(c)
                     c += step
             for level in sorted(fewer):
-                taken = [c for c in fewer[level] if stages.fits(moved(c)) and stages.step_ms(moved(c)) <= limit]
+                taken = [c for c in fewer[level] if steady(moved(c))]
                 if taken:
                     cuts[k] = min(taken, key=lambda c: _cheapest(stages, moved(c)))
                     settling = True

@@ -25,16 +25,21 @@ def profile(name: str) -> Profile:
         return Profile.from_json(f.read())
 
 
+def request(case: dict[str, Any]) -> PlanRequest:
+    """What ``case`` asks the planner for."""
+    return PlanRequest(case["capacities"], case["partitioner"], case["schedule"], case["chunks"],
+                       case["host_bandwidth"], case["link_bandwidth"], optimise_memory=case["memopt"])
+
+
 def answer(case: dict[str, Any]) -> dict[str, Any] | None:
     """What the planner answers for ``case`` (a dict as ``expected.json`` holds it, less ``answer``)."""
-    request = PlanRequest(case["capacities"], case["partitioner"], case["schedule"], case["chunks"],
-                          case["host_bandwidth"], case["link_bandwidth"], optimise_memory=case["memopt"])
+    request_ = request(case)
     if case["kind"] == "max_microbatch":
         try:
-            return {"size": max_microbatch(profile(case["profile"]), request)}
+            return {"size": max_microbatch(profile(case["profile"]), request_)}
         except InfeasiblePlanError as err:
             return {"size": 0, "min_peak": err.min_peak}
-    plan = fitting_plan(profile(case["profile"]), request)
+    plan = fitting_plan(profile(case["profile"]), request_)
     if plan is None:
         return None
     return {
