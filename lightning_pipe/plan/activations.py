@@ -40,18 +40,27 @@ class LiveBytes:
 
 
 def live_bytes(
-    a: NodeArrays, lo: int, hi: int, codes: "CodeRows | None", gradients: Array, *, summed_parameter_grads: bool = False
+    a: NodeArrays,
+    lo: int,
+    hi: int,
+    codes: "CodeRows | None",
+    gradients: Array,
+    *,
+    summed_parameter_grads: bool = False,
+    received: "Array | None" = None,
 ) -> list[LiveBytes]:
     """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``, for
     each row of ``codes`` (every node's policy, :func:`~lightning_pipe.plan.policy.policy_codes`;
     ``None``: one row, all kept). ``gradients``: :func:`backward_gradients` of the range.
     ``summed_parameter_grads``: the backward sums every micro-batch's parameter gradients into
-    a new tensor (the local GPipe with more than one micro-batch). Within a row, a swapped or
+    a new tensor (the local GPipe with more than one micro-batch). ``received``: per node, bytes
+    it saves that its stage holds anyway (receive buffers of stages as processes), not stashed
+    again. Within a row, a swapped or
     recomputed run drops the stash it alone keeps, a recomputed region keeps its inputs
     instead, and both bring their stash back for their backward (:func:`drop_stashes`)."""
     layout = Layout(lo, hi, np.zeros((1, a.n), dtype=np.int8) if codes is None else codes)
     rows, size, node = layout.rows, layout.size, layout.node
-    stash = a.saved[node]
+    stash = a.saved[node] if received is None else np.maximum(0, a.saved[node] - received[node])
     back = np.zeros(stash.size, dtype=np.int64)
     stashed = NO_REGION_INPUTS
     runs = None

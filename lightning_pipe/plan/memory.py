@@ -152,6 +152,7 @@ class CostModel:
         self._borrowed: dict[tuple[int, int], int] = {}
         self._depends: dict[tuple[int, int], list[int]] = {}
         self._outsides: dict[tuple[int, int], Array] = {}
+        self._received: dict[int, Array] = {}
         self._range_gradients: tuple[tuple[int, int], Array] = ((0, 0), np.zeros(0, dtype=np.int64))
         self.forward_ms, self.backward_ms = pooled_times(profile)
         self.saved = [n.saved_bytes for n in nodes]
@@ -222,17 +223,27 @@ class CostModel:
     def carried(self, lo: int, hi: int) -> int:
         """Bytes of the distributed runtime's buffers a stage of nodes ``[lo, hi)`` holds per
         micro-batch, from its first step on: one for every value it receives (made before it,
-        read by it or a later stage: a U-Net skip, an encoder output, the graph inputs),
-        unless one of its nodes saves that value (counted with its activations), and one for
-        the gradient coming back of every value it sends (read after it)."""
+        read by it or a later stage: a U-Net skip, an encoder output, the graph inputs), saved
+        by one of its nodes or not (the buffer is the saved tensor: :meth:`received_kept`),
+        and one for the gradient coming back of every value it sends (read after it)."""
         total = self.profile.input_bytes if lo > 0 and any(u >= lo for u in self.reads_input) else 0
-        nodes = self.profile.nodes
-        for i, _ in self._leaving[lo]:
-            if not lo <= nodes[i].held_by < hi:
-                total += self.output[i]
+        total += sum(self.output[i] for i, _ in self._leaving[lo])
         for i, _ in self._leaving[hi] if hi < self.n else []:
-            total += nodes[i].output_grad_bytes
+            total += self.profile.nodes[i].output_grad_bytes
         return total
+
+    def received_kept(self, lo: int) -> Array:
+        """Per node, the bytes it keeps first of values made before ``lo`` (see
+        :attr:`NodeProfile.held_by`): with stages as processes they are receive buffers,
+        allocated for every micro-batch once and counted by :meth:`carried`, not stashed
+        again by the node that saves them (cached)."""
+        if (found := self._received.get(lo)) is None:
+            found = np.zeros(self.n, dtype=np.int64)
+            for i, _ in self._leaving[lo]:
+                if (keeper := self.profile.nodes[i].held_by) >= lo:
+                    found[keeper] += self._arrays.held[i]
+            self._received[lo] = found
+        return found
 
     def send_ms(self, lo: int, hi: int) -> float:
         """Milliseconds to send one micro-batch's values leaving nodes ``[lo, hi)`` for later
@@ -583,7 +594,9 @@ class CostModel:
     def _live_bytes(self, lo: int, hi: int, codes: "CodeRows | None") -> list[LiveBytes]:
         # the local GPipe's one backward sums the micro-batches' parameter gradients into a new tensor
         summed = self.merges and self.chunks > 1
-        return live_bytes(self._arrays, lo, hi, codes, self.range_gradients(lo, hi), summed_parameter_grads=summed)
+        received = self.received_kept(lo) if self.carry else None
+        return live_bytes(self._arrays, lo, hi, codes, self.range_gradients(lo, hi), summed_parameter_grads=summed,
+                          received=received)
 
 
 def backward_waiting(states: Sequence[BackwardState], sent: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
