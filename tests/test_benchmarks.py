@@ -31,31 +31,13 @@ def _tiny_gpt2_workload():
                           paper._keywords, paper._hf_loss)
 
 
-_PROFILED: dict[str, object] = {}  # repr(device): the tiny GPT-2 workload's first Bench on it
-
-
-def _tiny_gpt2_on_a_small_gpu(monkeypatch: pytest.MonkeyPatch):
+def _tiny_gpt2_on_a_small_gpu():
     """The paper benchmark's module, a 1-layer GPT-2 workload built from its config, and an
-    A100 with 16 MiB, so that the paper's pipeline runs in seconds. The workload is captured
-    and profiled once for this file's tests (a capture and profile took most of a paper test's
-    time): a Bench of it reuses the first one's model, graph and profile (a fake run copies
-    the model; nothing changes them), and measures every configuration afresh."""
+    A100 with 16 MiB, so that the paper's pipeline runs in seconds (the benchmark profiles the
+    workload once for this file's tests)."""
     tiny = _tiny_gpt2_workload()
     from benchmarks import paper
 
-    built = paper.Bench
-
-    class Bench(built):
-        def __init__(self, workload, device):
-            first = _PROFILED.get(repr(device)) if workload is tiny else None
-            if first is None:
-                super().__init__(workload, device)
-                if workload is tiny:
-                    _PROFILED[repr(device)] = self
-            else:
-                vars(self).update(vars(first), _runs={})
-
-    monkeypatch.setattr(paper, "Bench", Bench)
     return paper, tiny, replace(DEVICES["A100-40GB"], name="A100-16MiB", memory=16 * 2**20)
 
 
@@ -91,7 +73,7 @@ def test_hugging_face_capture_benchmark_runs_on_a_tiny_gpt2():
 
 @pytest.mark.slow
 def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(tmp_path, monkeypatch):
-    paper, tiny, small = _tiny_gpt2_on_a_small_gpu(monkeypatch)
+    paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
     results = paper.main(["--stages", "2", "--out", str(tmp_path)], workloads=[tiny], device=small)
 
     rows = results["rows"]
@@ -116,7 +98,7 @@ def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(t
 def test_a_paper_run_cut_short_keeps_the_tasks_it_finished(tmp_path, monkeypatch):
     # a task (model, stage count) is written out as it ends: the run of 2 then 3 stages fails
     # in its second task, and the first task's rows are on file and on the page
-    paper, tiny, small = _tiny_gpt2_on_a_small_gpu(monkeypatch)
+    paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
     measure = paper.measure_stages
 
     def failing(workload, stages, settings, device):
@@ -149,7 +131,7 @@ def test_paper_benchmark_trains_a_small_amoebanet_at_its_prediction(tmp_path, mo
     """AmoebaNet-D's cells read the two cells before them: under 2BW with memory optimisation,
     each partitioner's plan trains at exactly its predicted size; the page's targets take its
     ratio as the CNN's."""
-    paper, _, small = _tiny_gpt2_on_a_small_gpu(monkeypatch)
+    paper, _, small = _tiny_gpt2_on_a_small_gpu()
     from benchmarks.amoebanet import AmoebaNetD
 
     def build():
@@ -243,7 +225,7 @@ def test_paper_benchmark_guesses_the_next_size_from_the_measured_peaks():
 @pytest.mark.slow
 def test_paper_benchmark_rows_are_the_same_from_worker_processes(monkeypatch):
     # the workers run one (stages, schedule, memopt) group each, on the profile made before they forked
-    paper, tiny, small = _tiny_gpt2_on_a_small_gpu(monkeypatch)
+    paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
     settings = paper.Settings(["gpt2"], [2, 3], ["1f1b", "2bw"], ["params", "dawnpiper"], [False])
     pooled, inline = (paper.run([tiny], settings, small, jobs) for jobs in (2, 1))
     assert [(r.stages, r.schedule, r.partitioner, r.max_microbatch) for r in pooled] == [

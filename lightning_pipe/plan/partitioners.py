@@ -26,7 +26,7 @@ Capacities are per stage device and may differ (heterogeneous devices).
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal, TypeVar, cast
+from typing import Literal
 
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.memory import CostModel, Waiting, stage_ranges
@@ -54,7 +54,6 @@ IDLE = 0.25
 Partitioner = Literal["dawnpiper", "capslog", "time", "params", "uniform"]
 PARTITIONERS: tuple[Partitioner, ...] = ("dawnpiper", "capslog", "time", "params", "uniform")
 BASELINES: tuple[Partitioner, ...] = ("time", "params", "uniform", "capslog")
-_Found = TypeVar("_Found", list[int], list[int] | None)
 
 
 def partition(
@@ -99,13 +98,17 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
 def floor(stages: Stages) -> list[int]:
     """:func:`lowest_peak_balance` of ``stages`` searched further: the split any plan comes
     closest to fitting with (cached: the search and the error that reports it ask)."""
-    return _cached(stages, "floor", lambda: lowest_peak_balance(stages.further(), reachable(stages)))
+    split = _cached(stages, "floor", lambda: lowest_peak_balance(stages.further(), reachable(stages)))
+    assert split is not None, "a lowest-peak split always exists"
+    return split
 
 
 def bisected(stages: Stages) -> list[int]:
     """:func:`bisection` of ``stages`` (cached: dawnpiper's first candidate, and its split when
     none fits)."""
-    return _cached(stages, "bisection", lambda: bisection(stages))
+    split = _cached(stages, "bisection", lambda: bisection(stages))
+    assert split is not None, "bisection always splits"
+    return split
 
 
 def reachable(stages: Stages) -> list[int] | None:
@@ -126,11 +129,11 @@ def reachable(stages: Stages) -> list[int] | None:
     return _cached(stages, "reachable", search)
 
 
-def _cached(stages: Stages, search: str, find: Callable[[], _Found]) -> _Found:
+def _cached(stages: Stages, search: str, find: Callable[[], list[int] | None]) -> list[int] | None:
     """``find()``, kept in ``stages``' cache under ``search``."""
     if search not in stages.cache.splits:
         stages.cache.splits[search] = find()
-    return cast(_Found, stages.cache.splits[search])
+    return stages.cache.splits[search]
 
 
 def lowest_peak_balance(stages: Stages, start: Sequence[int] | None = None) -> list[int]:

@@ -321,5 +321,5 @@ class Found:
     replay: Replay | None = None
     further: Stages | None = None
     # the splits the partitioners' searches found over these stages, by search (None: no split)
-    splits: dict[str, object] = field(default_factory=dict)
+    splits: dict[str, list[int] | None] = field(default_factory=dict)
 
