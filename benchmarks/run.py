@@ -48,7 +48,7 @@ from benchmarks.planner_speed import transformer_like
 from examples.models import loader
 from lightning_pipe.lightning.strategy import MemoryPipeStrategy
 from lightning_pipe.measure.meter import StageOutOfMemoryError
-from lightning_pipe.plan.headroom import checked, checked_max_microbatch
+from lightning_pipe.plan.headroom import checked, checked_largest_plan
 from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.partitioners import BASELINES, PARTITIONERS, partition
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, make_plan
@@ -244,7 +244,7 @@ def predicted_max(bench: Bench, profile: Profile, config: Config) -> int | None:
     try:
         request = PlanRequest(limits(config), config.planner, config.schedule, CHUNKS,
                               optimise_memory=config.memopt)
-        return checked_max_microbatch(profile, request, bench.check)
+        return checked_largest_plan(profile, request, bench.check).microbatch_size
     except InfeasiblePlanError:
         return None
 
@@ -529,7 +529,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"({results['settings']['max_probes']}) was reached before the answer was bracketed. "
         f"*predicted*: the planner's own largest micro-batch, from the profile at micro-batch "
         f"{REFERENCE_MICROBATCH} scaled (`Profile.scaled`), its plans checked on fake tensors "
-        f"(`checked_max_microbatch`, as `lightning-pipe plan` reports it). *capacity use*: the fullest stage's "
+        f"(`checked_largest_plan`, as `lightning-pipe plan` reports it). *capacity use*: the fullest stage's "
         f"metered peak over the capacity at the max micro-batch. *next size up*: what stopped the smallest size "
         f"that did not fit (`InfeasiblePlanError`: the planner refused it; `StageOutOfMemoryError`: the run went "
         f"over).",

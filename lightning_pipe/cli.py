@@ -1,5 +1,5 @@
 """``lightning-pipe plan``: profile a model on the CPU and print each partitioner's plan for a
-device spec such as ``4x16GiB`` or ``8xA100-40GB``, with the largest micro-batch that fits: a
+device spec such as ``4x16GiB`` or ``8xA100-40GB`` at the largest micro-batch that fits: a
 dry run before renting GPUs. Stages are planned as in training: to each device's memory
 limit, less the memory model's error where a training step of the plan on fake tensors
 measures one. For a named GPU the profile is made on fake tensors, its times
@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
 
@@ -28,9 +28,9 @@ from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.internals import tree_flatten, tree_map
 from lightning_pipe.measure.profiler import FAKE_DEVICE, profile_graph
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec, parse_devices
-from lightning_pipe.plan.headroom import Check, checked, checked_max_microbatch
+from lightning_pipe.plan.headroom import Check, checked_largest_plan
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
-from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
+from lightning_pipe.plan.plan import InfeasiblePlanError, Plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest, check_settings
 from lightning_pipe.plan.schedule import SCHEDULES, Schedule
@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(result, InfeasiblePlanError):
             print(f"== {name}: does not fit: {result}\n")
         else:
-            chosen, largest = result
-            print(f"== {name}: largest micro-batch that fits: {largest}")
-            print(chosen.table() + "\n")
+            print(f"== {name}: largest micro-batch that fits: {result.microbatch_size}"
+                  f"{_against_input(result.microbatch_size, profile.microbatch_size)}")
+            print(result.table() + "\n")
     return 0
 
 
@@ -298,15 +298,21 @@ def _config_limits(path: str, devices: Any, limit: Any) -> list[int]:
         raise ValueError(f"trainer.strategy.init_args.memory_limit in {path}: {err}") from None
 
 
-def _plan(profile: Profile, name: Partitioner, setup: _Setup, check: Check) -> tuple[Plan, int] | InfeasiblePlanError:
-    """The partitioner's plan and its largest micro-batch, each checked as the strategy checks
-    its plan, or why nothing fits."""
+def _plan(profile: Profile, name: Partitioner, setup: _Setup, check: Check) -> Plan | InfeasiblePlanError:
+    """The partitioner's plan at its largest micro-batch, checked as the strategy checks its
+    plan, or why not even one sample fits."""
     request = PlanRequest(setup.limits, name, setup.schedule, setup.chunks, setup.host_bandwidth, setup.link_bandwidth)
     try:
-        plan = checked(lambda targets: make_plan(profile, replace(request, capacities=targets)), setup.limits, check)
-        return plan, checked_max_microbatch(profile, request, check)
+        return checked_largest_plan(profile, request, check)
     except InfeasiblePlanError as err:
         return err
+
+
+def _against_input(largest: int, given: int) -> str:
+    """Where the plan shown, made at the largest micro-batch, stands against the input's."""
+    if largest == given:
+        return " (the input's)"
+    return f"; planned at it, not at the input's {given}" + (", which does not fit" if largest < given else "")
 
 
 def _fake_peaks(setup: _Setup, captured: Captured, plan: Plan) -> list[int]:

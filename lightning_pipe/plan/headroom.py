@@ -25,7 +25,7 @@ from lightning_pipe.plan.plan import (
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
 
-__all__ = ["Check", "checked", "checked_max_microbatch", "flat"]
+__all__ = ["Check", "checked", "checked_largest_plan", "flat"]
 
 #: Each stage's peak (bytes) when a plan trains, as a fake training step of it meters them.
 Check = Callable[[Plan], list[int]]
@@ -95,9 +95,10 @@ def checked(
     )
 
 
-def checked_max_microbatch(profile: Profile, request: PlanRequest, check: Check) -> int:
-    """The largest micro-batch size whose plan for ``request`` fits its capacities, here the
-    stages' memory limits, as :func:`checked` measures it.
+def checked_largest_plan(profile: Profile, request: PlanRequest, check: Check) -> Plan:
+    """The plan at the largest micro-batch size whose plan for ``request`` fits its capacities,
+    here the stages' memory limits, as :func:`checked` measures it (its size:
+    ``plan.microbatch_size``).
 
     Raises:
         InfeasiblePlanError: not even a micro-batch of one fits.
@@ -107,7 +108,7 @@ def checked_max_microbatch(profile: Profile, request: PlanRequest, check: Check)
         at_targets = replace(request, capacities=targets)
         return make_plan(profile.scaled(max_microbatch(profile, at_targets)), at_targets)
 
-    return checked(largest, request.capacities, check).microbatch_size
+    return checked(largest, request.capacities, check)
 
 
 def flat(plan: Plan) -> list[int]:

@@ -11,7 +11,7 @@ import torch
 from benchmarks.models import BERT, Bench, MaskedTokenDataset
 from examples.models import GPT, EncoderDecoder, ImageDataset, Seq2SeqDataset, TokenDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
-from lightning_pipe.plan.headroom import checked_max_microbatch
+from lightning_pipe.plan.headroom import checked_largest_plan
 from lightning_pipe.plan.plan import PREDICTION_ERROR, InfeasiblePlanError, make_plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
@@ -67,7 +67,7 @@ def test_the_planned_microbatch_trains_within_its_caps(seed):
     bench = BENCHES[family]
     try:  # the largest micro-batch as the strategy's checked plans fit it (a fake training step of each)
         request = PlanRequest([capacity] * stages, "dawnpiper", schedule, CHUNKS)
-        microbatch = checked_max_microbatch(_profile(family), request, bench.check)
+        microbatch = checked_largest_plan(_profile(family), request, bench.check).microbatch_size
     except InfeasiblePlanError:  # the planner refuses even one sample: so does the strategy
         with pytest.raises(InfeasiblePlanError):
             trainer(strategy, stages, max_steps=1).fit(bench.model(), loader(bench.data(CHUNKS), CHUNKS))

@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_pipe.plan.headroom import ROUNDS, checked, checked_max_microbatch, flat
+from lightning_pipe.plan.headroom import ROUNDS, checked, checked_largest_plan, flat
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, PREDICTION_ERROR, InfeasiblePlanError, make_plan, max_microbatch
 from lightning_pipe.plan.request import PlanRequest
 from tests.plan.test_plan import CAP, cnn_like
@@ -132,7 +132,7 @@ def test_the_largest_microbatch_is_the_largest_whose_checked_plan_fits():
     profile = cnn_like()
     limits = [CAP] * STAGES
     request = PlanRequest(limits, "dawnpiper", "1f1b", 4)
-    exact = checked_max_microbatch(profile, request, _under(0.0))
+    exact = checked_largest_plan(profile, request, _under(0.0)).microbatch_size
     assert exact == max_microbatch(profile, request)  # predicted exactly: to the limit
-    under = checked_max_microbatch(profile, request, _under(0.2))
+    under = checked_largest_plan(profile, request, _under(0.2)).microbatch_size
     assert under == max_microbatch(profile, replace(request, capacities=[int(c / 1.2001) for c in limits])) < exact
