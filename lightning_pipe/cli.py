@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -27,6 +28,7 @@ from lightning_pipe.graph.capture import Captured, CaptureError, capture
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.internals import tree_flatten, tree_map
 from lightning_pipe.measure.profiler import FAKE_DEVICE, profile_graph
+from lightning_pipe.plan import report
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec, parse_devices
 from lightning_pipe.plan.headroom import Check, checked_largest_plan
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            "GPU's host link, else none)")
     plan.add_argument("--link-bandwidth", type=float, help="bytes/s between stage devices (default: a named GPU's "
                                                            "link, else transfers are free)")
+    plan.add_argument("--out", help="a folder: each partitioner's plan shown, as OUT/NAME/plan.json and plan.png")
     args = parser.parse_args(argv)
     try:
         setup = _setup(args)
@@ -120,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}: largest micro-batch that fits: {result.microbatch_size}"
                   f"{_against_input(result.microbatch_size, profile.microbatch_size)}")
             print(result.table() + "\n")
+            if args.out:
+                report.save(result, Path(args.out) / name)
+    if args.out:
+        print(f"plans written to {args.out}/<partitioner>/plan.json and plan.png")
     return 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lightning_pipe import MemoryPipeStrategy
+from lightning_pipe.plan.plan import Plan
 from lightning_pipe.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,11 +81,12 @@ def _largest(out):
 
 
 @pytest.mark.slow
-def test_lightning_pipe_plan_prints_every_partitioner_with_its_max_microbatch(capsys):
+def test_lightning_pipe_plan_prints_every_partitioner_with_its_max_microbatch(capsys, tmp_path):
     from lightning_pipe.cli import main
 
     assert main(["plan", "--model", "examples.models.UNet", "--init-args", '{"channels": 8}',
-                 "--input", "image=float32[8,3,32,32]", "--devices", "2x64MiB", "--chunks", "2"]) == 0
+                 "--input", "image=float32[8,3,32,32]", "--devices", "2x64MiB", "--chunks", "2",
+                 "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for name in ("dawnpiper", "capslog", "time", "params", "uniform"):
         assert f"== {name}: largest micro-batch that fits: " in out
@@ -102,6 +104,11 @@ def test_lightning_pipe_plan_prints_every_partitioner_with_its_max_microbatch(ca
     assert head.split()[8] == "target" and "capacity" not in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
     assert len(rows) == 10 and all(parse_bytes(row[8]) <= 64 * 2**20 for row in rows)
+    # --out: the plans shown, each as the strategy writes its own
+    for name, size in largest.items():
+        saved = Plan.from_json((tmp_path / name / "plan.json").read_text())
+        assert (saved.partitioner, saved.microbatch_size) == (name, size)
+        assert (tmp_path / name / "plan.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow

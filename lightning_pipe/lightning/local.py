@@ -155,6 +155,8 @@ class LocalEngine(Engine):
         self._metering.close()
         if self.meter is not None:
             self.meter.close()
+            if self.strategy.lightning_module is not None and any(self.meter.peaks()):  # a step was metered
+                self._save_report(self.meter.peaks())
         lightning_teardown()
 
     def model_to_device(self) -> None:
@@ -317,9 +319,14 @@ class LocalEngine(Engine):
         if self.meter is not None:
             self.meter.reset_peaks()  # peaks of an earlier split are not this plan's
         report.show(self.plan, devices)
+        self._save_report()
+
+    def _save_report(self, metered: list[int] | None = None) -> None:
+        """The plan's JSON and plot in the logger's folder; after training, the plot with each
+        stage's ``metered`` peak beside its prediction."""
         logger = self.module.trainer.logger if attached_trainer(self.module) else None
-        if logger is not None and logger.log_dir is not None:
-            report.save(self.plan, logger.log_dir)
+        if self.plan is not None and logger is not None and logger.log_dir is not None:
+            report.save(self.plan, logger.log_dir, metered or ())
 
     def _check(self, batch: Any, batch_idx: int, plan: Plan) -> list[int]:
         """Each stage's peak when ``plan`` trains, from a fake training step; for a step that

@@ -5,6 +5,7 @@ saved: pyplot would register the figure with the process's plotting state and ch
 backend would override the user's (a notebook's inline display).
 """
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,25 +56,28 @@ def show(plan: Plan, devices: list[torch.device]) -> None:
     console.print(table(plan, devices))
 
 
-def save(plan: Plan, folder: str | Path) -> None:
-    """Write ``plan.json`` and ``plan.png`` (:func:`figure`)."""
+def save(plan: Plan, folder: str | Path, metered: Sequence[int] = ()) -> None:
+    """Write ``plan.json`` and ``plan.png`` (:func:`figure`, with the ``metered`` peaks)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "plan.json").write_text(plan.to_json())
-    figure(plan).savefig(folder / "plan.png", dpi=100)
+    figure(plan, metered).savefig(folder / "plan.png", dpi=100)
 
 
-def figure(plan: Plan) -> "Figure":
-    """Per stage, the predicted peak memory by kind against the planning target, and the time
-    per micro-batch. The figure is not registered with pyplot: it neither shows up in a
+def figure(plan: Plan, metered: Sequence[int] = ()) -> "Figure":
+    """Per stage, the predicted peak memory by kind against the planning target (and, after
+    training, each stage's ``metered`` peak beside it: how the plan held), and the time per
+    micro-batch. The figure is not registered with pyplot: it neither shows up in a
     notebook's ``plt.show()`` nor stays open, unless you display or keep it."""
     from matplotlib.figure import Figure
 
+    if metered and len(metered) != len(plan.stages):
+        raise ValueError(f"{len(metered)} metered peaks given for a plan of {len(plan.stages)} stages.")
     fig = Figure(figsize=(11, 5), layout="constrained")
     memory, time = fig.subplots(1, 2)
     fig.suptitle(f"{plan.partitioner}, {plan.schedule}, {plan.chunks} micro-batches of {plan.microbatch_size}: "
                  f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}")
-    _memory_axes(memory, plan)
+    _memory_axes(memory, plan, metered)
     parts = {"forward": "forward_ms", "backward": "backward_ms", "recompute": "recompute_ms", "exposed swap": "swap_ms"}
     _stacked(time, {label: [getattr(r, attr) for r in plan.stages] for label, attr in parts.items()})
     time.set_ylim(0, max(r.time_ms for r in plan.stages) * 1.1 or 1)  # stacked bars pin no top margin
@@ -93,14 +97,14 @@ def _stacked(ax: "Axes", parts: dict[str, list[float]]) -> "BarContainer":
     return bars
 
 
-def _memory_axes(ax: "Axes", plan: Plan) -> None:
+def _memory_axes(ax: "Axes", plan: Plan, metered: Sequence[int]) -> None:
     """Stacked peak bars, with their totals under the stage numbers, in a unit that suits them, against each
-    stage's planning target as a dashed step. A target far above the bars would squash them:
-    the axis stops above the bars, a triangle on its top edge marks the stage and the legend
-    gives the size."""
+    stage's planning target as a dashed step, and each ``metered`` peak as a mark across its
+    bar. A target far above the bars would squash them: the axis stops above the bars, a
+    triangle on its top edge marks the stage and the legend gives the size."""
     peaks = [r.peak.total for r in plan.stages]
-    off = [s for s, t in enumerate(plan.targets) if t > _OFF_SCALE * max(peaks)]
-    top = max([*peaks, *(t for s, t in enumerate(plan.targets) if s not in off)]) or 1
+    off = [s for s, t in enumerate(plan.targets) if t > _OFF_SCALE * max(peaks, default=0)]
+    top = max([*peaks, *metered, *(t for s, t in enumerate(plan.targets) if s not in off)]) or 1
     unit, scale = next(((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if top >= f), ("B", 1))
     _stacked(ax, {kind: [getattr(r.peak, kind) / scale for r in plan.stages] for kind in _KINDS})
     ax.set_xticks(range(len(peaks)), [f"{s}\n{format_bytes(p)}" for s, p in enumerate(peaks)])
@@ -113,5 +117,9 @@ def _memory_axes(ax: "Axes", plan: Plan) -> None:
     edges = [s - 0.5 for s in range(len(peaks) + 1)]
     ax.step(edges, [t / scale for t in plan.targets + plan.targets[-1:]], where="post", color="black",
             linestyle="--", label=label)
-    ax.set(title="predicted peak memory per stage", xlabel="stage, predicted peak", ylabel=unit)
+    if metered:
+        ax.plot(range(len(metered)), [m / scale for m in metered], "_", color="crimson", markersize=40,
+                markeredgewidth=3, label="metered peak")
+    title = "predicted and metered peak memory per stage" if metered else "predicted peak memory per stage"
+    ax.set(title=title, xlabel="stage, predicted peak", ylabel=unit)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)

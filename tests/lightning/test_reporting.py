@@ -1,7 +1,9 @@
 """What the strategy reports: plan files at setup and per-stage metrics in the loggers."""
 
 import csv
+import io
 import json
+from pathlib import Path
 
 import pytest
 from lightning.pytorch import Trainer
@@ -72,6 +74,30 @@ def test_plan_report_written_to_the_log_dir(tmp_path, capsys):
     assert saved["partitioner"] == "dawnpiper"
 
 
+def test_after_training_the_plot_shows_each_stages_metered_peak_beside_its_prediction(tmp_path):
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(chunks=2, schedule="1f1b", measure_memory=True)
+    t = trainer(strategy, 2, max_steps=2, logger=CSVLogger(tmp_path))
+    t.fit(model, loader(data, 8))
+    metered = strategy.meter.peaks()
+
+    def drawn(*peaks):
+        out = io.BytesIO()
+        report.figure(strategy.plan, *peaks).savefig(out, format="png", dpi=100)
+        return out.getvalue()
+
+    saved = (Path(t.logger.log_dir) / "plan.png").read_bytes()
+    assert saved == drawn(metered) != drawn()  # written again at the end, with the metered peaks
+    ax, labels, _ = _memory_plot(strategy.plan, metered)
+    assert "metered peak" in labels and ax.get_title() == "predicted and metered peak memory per stage"
+    (marks,) = [line for line in ax.get_lines() if line.get_label() == "metered peak"]
+    scale = 2**10 if ax.get_ylabel() == "KiB" else 2**20
+    assert list(marks.get_ydata()) == pytest.approx([m / scale for m in metered])
+    assert all(m > 0 for m in metered)
+    with pytest.raises(ValueError, match="1 metered peaks given for a plan of 2 stages"):
+        report.figure(strategy.plan, metered[:1])
+
+
 def _plan(peaks: list[int], targets: list[int]) -> Plan:
     """A plan with these stage peaks (bytes, split over the kinds) and planning targets."""
     stages = [StageReport(k, k + 1, p // 4, StagePeak(p // 4, p // 2, p // 8, p - p // 4 - p // 2 - p // 8),
@@ -79,8 +105,8 @@ def _plan(peaks: list[int], targets: list[int]) -> Plan:
     return Plan("dawnpiper", "1f1b", targets, 2, 4, None, [1] * len(peaks), ["keep"] * len(peaks), stages, 20.0, 0.3)
 
 
-def _memory_plot(plan: Plan):
-    fig = report.figure(plan)
+def _memory_plot(plan: Plan, metered: list[int] | None = None):
+    fig = report.figure(plan, metered or ())
     fig.draw_without_rendering()
     ax = fig.axes[0]
     legend = ax.get_legend()
