@@ -176,6 +176,8 @@ class LocalEngine(Engine):
         self.variants = Variants(module, self.options.leaf_modules)
         self.meter = MemoryMeter(len(devices), self._capacities()) if self.options.measure_memory else None
         self.clock = StageClock(len(devices))
+        if self.options.plan is not None:  # a saved plan: followed, never made here
+            self.plan = self.options.plan
         # A plan from an earlier fit is reused: validate/test/predict never profile.
         self._needs_plan = self.options.planner is not None and self.options.balance is None and self.plan is None
         try:
@@ -234,6 +236,8 @@ class LocalEngine(Engine):
 
     def _install_known(self, captured: Captured) -> None:
         """Split by the plan already made for this graph, else by the user's or an even split."""
+        if self.options.plan is not None:
+            check_follows(self.options.plan, captured)
         if self.plan is not None and sum(self.plan.balance) == len(captured.nodes):
             self._install(captured, self.plan.balance, policies_of(captured, self.plan))
         else:
@@ -422,7 +426,8 @@ class LocalEngine(Engine):
     @property
     def _planner_splits(self) -> bool:
         """Whether the planner made the split and so may make it again (no user ``balance``)."""
-        return self.plan is not None and self.options.planner is not None and self.options.balance is None
+        return (self.plan is not None and self.options.planner is not None and self.options.balance is None
+                and self.options.plan is None)
 
     def replans(self) -> bool:
         return self._planner_splits and self.options.max_replans > 0
@@ -522,6 +527,9 @@ class LocalEngine(Engine):
         """The batch to plan from before this training batch runs: the first one (grown to
         ``plan_shapes``), or one larger than the plan was made for; ``None`` while the plan holds."""
         now = batch_shapes(batch)
+        if self.options.plan is not None:
+            check_microbatch(self.options.plan, now)
+            return None
         if self._needs_plan and self.plan is not None:  # the memory limit changed (set_memory_limit)
             target = largest({path: tuple(shape) for path, shape in self.plan.input_shapes.items()}, now)
             rank_zero_info(f"memory_limit is now {self.options.memory_limit}: planning again for {show(target)}.")
@@ -591,3 +599,42 @@ def _optimised(plan: Plan) -> int:
 
 class _Probed(Exception):
     """Ends a probing ``training_step`` at its first ``self(...)`` (see ``_probe``)."""
+
+
+def check_follows(plan: Plan, captured: Captured) -> None:
+    """That a saved ``plan`` was made for this graph: the same nodes in the same order.
+
+    Raises:
+        ValueError: naming the first node that differs, or a plan that names none.
+    """
+    names = [n.name for n in captured.nodes]
+    if not plan.nodes:
+        raise ValueError("the plan names no graph nodes (a plan.json from an older lightning_pipe): plan again with "
+                         "lightning-pipe plan --out, or train without plan= to plan at the first batch.")
+    if plan.nodes == names:
+        return
+    at = next((k for k, (a, b) in enumerate(zip(plan.nodes, names)) if a != b), min(len(names), len(plan.nodes)))
+    theirs = plan.nodes[at] if at < len(plan.nodes) else "nothing"
+    ours = names[at] if at < len(names) else "nothing"
+    raise ValueError(
+        f"the plan was made for another graph: {len(plan.nodes)} nodes, this model's {len(names)}; node {at} is "
+        f"{theirs!r} in the plan and {ours!r} here. Plan this model again (lightning-pipe plan --out), or train "
+        f"without plan=."
+    )
+
+
+def check_microbatch(plan: Plan, shapes: Shapes) -> None:
+    """That a training batch's micro-batches are at most the size a saved ``plan`` was made
+    for: its predictions hold for that size, and it is never planned again.
+
+    Raises:
+        ValueError: naming the batch, the plan's size and the fix.
+    """
+    batch = max((shape[0] for shape in shapes.values() if shape), default=0)
+    microbatch = -(-batch // plan.chunks)
+    if microbatch > plan.microbatch_size:
+        raise ValueError(
+            f"a training batch of {batch} samples makes micro-batches of {microbatch} in {plan.chunks} chunks, but "
+            f"the plan was made for micro-batches of {plan.microbatch_size}: give batches of at most "
+            f"{plan.microbatch_size * plan.chunks} samples, or plan for this size (lightning-pipe plan --out)."
+        )

@@ -2,6 +2,7 @@
 once: both engines read the same options, and a bad one is named before any device or process
 work starts."""
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -10,6 +11,7 @@ from typing import Literal, get_args
 
 from lightning_pipe.lightning.microlog import LossReduction
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
+from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.request import check_settings
 from lightning_pipe.plan.schedule import Schedule
 from lightning_pipe.units import MemorySize, parse_bytes
@@ -42,6 +44,7 @@ class PipeOptions:
     timeout: timedelta = timedelta(minutes=30)
     state_dict_type: StateDictType = "full"
     max_replans: int = 3
+    plan: Plan | None = None  # a saved plan to follow: no profiling, no planning
 
     @classmethod
     def checked(
@@ -65,6 +68,7 @@ class PipeOptions:
         timeout: timedelta | None,
         state_dict_type: StateDictType,
         max_replans: int,
+        plan: "str | os.PathLike[str] | Plan | None" = None,
     ) -> "PipeOptions":
         """The options, each checked; a bad one raises an error naming it and the fix.
 
@@ -100,14 +104,36 @@ class PipeOptions:
         if runtime == "distributed" and stages is not None:  # else the processes are counted at the first batch
             check_balance_entries(balance, stages, virtual_stages)
         _check_state_dict_type(runtime, state_dict_type)
+        saved = _check_plan(plan, balance, runtime, schedule, chunks)
         return cls(
             chunks=chunks, schedule=schedule, balance=balance, leaf_modules=list(leaf_modules or []), planner=planner,
             memory_limit=parse_limits(memory_limit), host_bandwidth=host_bandwidth, link_bandwidth=link_bandwidth,
             measure_memory=measure_memory, deferred_batch_norm=deferred_batch_norm,
             plan_shapes={k: tuple(v) for k, v in (plan_shapes or {}).items()}, loss_reduction=loss_reduction,
             runtime=runtime, stages=stages, virtual_stages=virtual_stages, timeout=timeout or timedelta(minutes=30),
-            state_dict_type=state_dict_type, max_replans=max_replans,
+            state_dict_type=state_dict_type, max_replans=max_replans, plan=saved,
         )
+
+
+def _check_plan(
+    plan: "str | os.PathLike[str] | Plan | None", balance: list[int] | None, runtime: Runtime, schedule: Schedule,
+    chunks: int,
+) -> Plan | None:
+    """A saved plan to follow, read and checked against the settings it was made for."""
+    if plan is None:
+        return None
+    saved = plan if isinstance(plan, Plan) else Plan.read(plan)
+    if balance is not None:
+        raise ValueError("give plan or balance, not both: a plan has its own split (plan.balance).")
+    if runtime != "local":
+        raise ValueError("plan applies to runtime='local' for now; under runtime='distributed' leave it unset (the "
+                         "strategy plans at the first batch).")
+    if (saved.schedule, saved.chunks) != (schedule, chunks):
+        raise ValueError(
+            f"the plan was made for schedule={saved.schedule!r}, chunks={saved.chunks}, not schedule={schedule!r}, "
+            f"chunks={chunks}: pass schedule={saved.schedule!r}, chunks={saved.chunks} with it, or plan again."
+        )
+    return saved
 
 
 def parse_limits(limit: MemorySize | list[MemorySize] | None) -> list[int] | None:

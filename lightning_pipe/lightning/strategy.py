@@ -6,6 +6,7 @@ step runs on them is its engine's (:mod:`~lightning_pipe.lightning.engine`): eve
 process (:mod:`.local`), or a process per stage (:mod:`.distributed`).
 """
 
+import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -102,6 +103,11 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
             ``torch.OutOfMemoryError``: the step is undone, planned for below the memory it
             took and run again) or drifted more than 5% past its prediction and its target;
             then a stage running out raises :class:`~lightning_pipe.lightning.recovery.RecoveryError`.
+        plan: a saved plan (a ``plan.json`` path, as ``lightning-pipe plan --out`` and a
+            training run's logger folder hold it, or a :class:`~lightning_pipe.plan.plan.Plan`)
+            to train with exactly: its split and per-node choices, no profiling or planning.
+            The model's graph must be the one it was made for, and micro-batches at most its
+            size (a clear error names what differs); it is not planned again. Local runtime.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend: as for Lightning's own strategies (``DDPStrategy``); the
             Trainer fills them in when they are not given. ``process_group_backend`` (default:
@@ -133,6 +139,7 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
         timeout: timedelta | None = None,
         state_dict_type: StateDictType = "full",
         max_replans: int = 3,
+        plan: "str | os.PathLike[str] | Plan | None" = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -152,7 +159,7 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
             memory_limit=memory_limit, host_bandwidth=host_bandwidth, link_bandwidth=link_bandwidth,
             measure_memory=measure_memory, deferred_batch_norm=deferred_batch_norm, plan_shapes=plan_shapes,
             loss_reduction=loss_reduction, runtime=runtime, stages=stages, virtual_stages=virtual_stages,
-            timeout=timeout, state_dict_type=state_dict_type, max_replans=max_replans,
+            timeout=timeout, state_dict_type=state_dict_type, max_replans=max_replans, plan=plan,
         )
         if process_group_backend is not None and runtime != "distributed":
             raise ValueError(

@@ -7,7 +7,9 @@ can be made offline from a saved profile and checked in.
 """
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum
@@ -84,7 +86,8 @@ class Plan:
     """A balance with per-node policies (``keep``/``recompute``/``swap``) and predictions.
     ``targets`` are the bytes each stage was planned to fit: the planning target, not the
     device's limit (:data:`PLANNING_HEADROOM`). ``input_shapes``: the training batch's tensor
-    shapes (by path) the strategy planned for."""
+    shapes (by path) the strategy planned for. ``nodes``: the graph's node names, in order, so
+    that a saved plan is only followed on the graph it was made for."""
 
     partitioner: str
     schedule: str
@@ -99,6 +102,7 @@ class Plan:
     bubble: float
     link_bandwidth: float | None = None
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    nodes: list[str] = field(default_factory=list)
 
     @property
     def time_ms(self) -> float:
@@ -113,6 +117,25 @@ class Plan:
         data = json.loads(text)
         data["stages"] = [StageReport(**{**s, "peak": StagePeak(**s["peak"])}) for s in data["stages"]]
         return cls(**data)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> "Plan":
+        """A ``plan.json`` as the strategy and ``lightning-pipe plan --out`` write it.
+
+        Raises:
+            ValueError: the file is missing or is not such a plan.
+        """
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise ValueError(f"plan={str(path)!r} cannot be read ({error.strerror}); give the path of a plan.json "
+                             f"that lightning-pipe plan --out or a training run's logger folder holds.") from None
+        try:
+            return cls.from_json(text)
+        except (ValueError, TypeError, KeyError) as error:
+            raise ValueError(f"plan={str(path)!r} is not a plan.json written by lightning_pipe ({error}); make "
+                             f"one with lightning-pipe plan --out, or take it from a training run's logger "
+                             f"folder.") from None
 
     def table(self) -> str:
         """One line per stage: nodes, parameter bytes, predicted peak by kind against the
@@ -215,6 +238,7 @@ def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list
         step_ms=sim.step_ms,
         bubble=sim.bubble,
         link_bandwidth=model.link_bandwidth,
+        nodes=[n.name for n in model.profile.nodes],
     )
 
 
