@@ -68,7 +68,7 @@ class PipeOptions:
         timeout: timedelta | None,
         state_dict_type: StateDictType,
         max_replans: int,
-        plan: "str | os.PathLike[str] | Plan | None" = None,
+        plan: "str | os.PathLike[str] | None" = None,
     ) -> "PipeOptions":
         """The options, each checked; a bad one raises an error naming it and the fix.
 
@@ -116,13 +116,13 @@ class PipeOptions:
 
 
 def _check_plan(
-    plan: "str | os.PathLike[str] | Plan | None", balance: list[int] | None, runtime: Runtime, schedule: Schedule,
+    plan: "str | os.PathLike[str] | None", balance: list[int] | None, runtime: Runtime, schedule: Schedule,
     chunks: int,
 ) -> Plan | None:
     """A saved plan to follow, read and checked against the settings it was made for."""
     if plan is None:
         return None
-    saved = plan if isinstance(plan, Plan) else Plan.read(plan)
+    saved = Plan.read(plan)
     if balance is not None:
         raise ValueError("give plan or balance, not both: a plan has its own split (plan.balance).")
     if runtime != "local":

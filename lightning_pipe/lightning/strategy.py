@@ -103,11 +103,11 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
             ``torch.OutOfMemoryError``: the step is undone, planned for below the memory it
             took and run again) or drifted more than 5% past its prediction and its target;
             then a stage running out raises :class:`~lightning_pipe.lightning.recovery.RecoveryError`.
-        plan: a saved plan (a ``plan.json`` path, as ``lightning-pipe plan --out`` and a
-            training run's logger folder hold it, or a :class:`~lightning_pipe.plan.plan.Plan`)
-            to train with exactly: its split and per-node choices, no profiling or planning.
-            The model's graph must be the one it was made for, and micro-batches at most its
-            size (a clear error names what differs); it is not planned again. Local runtime.
+        plan: the path of a saved ``plan.json`` (as ``lightning-pipe plan --out`` and a
+            training run's logger folder hold it) to train with exactly: its split and
+            per-node choices, no profiling or planning, never planned again. The model's graph
+            must be the one it was made for, and micro-batches at most its size (a clear error
+            names what differs). Local runtime.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend: as for Lightning's own strategies (``DDPStrategy``); the
             Trainer fills them in when they are not given. ``process_group_backend`` (default:
@@ -139,7 +139,7 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
         timeout: timedelta | None = None,
         state_dict_type: StateDictType = "full",
         max_replans: int = 3,
-        plan: "str | os.PathLike[str] | Plan | None" = None,
+        plan: "str | os.PathLike[str] | None" = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

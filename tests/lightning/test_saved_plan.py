@@ -70,12 +70,13 @@ def test_a_plan_that_does_not_belong_is_named(dry_run, tmp_path):
     with pytest.raises(ValueError, match=r"the plan was made for another graph: \d+ nodes, this model's \d+; node 0 "):
         trainer(strategy, 2, max_steps=1).fit(UNet(channels=8, depth=2), loader(_images(), 8))
     too_many = saved.microbatch_size * CHUNKS + CHUNKS
-    strategy = MemoryPipeStrategy(plan=saved, chunks=CHUNKS, schedule=SCHEDULE)
+    strategy = MemoryPipeStrategy(plan=str(path), chunks=CHUNKS, schedule=SCHEDULE)
     with pytest.raises(ValueError, match=f"a training batch of {too_many} samples makes micro-batches of "
                                          f"{saved.microbatch_size + 1} in {CHUNKS} chunks, but the plan was made for "
                                          f"micro-batches of {saved.microbatch_size}"):
         trainer(strategy, 2, max_steps=1).fit(_gpt(), loader(TokenDataset(too_many), too_many))
-    older = replace(saved, nodes=[])
+    older = tmp_path / "older.json"
+    older.write_text(replace(saved, nodes=[]).to_json())
     with pytest.raises(ValueError, match="the plan names no graph nodes"):
         trainer(MemoryPipeStrategy(plan=older, chunks=CHUNKS, schedule=SCHEDULE), 2, max_steps=1).fit(
             _gpt(), loader(TokenDataset(8), 8))
@@ -94,8 +95,10 @@ def _images():
     ({"balance": [1, 1]}, "give plan or balance, not both"),
     ({"runtime": "distributed"}, "plan applies to runtime='local' for now"),
 ])
-def test_settings_other_than_the_plans_are_named(kwargs, message):
-    saved = Plan("dawnpiper", "1f1b", [1 << 20] * 2, 2, 4, None, [1, 1], ["keep"] * 2, [], 1.0, 0.1, nodes=["a", "b"])
+def test_settings_other_than_the_plans_are_named(kwargs, message, tmp_path):
+    saved = tmp_path / "plan.json"
+    saved.write_text(Plan("dawnpiper", "1f1b", [1 << 20] * 2, 2, 4, None, [1, 1], ["keep"] * 2, [], 1.0, 0.1,
+                          nodes=["a", "b"]).to_json())
     with pytest.raises(ValueError) as error:
         MemoryPipeStrategy(plan=saved, **{"chunks": 4, "schedule": "1f1b", **kwargs})
     assert message in str(error.value)
@@ -107,3 +110,14 @@ def test_a_file_that_is_not_a_plan_is_named(tmp_path):
     (tmp_path / "bad.json").write_text('{"balance": [1]}')
     with pytest.raises(ValueError, match=r"plan='.*bad.json' is not a plan.json written by lightning_pipe"):
         MemoryPipeStrategy(plan=str(tmp_path / "bad.json"))
+
+
+@pytest.mark.slow
+def test_lightningcli_takes_the_plan_from_yaml(dry_run, tmp_path):
+    from examples.cli import main
+
+    path, saved = dry_run
+    cli = main(["fit", "--config", "examples/configs/gpt.yaml", "--model.init_args.layers=2", "--trainer.devices=2",
+                f"--trainer.strategy.init_args.plan={path}", "--trainer.max_steps=1",
+                f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.trainer.strategy.plan == saved and cli.trainer.global_step == 1
