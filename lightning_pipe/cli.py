@@ -208,14 +208,7 @@ def _model(args: argparse.Namespace, config: dict[str, Any]) -> tuple[str, torch
             raise ValueError(f"--init-args must be a JSON object such as '{{\"layers\": 24}}', got {args.init_args!r}.")
         init.update(given)
     sys.path.insert(0, os.getcwd())  # user modules next to where the command runs
-    module_name, _, class_name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError):
-        raise ValueError(
-            f"cannot import {path!r}: give a class path importable from the current directory, such as "
-            f"examples.models.GPT run from the repository root."
-        ) from None
+    cls = _class(path)
     try:
         inspect.signature(cls).bind(**init)
     except TypeError as err:
@@ -228,6 +221,28 @@ def _model(args: argparse.Namespace, config: dict[str, Any]) -> tuple[str, torch
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"{path} is not a torch.nn.Module (a LightningModule), it is a {type(model).__name__}.")
     return path, model
+
+
+def _class(path: str) -> Any:
+    """The class ``path`` names; a module it imports that is not installed is named as such."""
+    module_name, _, class_name = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        missing = err.name or ""
+        if missing and not (module_name == missing or module_name.startswith(missing + ".")):
+            extra = " (pip install -e '.[hf]' installs it with lightning_pipe)" if missing == "transformers" else ""
+            raise ValueError(f"{module_name} imports {missing!r}, which is not installed: pip install "
+                             f"{missing.split('.')[0]}{extra}.") from None
+        raise ValueError(f"cannot import {path!r}: there is no module {module_name!r}; give a class path importable "
+                         f"from the current directory, such as examples.models.GPT run from the repository "
+                         f"root.") from None
+    except (ImportError, ValueError):
+        raise ValueError(f"cannot import {path!r}: give a class path importable from the current directory, such as "
+                         f"examples.models.GPT run from the repository root.") from None
+    if not hasattr(module, class_name):
+        raise ValueError(f"{module_name} has no {class_name!r}; give a class path such as examples.models.GPT.")
+    return getattr(module, class_name)
 
 
 def _inputs(specs: list[str], model: torch.nn.Module, path: str) -> tuple[tuple[Any, ...], dict[str, Any]]:

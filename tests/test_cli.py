@@ -183,7 +183,10 @@ GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "examples.models.Nope", "--devices", "2x1GiB"], "cannot import 'examples.models.Nope'"),
+    (["--model", "examples.models.Nope", "--devices", "2x1GiB"],
+     "examples.models has no 'Nope'; give a class path such as examples.models.GPT."),
+    (["--model", "examples.nope.GPT", "--devices", "2x1GiB"],
+     "cannot import 'examples.nope.GPT': there is no module 'examples.nope'"),
     (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "2 x lots"],
      "unknown device 'lots' in '2 x lots': give one of V100-32GB, A100-40GB, A100-80GB, H100-80GB (e.g. "
      "8xA100-40GB), or a memory size per device such as 4x16GiB."),
@@ -226,3 +229,15 @@ def test_lightning_pipe_plan_bad_input_exits_2_with_a_message(capsys, argv, mess
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_module_the_model_imports_that_is_not_installed_is_named(tmp_path, monkeypatch, capsys):
+    from lightning_pipe.cli import main
+
+    (tmp_path / "needs_hf.py").write_text("import transformers_not_here\n\nclass Model:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", "needs_hf.Model", "--devices", "2x1GiB"])
+    assert exit_.value.code == 2
+    assert ("needs_hf imports 'transformers_not_here', which is not installed: pip install transformers_not_here."
+            in capsys.readouterr().err)
