@@ -28,5 +28,19 @@ def main(args: list[str] | None = None) -> LightningCLI:
     )
 
 
+def outcome(cli: LightningCLI) -> str:
+    """What a run ends with: its last logged loss, and where its files went."""
+    trainer = cli.trainer
+    losses = {k: float(v) for k, v in trainer.callback_metrics.items() if "loss" in k}
+    logged = ", ".join(f"{k} {v:.4f}" for k, v in losses.items()) or "no loss logged"
+    lines = [f"{trainer.global_step} steps; {logged}"]
+    if trainer.logger is not None and trainer.logger.log_dir is not None:
+        lines.append(f"plan (plan.json, plan.png) and metrics: {trainer.logger.log_dir}")
+    else:
+        lines.append("no logger: the plan was printed above, no files written (set trainer.logger to keep them)")
+    lines.append(f"config: {os.path.join(trainer.default_root_dir, 'config.yaml')}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    main()
+    print(outcome(main()))

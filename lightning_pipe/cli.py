@@ -21,8 +21,6 @@ from typing import Any, cast
 
 import torch
 import yaml
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_pipe.graph.capture import Captured, CaptureError, capture
 from lightning_pipe.graph.microbatch import scatter
@@ -36,6 +34,7 @@ from lightning_pipe.plan.plan import InfeasiblePlanError, Plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest, check_settings
 from lightning_pipe.plan.schedule import SCHEDULES, Schedule
+from lightning_pipe.progress import progress_bar, tracker
 from lightning_pipe.runtime.build import Policy
 from lightning_pipe.runtime.fake import fake_training, meta_copy
 from lightning_pipe.units import format_bytes, parse_bytes
@@ -100,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         captured = capture(setup.model.train(), setup.leaf_modules, example_inputs=(sample_args, sample_kwargs))
     except (ValueError, CaptureError) as err:
         plan.error(str(err))
-    with _progress_bar() as bar:
+    with progress_bar() as bar:
         profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
                                 fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
-                                progress=_tracker(bar, "profiling nodes", len(captured.nodes)))
-        advance = _tracker(bar, "planning", len(PARTITIONERS))
+                                progress=tracker(bar, "profiling nodes", len(captured.nodes)))
+        advance = tracker(bar, "planning", len(PARTITIONERS))
         results = []
         for done, name in enumerate(PARTITIONERS, 1):
             results.append((name, _plan(profile, name, setup, partial(_fake_peaks, setup, captured))))
@@ -357,21 +356,6 @@ def _output_sum(forward: Callable[..., Any], inputs: tuple[tuple[Any, ...], dict
     outputs = [t for t in tree_flatten(forward(*inputs[0], **inputs[1]))[0]
                if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return torch.stack([t.float().sum() for t in outputs]).sum()
-
-
-def _progress_bar() -> Progress:
-    """A progress bar on stderr, shown only on a terminal; results are printed after it ends,
-    so stdout holds nothing but them."""
-    console = Console(stderr=True)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, redirect_stdout=False, redirect_stderr=False,
-                    disable=not console.is_terminal)
-
-
-def _tracker(bar: Progress, description: str, total: int) -> Callable[[int, int], None]:
-    """A ``(done, total)`` callback moving a new task of ``bar``."""
-    task = bar.add_task(description, total=total)
-    return lambda done, _total: bar.update(task, completed=done)
 
 
 def _rate(bytes_per_s: float | None) -> str:

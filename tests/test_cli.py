@@ -32,9 +32,17 @@ def test_fit_from_yaml_builds_the_strategy_from_its_typed_arguments(cli_main, tm
     assert cli.trainer.global_step == 4 and len(strategy.engine.program.stages) == 4
 
 
-def test_unet_config_runs(cli_main, tmp_path):
+def test_unet_config_runs_and_ends_with_its_outcome(cli_main, tmp_path):
+    from examples.cli import outcome
+
     cli = cli_main(["fit", "--config", "examples/configs/unet.yaml", f"--trainer.default_root_dir={tmp_path}"])
     assert cli.trainer.global_step == 4 and cli.trainer.strategy.options.schedule == "gpipe"
+    loss = float(cli.trainer.callback_metrics["train_loss"])
+    assert outcome(cli).splitlines() == [
+        f"4 steps; train_loss {loss:.4f}, val_loss {float(cli.trainer.callback_metrics['val_loss']):.4f}",
+        "no logger: the plan was printed above, no files written (set trainer.logger to keep them)",
+        f"config: {tmp_path}/config.yaml",
+    ]
 
 
 def test_example_cli_keeps_its_config_out_of_the_working_directory_and_runs_twice(cli_main, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ order (:mod:`.steps`). With a planner, the first training batch profiles one mic
 (``_probe``), plans, checks the plan by a fake training step (:mod:`.check`) and splits again.
 """
 
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
@@ -52,6 +53,7 @@ from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.headroom import checked, flat
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.request import PlanRequest
+from lightning_pipe.progress import progress_bar, tracker
 from lightning_pipe.runtime.batchnorm import DeferredBatchNorm
 from lightning_pipe.runtime.build import Policy, Program, build
 from lightning_pipe.runtime.gpipe import Pipeline
@@ -72,6 +74,7 @@ class LocalEngine(Engine):
         self.variants: Variants | None = None
         self._needs_plan = False
         self._shapes_to_plan: Shapes = {}
+        self._planning_since: float | None = None  # when the running plan's profiling began
         self.captured: Captured | None = None  # the training graph, which the plan is for
         self._pipeline: Pipeline | None = None  # the training graph's
         self._pipelines: dict[int, Pipeline] = {}  # per graph (by id) of each mode and input
@@ -231,7 +234,7 @@ class LocalEngine(Engine):
         if self._versions is not None:
             self._versions.follow_params()
         self._own_memory()
-        if not planned:  # a plan shows its own table
+        if not planned and not self._needs_plan:  # a plan shows its own table; a provisional split none
             rank_zero_info(self.describe())
 
     def _install_known(self, captured: Captured) -> None:
@@ -289,8 +292,13 @@ class LocalEngine(Engine):
         self._needs_plan = False
         optimizer = self.optimizers[0] if self.optimizers else None
         output: list[Any] = []
-        with torch.enable_grad(), self._probe_meter.running(None):
-            self.profile = profile_graph(self.captured, args, kwargs, optimizer=optimizer, output=output)
+        nodes, stages = len(self.captured.nodes), len(self.parallel_devices or [])
+        rank_zero_info(f"Planning at the first training batch: profiling one micro-batch through {nodes} nodes, then "
+                       f"splitting them over {stages} stages, each plan checked by a training step on fake tensors.")
+        self._planning_since = time.perf_counter()
+        with torch.enable_grad(), self._probe_meter.running(None), progress_bar() as bar:
+            self.profile = profile_graph(self.captured, args, kwargs, optimizer=optimizer, output=output,
+                                         progress=tracker(bar, "profiling nodes", nodes))
         if self._batch_norm is not None:
             self._batch_norm.discard()  # the profiler's runs are not part of the batch
         if not self.module.automatic_optimization:
@@ -323,6 +331,9 @@ class LocalEngine(Engine):
         if self.meter is not None:
             self.meter.reset_peaks()  # peaks of an earlier split are not this plan's
         report.show(self.plan, devices)
+        if self._planning_since is not None:
+            rank_zero_info(f"Planned in {time.perf_counter() - self._planning_since:.1f} s.")
+            self._planning_since = None
         self._save_report()
 
     def _save_report(self, metered: list[int] | None = None) -> None:

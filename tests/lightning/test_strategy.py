@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -63,7 +65,14 @@ def test_registered_name_and_split_summary(caplog):
     with caplog.at_level("INFO"):
         t.fit(model, loader(data, 8))
     assert t.num_devices == 2 and t.world_size == 1
-    assert "stage  device   nodes" in caplog.text and ".. head" in caplog.text
+    # planning says so and how long it took; the even split it replaces is not shown (the plan's table is)
+    assert re.search(r"Planning at the first training batch: profiling one micro-batch through \d+ nodes, then "
+                     r"splitting them over 2 stages", caplog.text)
+    assert re.search(r"Planned in \d+\.\d s\.", caplog.text) and "stage  device   nodes" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):  # without a planner the split that runs is the summary's
+        trainer(MemoryPipeStrategy(planner=None), 2, max_steps=1).fit(make("gpt")[0], loader(data, 8))
+    assert "stage  device   nodes" in caplog.text and ".. head" in caplog.text and "Planning" not in caplog.text
 
 
 def test_validate_test_predict_match_plain_module():
