@@ -138,16 +138,13 @@ class Plan:
                              f"folder.") from None
 
     def table(self) -> str:
-        """One line per stage: nodes, parameter bytes, predicted peak by kind against the
-        planning target, time per micro-batch, and bytes recomputed and swapped."""
-        head = [
-            "stage", "nodes", "params", "static", "activ", "transient", "boundary", "peak", "target",
-            "ms", "recomp", "swap",
-        ]
+        """One line per stage, within 100 columns: nodes, parameter bytes, one micro-batch's
+        activations and the predicted peak against the planning target, time per micro-batch,
+        bytes recomputed and swapped (every term of the peak: :meth:`to_json`)."""
+        head = ["stage", "nodes", "params", "activ", "peak", "target", "ms", "recomp", "swap"]
         rows = [head]
         for s, (r, target) in enumerate(zip(self.stages, self.targets)):
-            p = r.peak
-            sizes = (r.param_bytes, p.static, p.activations, p.transient, p.boundary, p.total, target)
+            sizes = (r.param_bytes, r.peak.activations, r.peak.total, target)
             rows.append(
                 [str(s), f"{r.start}-{r.stop - 1}"]
                 + [format_bytes(v) for v in sizes]

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_pipe.plan.plan import Plan
-from lightning_pipe.units import format_bytes, mib
+from lightning_pipe.units import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -30,29 +30,28 @@ _OFF_SCALE = 2.0
 
 
 def table(plan: Plan, devices: list[torch.device]) -> Table:
-    """One row per stage: device, nodes, parameters, predicted peak by kind against the
-    planning target, time per micro-batch, bytes recomputed and swapped."""
+    """One row per stage, within 100 columns: device, nodes, parameters, one micro-batch's
+    activations and the predicted peak against the planning target, time per micro-batch,
+    bytes recomputed and swapped (every term of the peak: ``plan.json`` and :func:`figure`)."""
     t = Table(title=f"lightning_pipe plan: {plan.partitioner}, {plan.schedule}, "
                     f"{plan.chunks} micro-batches of {plan.microbatch_size}")
-    columns = ("stage", "device", "nodes", "params", *_KINDS, "peak", "planning target", "ms/micro-batch",
-               "recomputed", "swapped")
-    for name in columns:
+    for name in ("stage", "device", "nodes", "params", "activations", "peak", "target", "ms", "recomputed",
+                 "swapped"):
         t.add_column(name, justify="right")
     for s, (r, target) in enumerate(zip(plan.stages, plan.targets)):
-        peak = r.peak
         t.add_row(
-            str(s), str(devices[s]), f"{r.start}-{r.stop - 1}", mib(r.param_bytes),
-            *(mib(getattr(peak, k)) for k in _KINDS), mib(peak.total), mib(target),
-            f"{r.time_ms:.2f}", mib(r.recomputed_bytes), mib(r.swapped_bytes),
+            str(s), str(devices[s]), f"{r.start}-{r.stop - 1}",
+            *(format_bytes(v) for v in (r.param_bytes, r.peak.activations, r.peak.total, target)),
+            f"{r.time_ms:.2f}", format_bytes(r.recomputed_bytes), format_bytes(r.swapped_bytes),
         )
-    t.caption = (f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}; planning target: the memory "
-                 f"limit, less the memory model's error where a fake training step measured one")
+    t.caption = (f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}; ms per micro-batch; target: the "
+                 f"memory limit, less the memory model's error where a fake training step measured one")
     return t
 
 
 def show(plan: Plan, devices: list[torch.device]) -> None:
     console = Console()
-    console.width = max(console.width, 180)  # the table is wide; do not squeeze or cut its columns
+    console.width = max(console.width, 100)  # whole columns where output is not a terminal (80 wide)
     console.print(table(plan, devices))
 
 

@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
+from rich.console import Console
 
 from examples.models import loader
 from lightning_pipe import MemoryPipeStrategy
@@ -69,8 +71,8 @@ def test_plan_report_written_to_the_log_dir(tmp_path, capsys):
     with open(t.logger.log_dir + "/plan.png", "rb") as png:
         assert png.read(8) == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
-    assert "lightning_pipe plan: dawnpiper, gpipe" in out and "256.00 MiB" in out
-    assert "planning target: the memory limit, less the memory model's error" in " ".join(out.split())
+    assert "lightning_pipe plan: dawnpiper, gpipe" in out and "256.0MiB" in out
+    assert "target: the memory limit, less the memory model's error" in " ".join(out.split())
     assert saved["partitioner"] == "dawnpiper"
 
 
@@ -132,3 +134,15 @@ def test_plot_draws_a_target_near_the_bars_on_the_axis():
 
 # That importing lightning_pipe and saving a plan picks no matplotlib backend and leaves no
 # figures: tests/test_package.py, in the one fresh process it starts for such checks.
+
+
+def test_the_plan_table_fits_a_terminal_of_100_columns():
+    """Every column whole (no cell cut short with an ellipsis) at 100 columns, even for large
+    figures; every term of the peak is in plan.json and the plot."""
+    big = _plan([37 * 2**30 + 123_456_789, 35 * 2**30], [40 * 2**30, 40 * 2**30])
+    console = Console(width=100, file=io.StringIO(), color_system=None)
+    console.print(report.table(big, [torch.device("cuda", 0), torch.device("cuda", 1)]))
+    text = console.file.getvalue()
+    assert "\u2026" not in text and max(map(len, text.splitlines())) <= 100
+    assert "37.1GiB" in text and "cuda:1" in text and "40.0GiB" in text
+    assert max(map(len, big.table().splitlines()[:-1])) <= 100
