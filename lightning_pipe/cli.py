@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--model", help="class path of the LightningModule, e.g. examples.models.GPT")
     plan.add_argument("--init-args", help="JSON object of the model's init arguments (with --config: overrides "
                                           "those of the config's model.init_args)")
+    plan.add_argument("--config-json", help="a Hugging Face config as JSON (a file such as config.json): --model "
+                                            "names a transformers model class, built from it without a wrapper, "
+                                            "e.g. --model transformers.GPT2LMHeadModel --config-json cfg.json")
     plan.add_argument("--config", help="a LightningCLI YAML: model.class_path and model.init_args name the model; "
                                        "trainer.devices and trainer.strategy.init_args give the settings below")
     plan.add_argument("--input", action="append", default=[], metavar="NAME=DTYPE[SHAPE]",
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(setup.limits)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
           f"memory limit {_sizes(setup.limits)}, each plan checked by a training step on fake tensors (its "
           f"outputs' sum the loss) and planned below the limit by the error that measures; host link "
-          f"{_rate(setup.host_bandwidth)}, link between stages {_rate(setup.link_bandwidth)}\n")
+          f"{_rate(setup.host_bandwidth)}, link between stages {_rate(setup.link_bandwidth)}; "
+          f"{_optimizer_note(setup.model)}\n")
     for name, result in results:
         if isinstance(result, InfeasiblePlanError):
             print(f"== {name}: does not fit: {result}\n")
@@ -208,6 +212,8 @@ def _model(args: argparse.Namespace, config: dict[str, Any]) -> tuple[str, torch
         init.update(given)
     sys.path.insert(0, os.getcwd())  # user modules next to where the command runs
     cls = _class(path)
+    if args.config_json is not None:
+        return path, _from_config_json(cls, path, args.config_json, init)
     try:
         inspect.signature(cls).bind(**init)
     except TypeError as err:
@@ -220,6 +226,28 @@ def _model(args: argparse.Namespace, config: dict[str, Any]) -> tuple[str, torch
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"{path} is not a torch.nn.Module (a LightningModule), it is a {type(model).__name__}.")
     return path, model
+
+
+def _from_config_json(cls: Any, path: str, file: str, init: dict[str, Any]) -> torch.nn.Module:
+    """A Hugging Face model class built from its config class, read from ``file`` (with
+    ``--init-args`` overriding the file's entries)."""
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None or not hasattr(config_class, "from_dict"):
+        raise ValueError(f"--config-json goes with a transformers model class (one with a config_class, such as "
+                         f"transformers.GPT2LMHeadModel); {path} has none.")
+    try:
+        data = json.loads(Path(file).read_text())
+    except OSError as err:
+        raise ValueError(f"--config-json {file!r} cannot be read: {err.strerror}.") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--config-json {file!r} is not JSON: {err}.") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config-json {file!r} must hold a JSON object of {config_class.__name__}'s arguments.")
+    try:
+        model = cls(config_class.from_dict({**data, **init}))
+    except Exception as err:
+        raise ValueError(f"{path} from {config_class.__name__}({file}) failed: {type(err).__name__}: {err}") from None
+    return cast(torch.nn.Module, model)
 
 
 def _class(path: str) -> Any:
@@ -367,6 +395,14 @@ def _sizes(values: list[int]) -> str:
     if len(set(values)) == 1:
         return f"{len(values)} x {format_bytes(values[0])}"
     return ", ".join(format_bytes(v) for v in values)
+
+
+def _optimizer_note(model: torch.nn.Module) -> str:
+    """Which optimizer's state the plans count."""
+    optimizer = _optimizer(model)
+    if optimizer is None:
+        return "no optimizer state counted (the model configures no optimizer)"
+    return f"optimizer {type(optimizer).__name__} (the model's)"
 
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer | None:

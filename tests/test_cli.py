@@ -1,4 +1,5 @@
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -181,12 +182,12 @@ def test_lightning_pipe_plan_for_named_gpus_takes_their_memory_links_and_times(c
     first = capsys.readouterr().out.splitlines()[0]
     assert "on fake tensors, times for A100-40GB, at micro-batch 4" in first
     assert "memory limit 2 x 40.0GiB, each plan checked" in first
-    assert first.endswith("host link 32 GB/s, link between stages 300 GB/s")
+    assert "host link 32 GB/s, link between stages 300 GB/s; optimizer" in first
     assert main(["plan", *unet, "--devices", "2xh100-80gb", "--memory-limit", "20GiB", "--host-bandwidth", "1e9",
                  "--link-bandwidth", "2e9"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert "times for H100-80GB" in first and "memory limit 2 x 20.0GiB" in first
-    assert first.endswith("host link 1 GB/s, link between stages 2 GB/s")
+    assert "host link 1 GB/s, link between stages 2 GB/s; optimizer" in first
 
 
 GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
@@ -221,6 +222,11 @@ GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
      "examples.models.GPT does not take init args {'nope': 1}: got an unexpected keyword argument 'nope'. "
      "It takes: vocab, dim, heads, layers, context, lr, optimizer."),
     ([*GPT, "--init-args", "[1]", "--input", "batch.input_ids=int64[8,16]"], "--init-args must be a JSON object"),
+    ([*GPT, "--config-json", "cfg.json", "--input", "batch.input_ids=int64[8,16]"],
+     "--config-json goes with a transformers model class (one with a config_class, such as "
+     "transformers.GPT2LMHeadModel); examples.models.GPT has none."),
+    (["--model", "transformers.GPT2LMHeadModel", "--config-json", "no/such.json", "--devices", "2x1GiB"],
+     "--config-json 'no/such.json' cannot be read: No such file or directory."),
     (["--config", "no/such.yaml", "--devices", "2x1GiB"], "cannot read --config 'no/such.yaml': No such file"),
     (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "16"],
      "--devices '16': '16' has no unit"),
@@ -251,3 +257,22 @@ def test_a_module_the_model_imports_that_is_not_installed_is_named(tmp_path, mon
     assert exit_.value.code == 2
     assert ("needs_hf imports 'transformers_not_here', which is not installed: pip install transformers_not_here."
             in capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_plans_from_its_config_json_without_a_wrapper(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from lightning_pipe.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 16, "vocab_size": 64,
+                                  "use_cache": False}))
+    assert main(["plan", "--model", "transformers.GPT2LMHeadModel", "--config-json", str(config),
+                 "--init-args", '{"n_layer": 2}', "--input", "input_ids=int64[4,16]", "--devices", "2x4MiB",
+                 "--chunks", "2"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert "nodes (torch.export) on cpu at micro-batch 2" in first  # GPT-2, traced by torch.export
+    assert first.endswith("no optimizer state counted (the model configures no optimizer)")
+    assert set(_largest(out)) == {"dawnpiper", "capslog", "time", "params", "uniform"}
+    assert "blocks" not in out and int(re.search(r"profiled (\d+) nodes", first)[1]) > 120  # two layers (one: 95)
