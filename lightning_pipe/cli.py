@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -61,6 +62,7 @@ class _Setup:
     leaf_modules: list[str]
     device: DeviceSpec | None = None  # a named GPU: times estimated for it
     link_bandwidth: float | None = None
+    batch: Any = None  # the training batch (--batch): the checks run training_step on it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="a forward argument of the whole batch, e.g. image=float32[16,3,32,32] or "
                            "batch.input_ids=int64[16,64] (a dict argument); repeat for more. "
                            "Default: the model's example_input_array")
+    plan.add_argument("--batch", action="append", default=[], metavar="NAME=DTYPE[SHAPE]",
+                      help="a tensor of the training batch training_step takes, by its path in the batch: "
+                           "input_ids=int64[16,64] for a dict, 0=... and 1=... for a tuple, batch=... for one "
+                           "tensor; repeat for more. With it each plan's check runs the model's own training_step "
+                           "(its loss, as training does); without, the outputs' sum is the loss")
     plan.add_argument("--devices", help="each stage device's memory limit, with a unit: 4x16GiB or 16GiB,16GiB,8GiB; "
                                         f"or COUNTxGPU, one of {', '.join(DEVICES)}: 8xA100-40GB. "
                                         "Default with --config: trainer.devices x the strategy's memory_limit")
@@ -98,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup = _setup(args)
         sample_args, sample_kwargs = _microbatch(setup, args.input)
+        if args.batch:
+            setup.batch = _training_batch(setup, args.batch)
         # The training graph, as the strategy plans it; torch.export captures what fx cannot.
         captured = capture(setup.model.train(), setup.leaf_modules, example_inputs=(sample_args, sample_kwargs))
     except (ValueError, CaptureError) as err:
@@ -111,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         for done, name in enumerate(PARTITIONERS, 1):
             results.append((name, _plan(profile, name, setup, partial(_fake_peaks, setup, captured))))
             advance(done, len(PARTITIONERS))
+    loss = ("training_step on --batch" if setup.batch is not None
+            else "loss not checked: the outputs' sum stands in; give --batch to run training_step")
     where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
     print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
           f"{profile.microbatch_size}; "
           f"{len(setup.limits)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
-          f"memory limit {_sizes(setup.limits)}, each plan checked by a training step on fake tensors (its "
-          f"outputs' sum the loss) and planned below the limit by the error that measures; host link "
+          f"memory limit {_sizes(setup.limits)}, each plan checked by a training step on fake tensors ({loss}) "
+          f"and planned below the limit by the error that measures; host link "
           f"{_rate(setup.host_bandwidth)}, link between stages {_rate(setup.link_bandwidth)}; "
           f"{_optimizer_note(setup.model)}\n")
     for name, result in results:
@@ -282,23 +293,27 @@ def _inputs(specs: list[str], model: torch.nn.Module, path: str) -> tuple[tuple[
     any_name = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     kwargs: dict[str, Any] = {}
     for spec in specs:
-        match = re.fullmatch(r"([\w.]+)=(\w+)\[([\d,\s]+)\]", spec.strip())
-        if match is None or match.group(2) not in _DTYPES:
-            raise ValueError(
-                f"cannot read --input {spec!r}: use NAME=DTYPE[SHAPE] with DTYPE one of "
-                f"{sorted(_DTYPES)}, e.g. image=float32[16,3,32,32]."
-            )
-        name, dtype, shape = match.group(1), _DTYPES[match.group(2)], [int(d) for d in match.group(3).split(",")]
+        name, value = _tensor(spec, "--input")
         *parents, leaf = name.split(".")
         if not any_name and name.split(".")[0] not in parameters:
             raise ValueError(f"--input {spec!r}: {path}.forward has no argument {name.split('.')[0]!r}; "
                              f"its arguments are {', '.join(parameters)}.")
-        value = torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
         target = kwargs
         for parent in parents:
             target = target.setdefault(parent, {})
         target[leaf] = value
     return (), kwargs
+
+
+def _tensor(spec: str, option: str) -> tuple[str, torch.Tensor]:
+    """``NAME=DTYPE[SHAPE]``: the name and a tensor of that dtype and shape (random floats,
+    integer zeros: valid token ids and labels)."""
+    match = re.fullmatch(r"([\w.]+)=(\w+)\[([\d,\s]+)\]", spec.strip())
+    if match is None or match.group(2) not in _DTYPES:
+        raise ValueError(f"cannot read {option} {spec!r}: use NAME=DTYPE[SHAPE] with DTYPE one of {sorted(_DTYPES)}, "
+                         f"e.g. image=float32[16,3,32,32].")
+    dtype, shape = _DTYPES[match.group(2)], [int(d) for d in match.group(3).split(",")]
+    return match.group(1), torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
 
 
 def _microbatch(setup: _Setup, specs: list[str]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -366,17 +381,66 @@ def _against_input(largest: int, given: int) -> str:
 
 def _fake_peaks(setup: _Setup, captured: Captured, plan: Plan) -> list[int]:
     """Each stage's peak when ``plan`` trains, from a fake training step of a copy of the
-    model on batches of the plan's size. The loss is the sum of the outputs: the command has
-    the forward's inputs, not the batches ``training_step`` takes."""
+    model on batches of the plan's size: the model's ``training_step`` on the training batch
+    (``--batch``), else the sum of the outputs on the forward's inputs as the loss."""
     model, graph = meta_copy(setup.model, captured)
     optimizer = _optimizer(model) or torch.optim.SGD(model.parameters(), lr=0.0)
     size = plan.microbatch_size * plan.chunks
     batch = tree_map(lambda t: torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta")
-                     if isinstance(t, torch.Tensor) else t, setup.inputs)
+                     if isinstance(t, torch.Tensor) else t, setup.inputs if setup.batch is None else setup.batch)
+    step = _output_sum if setup.batch is None else partial(_training_step, model)
     policies = {n.name: cast(Policy, p) for n, p in zip(graph.nodes, plan.policies) if p != "keep"}
-    meter = fake_training(model, graph, batch, _output_sum, optimizer, plan.balance, policies,
-                          schedule=cast(Schedule, plan.schedule), chunks=plan.chunks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        meter = fake_training(model, graph, batch, step, optimizer, plan.balance, policies,
+                              schedule=cast(Schedule, plan.schedule), chunks=plan.chunks)
     return meter.peaks()
+
+
+def _training_step(model: torch.nn.Module, forward: Callable[..., Any], microbatch: Any) -> torch.Tensor:
+    """The loss ``model.training_step`` returns on ``microbatch``, its ``self(...)`` answered by
+    ``forward`` (the pipeline)."""
+    module: Any = model  # a LightningModule: nn.Module types training_step as a submodule or tensor
+    module.forward = forward  # an instance attribute over the class's forward
+    returned = module.training_step(microbatch, 0)
+    return cast(torch.Tensor, returned["loss"] if isinstance(returned, dict) else returned)
+
+
+def _training_batch(setup: _Setup, specs: list[str]) -> Any:
+    """The training batch ``--batch`` describes, after checking that ``training_step`` runs on
+    its first micro-batch and returns a loss."""
+    if not callable(getattr(setup.model, "training_step", None)):
+        raise ValueError(f"--batch goes with a LightningModule: {setup.path} has no training_step.")
+    tensors = {}
+    for spec in specs:
+        name, value = _tensor(spec, "--batch")
+        tensors[name] = value
+    if set(tensors) == {"batch"}:
+        batch: Any = tensors["batch"]
+    elif all(name.isdigit() for name in tensors):
+        batch = tuple(tensors[str(k)] for k in range(len(tensors)))
+    else:
+        batch = {}
+        for name, value in tensors.items():
+            *parents, leaf = name.split(".")
+            target = batch
+            for parent in parents:
+                target = target.setdefault(parent, {})
+            target[leaf] = value
+    microbatch = scatter(((batch,), {}), setup.chunks)[0][0][0]
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = _training_step(setup.model, setup.model.forward, microbatch)
+    except Exception as err:
+        raise ValueError(f"{setup.path}.training_step fails on a micro-batch of --batch {' --batch '.join(specs)}: "
+                         f"{type(err).__name__}: {err}.") from None
+    finally:
+        vars(setup.model).pop("forward", None)  # the class's forward again
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"{setup.path}.training_step returns {type(loss).__name__}, not a loss (a tensor, or a dict "
+                         f"with 'loss').")
+    return batch
 
 
 def _output_sum(forward: Callable[..., Any], inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> torch.Tensor:

@@ -222,6 +222,12 @@ GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
      "examples.models.GPT does not take init args {'nope': 1}: got an unexpected keyword argument 'nope'. "
      "It takes: vocab, dim, heads, layers, context, lr, optimizer."),
     ([*GPT, "--init-args", "[1]", "--input", "batch.input_ids=int64[8,16]"], "--init-args must be a JSON object"),
+    ([*GPT, "--input", "batch.input_ids=int64[8,16]", "--batch", "input_ids=int64[8,16]"],
+     "examples.models.GPT.training_step fails on a micro-batch of --batch input_ids=int64[8,16]: KeyError: 'labels'."),
+    ([*GPT, "--input", "batch.input_ids=int64[8,16]", "--batch", "input_ids=int64(8)"],
+     "cannot read --batch 'input_ids=int64(8)': use NAME=DTYPE[SHAPE]"),
+    (["--model", "tests.models.Untraceable", "--input", "x=float32[8,4]", "--batch", "x=float32[8,4]", "--devices",
+      "2x1GiB"], "--batch goes with a LightningModule: tests.models.Untraceable has no training_step."),
     ([*GPT, "--config-json", "cfg.json", "--input", "batch.input_ids=int64[8,16]"],
      "--config-json goes with a transformers model class (one with a config_class, such as "
      "transformers.GPT2LMHeadModel); examples.models.GPT has none."),
@@ -276,3 +282,20 @@ def test_a_hugging_face_model_plans_from_its_config_json_without_a_wrapper(tmp_p
     assert first.endswith("no optimizer state counted (the model configures no optimizer)")
     assert set(_largest(out)) == {"dawnpiper", "capslog", "time", "params", "uniform"}
     assert "blocks" not in out and int(re.search(r"profiled (\d+) nodes", first)[1]) > 120  # two layers (one: 95)
+
+
+@pytest.mark.slow
+def test_with_the_training_batch_each_check_runs_training_step_and_sees_its_loss(capsys):
+    """The GPT's cross-entropy keeps logits-sized tensors on the last stage that the outputs'
+    sum does not: checked with training_step, plans leave room for them."""
+    from lightning_pipe.cli import main
+
+    model = ["--model", "examples.models.GPT", "--init-args", '{"layers": 2, "dim": 32}',
+             "--input", "batch.input_ids=int64[8,16]", "--devices", "2x1MiB", "--chunks", "4"]
+    assert main(["plan", *model]) == 0
+    summed = capsys.readouterr().out
+    assert "(loss not checked: the outputs' sum stands in; give --batch to run training_step)" in summed
+    assert main(["plan", *model, "--batch", "input_ids=int64[8,16]", "--batch", "labels=int64[8,16]"]) == 0
+    stepped = capsys.readouterr().out
+    assert "(training_step on --batch)" in stepped
+    assert _largest(stepped)["dawnpiper"] < _largest(summed)["dawnpiper"]
