@@ -191,16 +191,22 @@ def _given(*choices: Any) -> Any:
     return next((c for c in choices if c is not None), None)
 
 
-def _read_config(path: str) -> dict[str, Any]:
+def _read_mapping(option: str, path: str, not_one: str) -> dict[str, Any]:
+    """The mapping a YAML or JSON file (JSON is YAML) holds; ``not_one``: what to say when it holds none."""
     try:
         with open(path) as f:
-            config = yaml.safe_load(f) or {}
+            data = yaml.safe_load(f) or {}
     except OSError as err:
-        raise ValueError(f"cannot read --config {path!r}: {err.strerror}.") from None
+        raise ValueError(f"cannot read {option} {path!r}: {err.strerror}.") from None
     except yaml.YAMLError as err:
-        raise ValueError(f"--config {path!r} is not valid YAML: {err}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--config {path!r} is not a LightningCLI config: it has no model: or trainer: section.")
+        raise ValueError(f"{option} {path!r} is not valid YAML or JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{option} {path!r} {not_one}.")
+    return data
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    config = _read_mapping("--config", path, "is not a LightningCLI config: it has no model: or trainer: section")
     # A module next to the config, named by its class_path, imports as it would beside the script.
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     return config
@@ -246,14 +252,7 @@ def _from_config_json(cls: Any, path: str, file: str, init: dict[str, Any]) -> t
     if config_class is None or not hasattr(config_class, "from_dict"):
         raise ValueError(f"--config-json goes with a transformers model class (one with a config_class, such as "
                          f"transformers.GPT2LMHeadModel); {path} has none.")
-    try:
-        data = json.loads(Path(file).read_text())
-    except OSError as err:
-        raise ValueError(f"--config-json {file!r} cannot be read: {err.strerror}.") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--config-json {file!r} is not JSON: {err}.") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config-json {file!r} must hold a JSON object of {config_class.__name__}'s arguments.")
+    data = _read_mapping("--config-json", file, f"must hold a JSON object of {config_class.__name__}'s arguments")
     try:
         model = cls(config_class.from_dict({**data, **init}))
     except Exception as err:

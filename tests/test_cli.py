@@ -232,7 +232,7 @@ GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
      "--config-json goes with a transformers model class (one with a config_class, such as "
      "transformers.GPT2LMHeadModel); examples.models.GPT has none."),
     (["--model", "transformers.GPT2LMHeadModel", "--config-json", "no/such.json", "--devices", "2x1GiB"],
-     "--config-json 'no/such.json' cannot be read: No such file or directory."),
+     "cannot read --config-json 'no/such.json': No such file or directory."),
     (["--config", "no/such.yaml", "--devices", "2x1GiB"], "cannot read --config 'no/such.yaml': No such file"),
     (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "16"],
      "--devices '16': '16' has no unit"),
