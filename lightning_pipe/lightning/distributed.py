@@ -44,12 +44,15 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import batch_size, gather, scatter
+from lightning_pipe.graph.shapes import batch_shapes
 from lightning_pipe.graph.variants import Inputs, Variants, follow_balance, in_mode
 from lightning_pipe.internals import default_store, module_apply, tree_flatten, tree_map
 from lightning_pipe.lightning.check import UncheckableStepError, fake_rank_peak, unchecked_warning
 from lightning_pipe.lightning.engine import (
     Engine,
     check_buffer_writes,
+    check_follows,
+    check_microbatch,
     device_memory,
     policies_of,
     state_to_param_devices,
@@ -295,8 +298,16 @@ class DistributedEngine(Engine):
         check_balance_entries(self.options.balance, self.num_stages, self.options.virtual_stages)  # on every rank
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
-        planning = training and self.options.planner is not None and self.options.balance is None
-        plan = self._plan(captured, batch, batch_idx, (args, kwargs)) if planning else None
+        saved = self.options.plan
+        if saved is not None:  # on every rank, before any collective
+            if len(saved.balance) != stages:
+                raise ValueError(f"the plan has {len(saved.balance)} stages, this run {stages} ({self.num_stages} "
+                                 f"processes x {self.options.virtual_stages} virtual stages): plan for {stages}.")
+            check_follows(saved, captured)
+            if training:
+                check_microbatch(saved, batch_shapes(batch))
+        planning = training and self.options.planner is not None and self.options.balance is None and saved is None
+        plan = self._plan(captured, batch, batch_idx, (args, kwargs)) if planning else saved
         box: list[Any] = [None]
         if self.global_rank == 0:
             sample = scatter((args, kwargs), self.options.chunks)[0]

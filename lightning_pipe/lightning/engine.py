@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe.graph.capture import Captured, buffer_writes
+from lightning_pipe.graph.shapes import Shapes
 from lightning_pipe.internals import BatchNormBase
 from lightning_pipe.lightning.internals import PATH
 from lightning_pipe.lightning.options import PipeOptions
@@ -35,7 +36,10 @@ from lightning_pipe.runtime.build import Policy
 
 _T = TypeVar("_T")
 
-__all__ = ["Engine", "check_buffer_writes", "device_memory", "policies_of", "state_to_param_devices"]
+__all__ = [
+    "Engine", "check_buffer_writes", "check_follows", "check_microbatch", "device_memory", "policies_of",
+    "state_to_param_devices",
+]
 
 
 class Engine:
@@ -295,6 +299,45 @@ def check_buffer_writes(captured: Captured, module: nn.Module, chunks: int) -> N
 def policies_of(captured: Captured, plan: Plan) -> dict[str, Policy]:
     """The plan's recompute and swap choices by node name."""
     return {n.name: cast(Policy, p) for n, p in zip(captured.nodes, plan.policies) if p != "keep"}
+
+
+def check_follows(plan: Plan, captured: Captured) -> None:
+    """That a saved ``plan`` was made for this graph: the same nodes in the same order.
+
+    Raises:
+        ValueError: naming the first node that differs, or a plan that names none.
+    """
+    names = [n.name for n in captured.nodes]
+    if not plan.nodes:
+        raise ValueError("the plan names no graph nodes (a plan.json from an older lightning_pipe): plan again with "
+                         "lightning-pipe plan --out, or train without plan= to plan at the first batch.")
+    if plan.nodes == names:
+        return
+    at = next((k for k, (a, b) in enumerate(zip(plan.nodes, names)) if a != b), min(len(names), len(plan.nodes)))
+    theirs = plan.nodes[at] if at < len(plan.nodes) else "nothing"
+    ours = names[at] if at < len(names) else "nothing"
+    raise ValueError(
+        f"the plan was made for another graph: {len(plan.nodes)} nodes, this model's {len(names)}; node {at} is "
+        f"{theirs!r} in the plan and {ours!r} here. Plan this model again (lightning-pipe plan --out), or train "
+        f"without plan=."
+    )
+
+
+def check_microbatch(plan: Plan, shapes: Shapes) -> None:
+    """That a training batch's micro-batches are at most the size a saved ``plan`` was made
+    for: its predictions hold for that size, and it is never planned again.
+
+    Raises:
+        ValueError: naming the batch, the plan's size and the fix.
+    """
+    batch = max((shape[0] for shape in shapes.values() if shape), default=0)
+    microbatch = -(-batch // plan.chunks)
+    if microbatch > plan.microbatch_size:
+        raise ValueError(
+            f"a training batch of {batch} samples makes micro-batches of {microbatch} in {plan.chunks} chunks, but "
+            f"the plan was made for micro-batches of {plan.microbatch_size}: give batches of at most "
+            f"{plan.microbatch_size * plan.chunks} samples, or plan for this size (lightning-pipe plan --out)."
+        )
 
 
 def state_to_param_devices(optimizer: Optimizer) -> None:

@@ -104,7 +104,7 @@ class PipeOptions:
         if runtime == "distributed" and stages is not None:  # else the processes are counted at the first batch
             check_balance_entries(balance, stages, virtual_stages)
         _check_state_dict_type(runtime, state_dict_type)
-        saved = _check_plan(plan, balance, runtime, schedule, chunks)
+        saved = _check_plan(plan, balance, schedule, chunks)
         return cls(
             chunks=chunks, schedule=schedule, balance=balance, leaf_modules=list(leaf_modules or []), planner=planner,
             memory_limit=parse_limits(memory_limit), host_bandwidth=host_bandwidth, link_bandwidth=link_bandwidth,
@@ -116,8 +116,7 @@ class PipeOptions:
 
 
 def _check_plan(
-    plan: "str | os.PathLike[str] | None", balance: list[int] | None, runtime: Runtime, schedule: Schedule,
-    chunks: int,
+    plan: "str | os.PathLike[str] | None", balance: list[int] | None, schedule: Schedule, chunks: int
 ) -> Plan | None:
     """A saved plan to follow, read and checked against the settings it was made for."""
     if plan is None:
@@ -125,9 +124,6 @@ def _check_plan(
     saved = Plan.read(plan)
     if balance is not None:
         raise ValueError("give plan or balance, not both: a plan has its own split (plan.balance).")
-    if runtime != "local":
-        raise ValueError("plan applies to runtime='local' for now; under runtime='distributed' leave it unset (the "
-                         "strategy plans at the first batch).")
     if (saved.schedule, saved.chunks) != (schedule, chunks):
         raise ValueError(
             f"the plan was made for schedule={saved.schedule!r}, chunks={saved.chunks}, not schedule={schedule!r}, "

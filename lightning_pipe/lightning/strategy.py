@@ -107,7 +107,8 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
             training run's logger folder hold it) to train with exactly: its split and
             per-node choices, no profiling or planning, never planned again. The model's graph
             must be the one it was made for, and micro-batches at most its size (a clear error
-            names what differs). Local runtime.
+            names what differs); under ``runtime="distributed"`` one stage per process and
+            virtual stage.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend: as for Lightning's own strategies (``DDPStrategy``); the
             Trainer fills them in when they are not given. ``process_group_backend`` (default:

@@ -45,17 +45,18 @@ ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping
 
 
 def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages: int, metered: bool,
-        features: bool, virtual: int = 1) -> None:
+        features: bool, virtual: int = 1, saved: bool = False) -> None:
     """``metered``: plan (rank 0 profiles), measure memory and log per-stage metrics to a CSV
     logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
     and decay the learning rate every step (:func:`with_scheduler`). ``virtual``: stages per
-    process (Interleaved 1F1B)."""
+    process (Interleaved 1F1B). ``saved``: the plan ``out/saved-plan.json`` (written by the
+    test), followed as is."""
     model, data = _make(family)
     if features:
         with_scheduler(model)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
                                   planner="dawnpiper" if metered else None, measure_memory=metered,
-                                  virtual_stages=virtual)
+                                  virtual_stages=virtual, plan=out / "saved-plan.json" if saved else None)
     tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual > 1 else "")
     logger = CSVLogger(out, name=tag) if metered else False
     extra = {"accumulate_grad_batches": ACCUMULATE, "gradient_clip_val": CLIP} if features else {}
@@ -69,7 +70,8 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     rank = trainer.global_rank
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
     mesh = model.device_mesh
-    result = {"logged": logged, "mesh": list(mesh.shape)}
+    result = {"logged": logged, "mesh": list(mesh.shape), "balance": strategy.plan.balance if strategy.plan else None,
+              "policies": strategy.plan.policies if strategy.plan else None}
     if virtual > 1 and replicas == 1:  # evaluation through every rank's stages in turn (one replica: all data)
         result["val"] = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(result))
@@ -400,4 +402,5 @@ if __name__ == "__main__":
         else:
             family, schedule, stages, *flags = scenario.split(":")
             virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
-            fit(out, devices, steps, family, schedule, int(stages), "metered" in flags, "features" in flags, virtual)
+            fit(out, devices, steps, family, schedule, int(stages), "metered" in flags, "features" in flags, virtual,
+                "saved" in flags)

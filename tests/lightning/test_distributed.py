@@ -31,10 +31,13 @@ from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.lightning.distributed import DistributedEngine
 from lightning_pipe.plan.balance import balance_by_weight
+from lightning_pipe.plan.memory import StagePeak
+from lightning_pipe.plan.plan import Plan, StageReport
 from lightning_pipe.runtime.materialize import materialize
 from tests.lightning.distributed_fit import (
     ACCUMULATE,
     BATCH,
+    CHUNKS,
     CLIP,
     GAMMA,
     METRIC_STEPS,
@@ -117,9 +120,28 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    scenarios = [str(STEPS), *PP2, "2", "hf:1f1b:2:metered", str(STEPS), *DENOISER_PP2, str(METRIC_STEPS),
+    scenarios = [str(STEPS), *PP2, SAVED, "2", "hf:1f1b:2:metered", str(STEPS), *DENOISER_PP2, str(METRIC_STEPS),
                  "metrics:gpipe:2", "hooks", "features", "sharded", "empty", "exported"]
-    return _launch(tmp_path_factory.mktemp("two_ranks"), 2, *scenarios)
+    out = tmp_path_factory.mktemp("two_ranks")
+    (out / "saved-plan.json").write_text(_saved_plan().to_json())
+    return _launch(out, 2, *scenarios)
+
+
+SAVED = "gpt:1f1b:2:saved"  # the plan _saved_plan writes, followed as is
+
+
+def _saved_plan() -> Plan:
+    """A plan for the GPT family, as a dry run would save it: a split far from the even one,
+    the first stage's attention recomputed."""
+    model, _ = make("gpt")
+    names = [n.name for n in capture(model).nodes]
+    even = balance_by_weight(capture(model).param_bytes(), 2)
+    balance = [even[0] + 9, even[1] - 9]
+    policies = ["recompute" if i < balance[0] and "attn" in name else "keep" for i, name in enumerate(names)]
+    stages = [StageReport(0, balance[0], 0, StagePeak(0, 0, 0, 0), 1.0, 1.0, 0.0, 0.0, 0, 0),
+              StageReport(balance[0], len(names), 0, StagePeak(0, 0, 0, 0), 1.0, 1.0, 0.0, 0.0, 0, 0)]
+    return Plan("dawnpiper", "1f1b", [1 << 30] * 2, BATCH // CHUNKS, CHUNKS, None, balance, policies, stages, 1.0, 0.5,
+                nodes=names)
 
 
 def _reference(family: str, replicas: int, features: bool = False) -> dict[str, torch.Tensor]:
@@ -220,6 +242,16 @@ def test_pp4_and_pp2_dp2_equal_single_device(four_ranks):
     for key, value in _reference("gpt", 2, features=True).items():
         torch.testing.assert_close(state["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert state["lr_schedulers"][0]["last_epoch"] == STEPS
+
+
+@pytest.mark.slow
+def test_a_saved_plan_is_followed_by_every_rank_and_trains_as_one_device(two_ranks):
+    _check(two_ranks, 2, SAVED)
+    saved = _saved_plan()
+    for rank in range(2):
+        got = json.loads(two_ranks.path(f"gpt-1f1b-2-rank{rank}.json").read_text())
+        assert (got["balance"], got["policies"]) == (saved.balance, saved.policies)
+    assert "recompute" in saved.policies
 
 
 @pytest.mark.slow

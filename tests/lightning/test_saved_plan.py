@@ -93,7 +93,6 @@ def _images():
                             "schedule='1f1b', chunks=4 with it, or plan again."),
     ({"chunks": 2}, "the plan was made for schedule='1f1b', chunks=4, not schedule='1f1b', chunks=2"),
     ({"balance": [1, 1]}, "give plan or balance, not both"),
-    ({"runtime": "distributed"}, "plan applies to runtime='local' for now"),
 ])
 def test_settings_other_than_the_plans_are_named(kwargs, message, tmp_path):
     saved = tmp_path / "plan.json"
