@@ -79,7 +79,8 @@ def label(g: torch.Generator) -> Tensor:
 class Plain(LightningModule):
     """A plain LightningModule: ``net`` makes the loss from a tuple batch ``(x, y)``."""
 
-    def __init__(self, net: nn.Module, optimizer: str, loss: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy) -> None:
+    def __init__(self, net: nn.Module, optimizer: str,
+                 loss: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy) -> None:
         super().__init__()
         self.net, self.optimizer, self.loss = net, optimizer, loss
 
@@ -209,7 +210,8 @@ class UNet(nn.Module):
         widths = [base * 2**i for i in range(depth + 1)]
         self.down = nn.ModuleList([double_conv(1 if i == 0 else widths[i - 1], widths[i]) for i in range(depth)])
         self.bottom = double_conv(widths[depth - 1], widths[depth])
-        self.up = nn.ModuleList([nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2) for i in reversed(range(depth))])
+        self.up = nn.ModuleList([nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2)
+                                 for i in reversed(range(depth))])
         self.merge = nn.ModuleList([double_conv(2 * widths[i], widths[i]) for i in reversed(range(depth))])
         self.out = nn.Conv2d(base, classes, 1)
 
@@ -436,6 +438,14 @@ def fake_check(strategy: MemoryPipeStrategy, batch: Any) -> list[int]:
                       on_cpu=on_cpu, devices=devices)
 
 
+def relative(value: int, metered: int) -> float:
+    """(value - metered) / metered; a stage holding nothing (a planner may leave one empty):
+    0 where the value is also 0."""
+    if metered == 0:
+        return 0.0 if value == 0 else math.inf
+    return (value - metered) / metered
+
+
 def measure(name: str, schedule: str, memopt: str, limit: int | None, stages: int = STAGES) -> Row:
     """Train ``name`` two steps; the row has its three per-stage numbers, or its error."""
     family, row = FAMILIES[name], Row(name, schedule, memopt, stages, limit)
@@ -443,8 +453,7 @@ def measure(name: str, schedule: str, memopt: str, limit: int | None, stages: in
     try:
         torch.manual_seed(0)
         model = family.model()
-        strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, measure_memory=True,
-                                      **({} if limit is None else {"memory_limit": limit}))
+        strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, measure_memory=True, memory_limit=limit)
         first = FirstBatch()
         trainer = Trainer(accelerator="cpu", devices=stages, strategy=strategy, max_steps=STEPS, callbacks=[first],
                           logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -460,9 +469,9 @@ def measure(name: str, schedule: str, memopt: str, limit: int | None, stages: in
         row.metered_by_kind = [dict(s.peak_by_kind) for s in strategy.meter.stages]
         with quiet():
             row.fake = fake_check(strategy, first.batch)
-        row.predicted_error = [(p - m) / m for p, m in zip(row.predicted, row.metered)]
-        row.fake_error = [(f - m) / m for f, m in zip(row.fake, row.metered)]
-    except Exception as error:  # noqa: BLE001 - a failed run is a result
+        row.predicted_error = [relative(p, m) for p, m in zip(row.predicted, row.metered)]
+        row.fake_error = [relative(f, m) for f, m in zip(row.fake, row.metered)]
+    except Exception as error:  # a failed run is a result
         row.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
     row.seconds = round(time.perf_counter() - start, 2)
     return row
@@ -497,9 +506,17 @@ def run(families: Sequence[str], schedules: Sequence[str] = SCHEDULES, memopts: 
 
 
 def write(rows: Sequence[Row], out: Path, seconds: float) -> None:
+    """``rows`` into ``out``, replacing the rows there of the same family and schedule (a run of
+    some families keeps the others')."""
+    runs = {(r.family, r.schedule) for r in rows}
+    kept = json.loads(out.read_text())["rows"] if out.exists() else []
+    kept = [r for r in kept if (r["family"], r["schedule"]) not in runs]
+    order = list(FAMILIES)
+    merged = sorted([*kept, *map(asdict, rows)], key=lambda r: (order.index(r["family"]) if r["family"] in order
+                                                                 else len(order), SCHEDULES.index(r["schedule"])))
     meta = {"stages": STAGES, "chunks": CHUNKS, "batch": BATCH, "steps": STEPS, "limit_share": LIMIT,
-            "torch": torch.__version__, "seconds": round(seconds, 1)}
-    out.write_text(json.dumps({"settings": meta, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+            "torch": torch.__version__, "last_run_seconds": round(seconds, 1)}
+    out.write_text(json.dumps({"settings": meta, "rows": merged}, indent=1) + "\n")
 
 
 def worst(errors: Sequence[float]) -> float:
@@ -512,9 +529,13 @@ def header() -> str:
            "|---|---|---|---|---|---|---|---|---|"
 
 
+NONE = "\N{EN DASH}"  # no number: the run failed
+
+
 def line(row: Row) -> str:
     if row.error is not None:
-        return f"| {row.family} | {row.schedule} | {row.memopt} | – | – | – | – | – | {row.error.replace('|', '/')} |"
+        return (f"| {row.family} | {row.schedule} | {row.memopt} | {NONE} | {NONE} | {NONE} | {NONE} | {NONE} "
+                f"| {row.error.replace('|', '/')} |")
     over, under = max(0.0, max(row.predicted_error)), max(0.0, -min(row.predicted_error))
     return (f"| {row.family} | {row.schedule} | {row.memopt} | {row.balance} | {row.recomputed} | {over:.1%} "
             f"| {under:.1%} | {worst(row.fake_error):+.1%} | |")
@@ -530,7 +551,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown families {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
     start = time.perf_counter()
     run(args.families or list(FAMILIES), args.schedules)
-    print(f"\n{time.perf_counter() - start:.0f} s; rows in {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    print(f"\n{time.perf_counter() - start:.0f} s; rows in {RESULTS}")
 
 
 if __name__ == "__main__":
