@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -532,10 +533,21 @@ def header() -> str:
 NONE = "\N{EN DASH}"  # no number: the run failed
 
 
+def short(error: str) -> str:
+    """An error's first clause for the table (the JSON has it whole)."""
+    least = re.search(r"smallest peak any plan reaches with memory optimisation is (\d+) bytes on stage (\d+) "
+                      r"\(planning target (\d+)\)", error)
+    if least:
+        peak, stage, target = map(int, least.groups())
+        return f"{error.split(':')[0]}: least peak {peak:,} B on stage {stage} > target {target:,} B"
+    text = error.replace("|", "/").split(". ")[0]
+    return text if len(text) <= 110 else text[:107] + "..."
+
+
 def line(row: Row) -> str:
     if row.error is not None:
         return (f"| {row.family} | {row.schedule} | {row.memopt} | {NONE} | {NONE} | {NONE} | {NONE} | {NONE} "
-                f"| {row.error.replace('|', '/')} |")
+                f"| {short(row.error)} |")
     over, under = max(0.0, max(row.predicted_error)), max(0.0, -min(row.predicted_error))
     return (f"| {row.family} | {row.schedule} | {row.memopt} | {row.balance} | {row.recomputed} | {over:.1%} "
             f"| {under:.1%} | {worst(row.fake_error):+.1%} | |")
@@ -545,7 +557,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", metavar="family", help=f"of {', '.join(FAMILIES)} (default: all)")
     parser.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
+    parser.add_argument("--table", action="store_true", help=f"print the table of {RESULTS.name}; run nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        print(header())
+        for r in json.loads(RESULTS.read_text())["rows"]:
+            print(line(Row(**r)))
+        return
     unknown = set(args.families) - set(FAMILIES)
     if unknown:
         parser.error(f"unknown families {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
