@@ -50,10 +50,24 @@ class UncheckableStepError(Exception):
 
 
 def picks_kernel_by_device(captured: Captured) -> bool:
-    """Whether the graph calls an operator that picks its kernel by device (:data:`_BY_DEVICE`):
-    its check must run on fake tensors standing on the device (slower than ``meta`` ones)."""
-    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in _BY_DEVICE
-               for n in captured.graph_module.graph.nodes)
+    """Whether the graph calls an operator that picks its kernel by device (:data:`_BY_DEVICE`),
+    itself or inside a module it keeps whole (``nn.MultiheadAttention`` and the
+    ``nn.Transformer*`` layers call ``scaled_dot_product_attention``; a module of the user's
+    may call anything): its check must run on fake tensors standing on the device (slower
+    than ``meta`` ones)."""
+    modules = dict(captured.graph_module.named_modules())
+    for n in captured.graph_module.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", "") in _BY_DEVICE:
+            return True
+        if n.op == "call_module" and any(_may_pick_kernel(m) for m in modules[str(n.target)].modules()):
+            return True
+    return False
+
+
+def _may_pick_kernel(module: nn.Module) -> bool:
+    """A module whose forward may call an operator of :data:`_BY_DEVICE`: attention, or code
+    that is not ``torch.nn``'s (whose other layers call no such operator)."""
+    return isinstance(module, nn.MultiheadAttention) or not type(module).__module__.startswith("torch.")
 
 
 def unchecked_warning(why: str) -> str:
