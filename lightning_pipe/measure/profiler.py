@@ -396,8 +396,21 @@ def _time_node(runner: _NodeRunner, node: fx.Node, repeats: int, warmup: int) ->
     device = _device_of(node, runner)
     args, kwargs = _to(runner.fetch_args_kwargs_from_env(node), device)
     args, kwargs = tree_map(_fresh, (args, kwargs))
-    forward_ms = _median_ms(lambda: runner.call(node, args, kwargs), device, repeats, warmup)
-    out = runner.call(node, args, kwargs)
+
+    def run() -> Any:
+        return runner.call(node, args, kwargs)
+
+    try:
+        forward_ms = _median_ms(run, device, repeats, warmup)
+    except RuntimeError as error:
+        if "leaf Variable that requires grad" not in str(error):
+            raise
+
+        def run() -> Any:  # an in-place node (relu_, ReLU(inplace=True)): it writes to a copy per call
+            return runner.call(node, *tree_map(_through, (args, kwargs)))
+
+        forward_ms = _median_ms(run, device, repeats, warmup)
+    out = run()
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad]
     if not outs:
         return forward_ms, 0.0
@@ -412,6 +425,12 @@ def _time_node(runner: _NodeRunner, node: fx.Node, repeats: int, warmup: int) ->
         torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
 
     return forward_ms, _median_ms(backward, device, repeats, warmup)
+
+
+def _through(x: Any) -> Any:
+    # A copy that is not a leaf, so that an in-place operator may write to it, with the
+    # gradient flowing back to the leaf the backward is timed for.
+    return x.clone() if isinstance(x, Tensor) and x.requires_grad else x
 
 
 def _fresh(x: Any) -> Any:

@@ -41,6 +41,28 @@ def test_bytes_of_a_small_mlp_are_exact():
     assert all(n.forward_ms > 0 for n in p.nodes) and l0.backward_ms > 0
 
 
+class _InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.act, self.l1 = nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.l0(x)
+        h.mul_(2.0)  # the linear keeps its input, not its output: free to change
+        return self.l1(self.act(h).view(8, 32))
+
+
+def test_in_place_nodes_are_timed_forward_and_backward():
+    """Each node runs on fresh leaf copies of its inputs; an in-place one (ReLU(inplace=True),
+    mul_) would write to a leaf that requires grad, which autograd refuses: it writes to a copy."""
+    torch.manual_seed(0)
+    model = _InPlace()
+    p = profile_graph(capture(model), (torch.randn(8, 16),))
+    assert [n.name for n in p.nodes] == ["l0", "mul_", "act", "view", "l1"]
+    by_name = {n.name: n for n in p.nodes}
+    assert by_name["act"].backward_ms > 0 and by_name["mul_"].backward_ms > 0 and by_name["act"].forward_ms > 0
+
+
 def test_profiling_leaves_the_model_alone():
     model = UNet()
     captured = capture(model)
