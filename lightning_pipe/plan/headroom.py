@@ -19,8 +19,7 @@ from lightning_pipe.plan.plan import (
     PREDICTION_ERROR,
     InfeasiblePlanError,
     Plan,
-    make_plan,
-    max_microbatch,
+    largest_plan,
 )
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
@@ -105,8 +104,8 @@ def checked_largest_plan(profile: Profile, request: PlanRequest, check: Check) -
     """
 
     def largest(targets: list[int]) -> Plan:
-        at_targets = replace(request, capacities=targets)
-        return make_plan(profile.scaled(max_microbatch(profile, at_targets)), at_targets)
+        # made on what the search's probe of the largest size priced, not afresh at that size
+        return largest_plan(profile, replace(request, capacities=targets))
 
     return checked(largest, request.capacities, check)
 

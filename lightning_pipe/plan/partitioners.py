@@ -262,12 +262,14 @@ def _dawnpiper_fitting(stages: Stages) -> Iterator[list[int]]:
     :class:`~lightning_pipe.plan.plan.InfeasiblePlanError` reports: so a plan is refused only
     when that split does not fit either)."""
     searches = [stages, stages.kept()] if stages.optimise_memory else [stages]
-    candidates = [bisected(m) for m in searches] + [split(name, stages) for name in BASELINES]
-    found = False
-    for balance in dict.fromkeys(map(tuple, candidates)):
-        if stages.fits(balance):
+    # each split made only once the ones before are priced: a search over sizes stops at the first that fits
+    candidates = itertools.chain((bisected(m) for m in searches), (split(name, stages) for name in BASELINES))
+    found, seen = False, set()
+    for balance in map(tuple, candidates):
+        if balance not in seen and stages.fits(balance):
             found = True
             yield list(balance)
+        seen.add(balance)
     if found or reachable(stages) is None:  # else no split comes near fitting
         return
     for m in searches:
