@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import lightning_pipe.plan.plan as plan_module
 from lightning_pipe.plan.plan import max_microbatch, plan_fits
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
@@ -51,13 +50,13 @@ def reference(profile: Profile, request: PlanRequest, at_least: int = 1) -> tupl
 def searched(monkeypatch, profile: Profile, request: PlanRequest, at_least: int = 1) -> tuple[int, list[int]]:
     """:func:`max_microbatch` and the sizes it probed, in order."""
     probed: list[int] = []
-    probe = plan_module._probed
+    scale = Profile.scaled
 
-    def recorded(scaled: Profile, asked: PlanRequest):
-        probed.append(scaled.microbatch_size)
-        return probe(scaled, asked)
+    def recorded(self: Profile, size: int) -> Profile:  # each probe prices the profile at its size once
+        probed.append(size)
+        return scale(self, size)
 
-    monkeypatch.setattr(plan_module, "_probed", recorded)
+    monkeypatch.setattr(Profile, "scaled", recorded)
     size = max_microbatch(profile, request, at_least=at_least)
     monkeypatch.undo()
     return size, probed
