@@ -1,4 +1,6 @@
 """LightningCLI entry point: every MemoryPipeStrategy argument is settable from YAML or flags.
+The configs name the model and the data module by class path (``lightning-pipe plan --config``
+reads both: the data module's first batch is what its checks run ``training_step`` on).
 
     python examples/cli.py fit --config examples/configs/gpt.yaml
     python examples/cli.py fit --config examples/configs/gpt.yaml --trainer.strategy.chunks=8
@@ -16,12 +18,10 @@ from lightning.pytorch.cli import LightningCLI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning_pipe.lightning.strategy  # noqa: F401  (registers the "memory_pipe" strategy name)
-from examples.models import SyntheticData
 
 
 def main(args: list[str] | None = None) -> LightningCLI:
     return LightningCLI(
-        datamodule_class=SyntheticData,
         trainer_defaults={"default_root_dir": os.path.join("lightning_logs", "cli")},
         save_config_kwargs={"overwrite": True},  # the same folder on every run without a logger
         args=args,

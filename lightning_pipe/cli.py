@@ -15,7 +15,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -62,7 +62,9 @@ class _Setup:
     leaf_modules: list[str]
     device: DeviceSpec | None = None  # a named GPU: times estimated for it
     link_bandwidth: float | None = None
-    batch: Any = None  # the training batch (--batch): the checks run training_step on it
+    batch: Any = None  # the training batch: the checks run training_step on it
+    batch_from: str = "--batch"  # where the batch came from, for the header
+    config: dict[str, Any] = field(default_factory=dict)  # the LightningCLI config (--config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--config-json", help="a Hugging Face config as JSON (a file such as config.json): --model "
                                             "names a transformers model class, built from it without a wrapper, "
                                             "e.g. --model transformers.GPT2LMHeadModel --config-json cfg.json")
-    plan.add_argument("--config", help="a LightningCLI YAML: model.class_path and model.init_args name the model; "
+    plan.add_argument("--config", help="a LightningCLI YAML: model.class_path and model.init_args name the model, "
+                                       "data.class_path and data.init_args the training batch; "
                                        "trainer.devices and trainer.strategy.init_args give the settings below")
     plan.add_argument("--input", action="append", default=[], metavar="NAME=DTYPE[SHAPE]",
                       help="a forward argument of the whole batch, e.g. image=float32[16,3,32,32] or "
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="a tensor of the training batch training_step takes, by its path in the batch: "
                            "input_ids=int64[16,64] for a dict, 0=... and 1=... for a tuple, batch=... for one "
                            "tensor; repeat for more. With it each plan's check runs the model's own training_step "
-                           "(its loss, as training does); without, the outputs' sum is the loss")
+                           "(its loss, as training does). Default with --config: the first batch of the config's "
+                           "data module (data.class_path); without either, the outputs' sum is the loss")
     plan.add_argument("--devices", help="each stage device's memory limit, with a unit: 4x16GiB or 16GiB,16GiB,8GiB; "
                                         f"or COUNTxGPU, one of {', '.join(DEVICES)}: 8xA100-40GB. "
                                         "Default with --config: trainer.devices x the strategy's memory_limit")
@@ -106,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         setup = _setup(args)
         sample_args, sample_kwargs = _microbatch(setup, args.input)
         if args.batch:
-            setup.batch = _training_batch(setup, args.batch)
+            given = "--batch " + " --batch ".join(args.batch)
+            setup.batch = _training_batch(setup, _described_batch(args.batch), given)
+        elif hasattr(setup.model, "training_step") and (batch := _config_batch(setup.config, args.config)) is not None:
+            setup.batch = _training_batch(setup, batch, f"the data module of {args.config}")
+            setup.batch_from = "the config's data module"
         # The training graph, as the strategy plans it; torch.export captures what fx cannot.
         captured = capture(setup.model.train(), setup.leaf_modules, example_inputs=(sample_args, sample_kwargs))
     except (ValueError, CaptureError) as err:
@@ -120,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         for done, name in enumerate(PARTITIONERS, 1):
             results.append((name, _plan(profile, name, setup, partial(_fake_peaks, setup, captured))))
             advance(done, len(PARTITIONERS))
-    loss = ("training_step on --batch" if setup.batch is not None
-            else "loss not checked: the outputs' sum stands in; give --batch to run training_step")
+    loss = (f"training_step on {setup.batch_from}" if setup.batch is not None
+            else "loss not checked: the outputs' sum stands in; give --batch, or a config with a data module, "
+                 "to run training_step")
     where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
     print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
           f"{profile.microbatch_size}; "
@@ -163,7 +172,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
             raise ValueError(f"{name} must be a positive number of bytes per second, got {rate!r}.")
     check_settings(chunks, schedule, host_bandwidth, link_bandwidth)
     return _Setup(path, model, _inputs(args.input, model, path), limits, chunks, schedule, host_bandwidth,
-                  list(settings.get("leaf_modules") or []), device, link_bandwidth)
+                  list(settings.get("leaf_modules") or []), device, link_bandwidth, config=config)
 
 
 def _limits(
@@ -293,15 +302,19 @@ def _inputs(specs: list[str], model: torch.nn.Module, path: str) -> tuple[tuple[
     kwargs: dict[str, Any] = {}
     for spec in specs:
         name, value = _tensor(spec, "--input")
-        *parents, leaf = name.split(".")
         if not any_name and name.split(".")[0] not in parameters:
             raise ValueError(f"--input {spec!r}: {path}.forward has no argument {name.split('.')[0]!r}; "
                              f"its arguments are {', '.join(parameters)}.")
-        target = kwargs
-        for parent in parents:
-            target = target.setdefault(parent, {})
-        target[leaf] = value
+        _nest(kwargs, name, value)
     return (), kwargs
+
+
+def _nest(tree: dict[str, Any], path: str, value: torch.Tensor) -> None:
+    """Put ``value`` at the dotted ``path`` of ``tree`` (``batch.input_ids``: a dict argument's key)."""
+    *parents, leaf = path.split(".")
+    for parent in parents:
+        tree = tree.setdefault(parent, {})
+    tree[leaf] = value
 
 
 def _tensor(spec: str, option: str) -> tuple[str, torch.Tensor]:
@@ -405,34 +418,49 @@ def _training_step(model: torch.nn.Module, forward: Callable[..., Any], microbat
     return cast(torch.Tensor, returned["loss"] if isinstance(returned, dict) else returned)
 
 
-def _training_batch(setup: _Setup, specs: list[str]) -> Any:
-    """The training batch ``--batch`` describes, after checking that ``training_step`` runs on
-    its first micro-batch and returns a loss."""
+def _described_batch(specs: list[str]) -> Any:
+    """The training batch ``--batch`` describes: one tensor, a tuple or a (nested) dict."""
+    tensors = dict(_tensor(spec, "--batch") for spec in specs)
+    if set(tensors) == {"batch"}:
+        return tensors["batch"]
+    if all(name.isdigit() for name in tensors):
+        return tuple(tensors[str(k)] for k in range(len(tensors)))
+    batch: dict[str, Any] = {}
+    for name, value in tensors.items():
+        _nest(batch, name, value)
+    return batch
+
+
+def _config_batch(config: dict[str, Any], path: str) -> Any:
+    """The first training batch of the config's data module (``data.class_path``), or ``None``
+    where the config names none. Only its tensors' shapes and dtypes are used."""
+    section = config.get("data")
+    if not isinstance(section, dict) or "class_path" not in section:
+        return None
+    cls = _class(section["class_path"])
+    try:
+        data = cls(**(section.get("init_args") or {}))
+        data.prepare_data()
+        data.setup("fit")
+        return next(iter(data.train_dataloader()))
+    except Exception as err:
+        raise ValueError(f"{path}'s data module {section['class_path']} gives no training batch: "
+                         f"{type(err).__name__}: {err}. Check data.init_args, or give the batch with "
+                         f"--batch.") from None
+
+
+def _training_batch(setup: _Setup, batch: Any, given: str) -> Any:
+    """``batch`` (``given``: where it came from), after checking that the model's
+    ``training_step`` runs on its first micro-batch and returns a loss."""
     if not callable(getattr(setup.model, "training_step", None)):
         raise ValueError(f"--batch goes with a LightningModule: {setup.path} has no training_step.")
-    tensors = {}
-    for spec in specs:
-        name, value = _tensor(spec, "--batch")
-        tensors[name] = value
-    if set(tensors) == {"batch"}:
-        batch: Any = tensors["batch"]
-    elif all(name.isdigit() for name in tensors):
-        batch = tuple(tensors[str(k)] for k in range(len(tensors)))
-    else:
-        batch = {}
-        for name, value in tensors.items():
-            *parents, leaf = name.split(".")
-            target = batch
-            for parent in parents:
-                target = target.setdefault(parent, {})
-            target[leaf] = value
     microbatch = scatter(((batch,), {}), setup.chunks)[0][0][0]
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             loss = _training_step(setup.model, setup.model.forward, microbatch)
     except Exception as err:
-        raise ValueError(f"{setup.path}.training_step fails on a micro-batch of --batch {' --batch '.join(specs)}: "
+        raise ValueError(f"{setup.path}.training_step fails on a micro-batch of {given}: "
                          f"{type(err).__name__}: {err}.") from None
     finally:
         vars(setup.model).pop("forward", None)  # the class's forward again

@@ -155,7 +155,22 @@ def test_lightning_pipe_plan_command_line_overrides_the_config(capsys):
 
     assert main(["plan", "--config", "examples/configs/gpt.yaml", "--input", "batch.input_ids=int64[8,16]",
                  "--devices", "16MiB,16MiB,8MiB,8MiB", "--schedule", "gpipe", "--chunks", "2"]) == 0
-    assert "4 stages, gpipe, 2 micro-batches; memory limit 16.0MiB, 16.0MiB, 8.0MiB, 8.0MiB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "4 stages, gpipe, 2 micro-batches; memory limit 16.0MiB, 16.0MiB, 8.0MiB, 8.0MiB" in out
+    assert "(training_step on the config's data module)" in out  # data.class_path gives the training batch
+
+
+def test_a_config_whose_data_module_gives_no_batch_is_named(tmp_path, capsys):
+    from lightning_pipe.cli import main
+
+    config = (ROOT / "examples/configs/gpt.yaml").read_text().replace("family: gpt", "family: words")
+    (tmp_path / "bad.yaml").write_text(config)
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", "--config", str(tmp_path / "bad.yaml"), "--input", "batch.input_ids=int64[8,16]"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "bad.yaml's data module examples.models.SyntheticData gives no training batch: ValueError: family must be" \
+           in err and "Check data.init_args, or give the batch with --batch." in err
 
 
 @pytest.mark.slow
@@ -294,7 +309,8 @@ def test_with_the_training_batch_each_check_runs_training_step_and_sees_its_loss
              "--input", "batch.input_ids=int64[8,16]", "--devices", "2x1MiB", "--chunks", "4"]
     assert main(["plan", *model]) == 0
     summed = capsys.readouterr().out
-    assert "(loss not checked: the outputs' sum stands in; give --batch to run training_step)" in summed
+    assert ("(loss not checked: the outputs' sum stands in; give --batch, or a config with a data module, to run "
+            "training_step)") in summed
     assert main(["plan", *model, "--batch", "input_ids=int64[8,16]", "--batch", "labels=int64[8,16]"]) == 0
     stepped = capsys.readouterr().out
     assert "(training_step on --batch)" in stepped

@@ -113,7 +113,8 @@ def _launch(out: Path, devices: int, *scenarios: str, torchrun: bool = False) ->
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     # (a memory run needs two steps: the second has the first's optimizer state)
-    return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, "2", "hf:1f1b:4:metered", str(STEPS), "gpt:1f1b:2:features",
+    return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, "2", "hf:1f1b:4:metered",
+                   str(STEPS), "gpt:1f1b:2:features",
                    *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
 

@@ -214,13 +214,11 @@ def test_sum_reduced_loss_matches_single_device(schedule):
 def test_loss_reduction_is_checked_and_typed_for_the_cli(tmp_path, capsys):
     from lightning.pytorch.cli import LightningCLI
 
-    from examples.models import SyntheticData
-
     with pytest.raises(ValueError, match=r"loss_reduction must be 'mean'.*or 'sum'"):
         MemoryPipeStrategy(loss_reduction="total")
     args = ["--config", "examples/configs/unet.yaml", f"--trainer.default_root_dir={tmp_path}"]
-    cli = LightningCLI(datamodule_class=SyntheticData, run=False, args=[*args, "--trainer.strategy.loss_reduction=sum"])
+    cli = LightningCLI(run=False, args=[*args, "--trainer.strategy.loss_reduction=sum"])
     assert cli.trainer.strategy.options.loss_reduction == "sum"
     with pytest.raises(SystemExit):
-        LightningCLI(datamodule_class=SyntheticData, run=False, args=[*args, "--trainer.strategy.loss_reduction=total"])
+        LightningCLI(run=False, args=[*args, "--trainer.strategy.loss_reduction=total"])
     assert "loss_reduction" in capsys.readouterr().err
