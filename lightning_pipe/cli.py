@@ -42,7 +42,7 @@ from lightning_pipe.runtime.build import Policy
 from lightning_pipe.runtime.fake import fake_training, meta_copy
 from lightning_pipe.units import format_bytes, parse_bytes
 
-__all__ = ["main"]
+__all__ = ["PRECISIONS", "Precision", "main", "resolve_precision"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
@@ -220,7 +220,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     trainer = config.get("trainer") or {}
     strategy = trainer.get("strategy")
     settings = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
-    precision = _precision(args.precision, trainer.get("precision"), args.config)
+    precision = resolve_precision(args.precision, trainer.get("precision"), args.config)
     path, model = _model(args, config)
     model = precision.convert(model)
     chunks = args.chunks if args.chunks is not None else settings.get("chunks", _CHUNKS)
@@ -238,7 +238,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
                   host_bandwidth, list(settings.get("leaf_modules") or []), precision, device, link_bandwidth)
 
 
-def _precision(given: str | None, configured: Any, config: str | None) -> Precision:
+def resolve_precision(given: str | None, configured: Any, config: str | None) -> Precision:
     """The command line's precision, else the config's ``trainer.precision``, else ``32-true``."""
     if given is not None:
         return PRECISIONS[given]  # (argparse checked it)

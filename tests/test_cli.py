@@ -334,8 +334,8 @@ def test_the_precision_comes_from_the_config_and_an_unknown_one_exits_2(capsys, 
     with pytest.raises(SystemExit) as info:
         main([*gpt, "--precision", "bf16"])
     assert info.value.code == 2
-    assert "argument --precision: invalid choice: 'bf16' (choose from '32-true', 'bf16-mixed', '16-mixed', 'bf16-true')" in (
-        capsys.readouterr().err)
+    choices = "'32-true', 'bf16-mixed', '16-mixed', 'bf16-true'"
+    assert f"argument --precision: invalid choice: 'bf16' (choose from {choices})" in capsys.readouterr().err
     config = tmp_path / "config.yaml"
     config.write_text("trainer:\n  precision: 64-true\n")
     with pytest.raises(SystemExit) as info:
@@ -343,8 +343,8 @@ def test_the_precision_comes_from_the_config_and_an_unknown_one_exits_2(capsys, 
     assert info.value.code == 2
     assert ("trainer.precision in " + str(config) + " is '64-true', which a dry run cannot plan for: give --precision, "
             "one of 32-true, bf16-mixed, 16-mixed, bf16-true.") in capsys.readouterr().err
-    from lightning_pipe.cli import PRECISIONS, _precision
+    from lightning_pipe.cli import PRECISIONS, resolve_precision
 
-    assert _precision(None, "bf16", "c.yaml") is PRECISIONS["bf16-mixed"]  # Lightning's older names
-    assert _precision(None, 32, "c.yaml") is PRECISIONS["32-true"]
-    assert _precision("bf16-true", "16-mixed", "c.yaml") is PRECISIONS["bf16-true"]  # the command line's first
+    assert resolve_precision(None, "bf16", "c.yaml") is PRECISIONS["bf16-mixed"]  # Lightning's older names
+    assert resolve_precision(None, 32, "c.yaml") is PRECISIONS["32-true"]
+    assert resolve_precision("bf16-true", "16-mixed", "c.yaml") is PRECISIONS["bf16-true"]  # the command line's first

@@ -63,8 +63,9 @@ def probe_step(
     leaf the profiler made. ``devices``: the CUDA devices whose random state to restore;
     ``precision``: the Trainer's, whose step context (autocast under ``bf16-mixed``) the step
     runs in as in training, so that the profile its ``self(...)`` makes sees the activations'
-    dtype training makes (half the bytes of fp32 under bf16); ``grad``: whether to build the loss's graph at all (else only what runs up to
-    ``self(...)`` matters: an exception raised there ends the probe)."""
+    dtype training makes (half the bytes of fp32 under bf16); ``grad``: whether to build the
+    loss's graph at all (else only what runs up to ``self(...)`` matters: an exception raised
+    there ends the probe)."""
     cuda = [d for d in devices if d.type == "cuda"]
     with (
         torch.random.fork_rng(cuda), torch.set_grad_enabled(grad), silenced(module), meter,
