@@ -164,8 +164,7 @@ class Profile:
                 made_bytes=scale_but(n.made_bytes, n.cast_bytes),
                 held_bytes=scale(n.held_bytes),
                 saved_inputs_bytes=scale(n.saved_inputs_bytes),
-                # (the gradient of a parameter's copy is the copy's size too)
-                backward_bytes=scale_but(n.backward_bytes, n.grad_bytes + n.cast_bytes),
+                backward_bytes=scale_but(n.backward_bytes, n.grad_bytes),
                 output_grad_bytes=scale(n.output_grad_bytes),
                 input_grad_bytes=scale(n.input_grad_bytes),
                 forward_ms=n.forward_ms * f,
