@@ -42,9 +42,8 @@ def test_bf16_mixed_planning_predicts_the_bf16_runs_metered_peaks(name):
     assert max(map(abs, errors)) <= TOLERANCE, [f"{e:+.1%}" for e in errors]
 
 
-@pytest.mark.parametrize("name", [
-    "gpt", pytest.param("unet", marks=pytest.mark.slow), pytest.param("encdec", marks=pytest.mark.slow),
-])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
 def test_bf16_true_planning_predicts_the_bf16_runs_metered_peaks(name):
     errors = _errors(_fit(name, "bf16-true"))
     assert max(map(abs, errors)) <= TOLERANCE, [f"{e:+.1%}" for e in errors]
