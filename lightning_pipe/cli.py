@@ -4,7 +4,8 @@ dry run before renting GPUs. Stages are planned as in training: to each device's
 limit, less the memory model's error where a training step of the plan on fake tensors
 measures one. For a named GPU the profile is made on fake tensors, its times
 estimated for that GPU, and its memory, host link and link between stages come from its
-datasheet."""
+datasheet. ``--precision`` (the Trainer's, or the config's ``trainer.precision``) plans the
+bytes of that precision: see :class:`Precision`."""
 
 import argparse
 import importlib
@@ -14,7 +15,8 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -40,12 +42,75 @@ from lightning_pipe.runtime.build import Policy
 from lightning_pipe.runtime.fake import fake_training, meta_copy
 from lightning_pipe.units import format_bytes, parse_bytes
 
-__all__ = ["main"]
+__all__ = ["PRECISIONS", "Precision", "main", "resolve_precision"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 # MemoryPipeStrategy's defaults, so that a plan made without a setting is the one training makes.
 _CHUNKS, _SCHEDULE = 4, "gpipe"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A Trainer precision as the dry run plans it, doing what Lightning's precision plugins
+    do (this module may not import Lightning): under ``*-mixed`` the parameters, their
+    gradients and the optimizer's state stay float32 (master weights) and each step runs
+    under autocast; under ``bf16-true`` the model and the batch's floating tensors are
+    bfloat16 (and so its gradients and optimizer state), and tensors a step makes default to
+    it. ``16-mixed``'s grad scaler adds only a scale and a step counter per device (scalars)
+    and unscales the gradients in place: no bytes to plan.
+
+    Autocast is the CPU's, for a named GPU too: ``torch.autocast("cuda")`` needs PyTorch
+    built with CUDA and a GPU (without, it disables itself and casts nothing), and fake
+    tensors cannot stand on a CUDA device without them. The CPU's policy casts the
+    operators that hold most activations (matrix products, convolutions, attention) as
+    CUDA's does; what CUDA's policy runs in float32 (layer and group norm, softmax, the
+    losses) it leaves in the lower precision, so those outputs may take up to twice the
+    planned bytes on a GPU, which the plan's check does not see either."""
+
+    name: str
+    autocast: torch.dtype | None  # the lower precision autocast runs in; None: no autocast
+    params: torch.dtype
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """The context a training step (forward, loss) runs in, as Lightning's plugin's
+        ``train_step_context``."""
+        if self.autocast is not None:
+            with torch.autocast("cpu", dtype=self.autocast, cache_enabled=False):  # (Lightning's setting)
+                yield
+            return
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.params)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+    def convert(self, value: Any) -> Any:
+        """``value``'s floating tensors in the parameters' dtype under ``bf16-true``, as
+        Lightning converts the model and each batch; unchanged otherwise."""
+        if self.autocast is not None or self.params == torch.float32:
+            return value
+        if isinstance(value, torch.nn.Module):
+            return value.to(dtype=self.params)
+        return tree_map(lambda t: t.to(self.params) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                        value)
+
+    def describe(self) -> str:
+        if self.autocast is not None:
+            return (f"precision {self.name} (CPU autocast to {_dtype(self.autocast)}; parameters, gradients and "
+                    f"optimizer state float32)")
+        return f"precision {self.name} (parameters, activations, gradients and optimizer state {_dtype(self.params)})"
+
+
+#: The precisions the dry run plans for, by the Trainer's names.
+PRECISIONS = {p.name: p for p in (
+    Precision("32-true", None, torch.float32), Precision("bf16-mixed", torch.bfloat16, torch.float32),
+    Precision("16-mixed", torch.float16, torch.float32), Precision("bf16-true", None, torch.bfloat16),
+)}
+#: Lightning's older names for them, which a config may hold.
+_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
 
 @dataclass
@@ -60,6 +125,7 @@ class _Setup:
     schedule: Schedule
     host_bandwidth: float | None
     leaf_modules: list[str]
+    precision: Precision
     device: DeviceSpec | None = None  # a named GPU: times estimated for it
     link_bandwidth: float | None = None
     batch: Any = None  # the training batch: the checks run training_step on it
@@ -100,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--memory-limit", help="with a named GPU, each stage's memory limit instead of the GPU's memory")
     plan.add_argument("--chunks", type=int, help=f"micro-batches per batch (default {_CHUNKS})")
     plan.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {_SCHEDULE})")
+    plan.add_argument("--precision", choices=PRECISIONS, help="the Trainer's precision the plan is for: activations, "
+                                                              "parameters and optimizer state in its dtypes (default "
+                                                              "with --config: trainer.precision, else 32-true)")
     plan.add_argument("--host-bandwidth", type=float, help="bytes/s to host memory; allows swap (default: a named "
                                                            "GPU's host link, else none)")
     plan.add_argument("--link-bandwidth", type=float, help="bytes/s between stage devices (default: a named GPU's "
@@ -120,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, CaptureError) as err:
         plan.error(str(err))
     with progress_bar() as bar:
-        profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
-                                fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
-                                progress=tracker(bar, "profiling nodes", len(captured.nodes)))
+        with setup.precision.step():
+            profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
+                                    fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
+                                    progress=tracker(bar, "profiling nodes", len(captured.nodes)))
         advance = tracker(bar, "planning", len(PARTITIONERS))
         results = []
         for done, name in enumerate(PARTITIONERS, 1):
@@ -134,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
     print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
           f"{profile.microbatch_size}; "
-          f"{len(setup.limits)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
+          f"{setup.precision.describe()}; {len(setup.limits)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
           f"memory limit {_sizes(setup.limits)}, each plan checked by a training step on fake tensors ({loss}) "
           f"and planned below the limit by the error that measures; host link "
           f"{_rate(setup.host_bandwidth)}, link between stages {_rate(setup.link_bandwidth)}; "
@@ -159,7 +229,9 @@ def _setup(args: argparse.Namespace) -> _Setup:
     trainer = config.get("trainer") or {}
     strategy = trainer.get("strategy")
     settings = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    precision = resolve_precision(args.precision, trainer.get("precision"), args.config)
     path, model = _model(args, config)
+    model = precision.convert(model)
     chunks = args.chunks if args.chunks is not None else settings.get("chunks", _CHUNKS)
     schedule = args.schedule or settings.get("schedule", _SCHEDULE)
     device, limits = _limits(args, trainer, settings)
@@ -171,8 +243,26 @@ def _setup(args: argparse.Namespace) -> _Setup:
         if rate is not None and not isinstance(rate, (int, float)):
             raise ValueError(f"{name} must be a positive number of bytes per second, got {rate!r}.")
     check_settings(chunks, schedule, host_bandwidth, link_bandwidth)
-    return _Setup(path, model, _inputs(args.input, model, path), limits, chunks, schedule, host_bandwidth,
-                  list(settings.get("leaf_modules") or []), device, link_bandwidth, config=config)
+    return _Setup(path, model, precision.convert(_inputs(args.input, model, path)), limits, chunks, schedule,
+                  host_bandwidth, list(settings.get("leaf_modules") or []), precision, device, link_bandwidth,
+                  config=config)
+
+
+def resolve_precision(given: str | None, configured: Any, config: str | None) -> Precision:
+    """The command line's precision, else the config's ``trainer.precision``, else ``32-true``."""
+    if given is not None:
+        return PRECISIONS[given]  # (argparse checked it)
+    if configured is None:
+        return PRECISIONS["32-true"]
+    name = _ALIASES.get(str(configured), str(configured))
+    if name not in PRECISIONS:
+        raise ValueError(f"trainer.precision in {config} is {configured!r}, which a dry run cannot plan for: give "
+                         f"--precision, one of {', '.join(PRECISIONS)}.")
+    return PRECISIONS[name]
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _limits(
@@ -333,7 +423,7 @@ def _microbatch(setup: _Setup, specs: list[str]) -> tuple[tuple[Any, ...], dict[
     shape fails here with the inputs named, not deep inside the profiler."""
     sample_args, sample_kwargs = scatter(setup.inputs, setup.chunks)[0]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), setup.precision.step():
             setup.model(*sample_args, **sample_kwargs)
     except Exception as err:
         given = "--input " + " --input ".join(specs) if specs else "its example_input_array"
@@ -400,12 +490,19 @@ def _fake_peaks(setup: _Setup, captured: Captured, plan: Plan) -> list[int]:
     size = plan.microbatch_size * plan.chunks
     batch = tree_map(lambda t: torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta")
                      if isinstance(t, torch.Tensor) else t, setup.inputs if setup.batch is None else setup.batch)
-    step = _output_sum if setup.batch is None else partial(_training_step, model)
+    loss = _output_sum if setup.batch is None else partial(_training_step, model)
+
+    def step(forward: Callable[..., Any], microbatch: Any) -> torch.Tensor:
+        with setup.precision.step():
+            return loss(forward, microbatch)
+
     policies = {n.name: cast(Policy, p) for n, p in zip(graph.nodes, plan.policies) if p != "keep"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer
+        # (CPU autocast casts fake tensors standing on the CPU, not meta ones)
         meter = fake_training(model, graph, batch, step, optimizer, plan.balance, policies,
-                              schedule=cast(Schedule, plan.schedule), chunks=plan.chunks)
+                              schedule=cast(Schedule, plan.schedule), chunks=plan.chunks,
+                              tensors="meta" if setup.precision.autocast is None else "cpu")
     return meter.peaks()
 
 
@@ -454,9 +551,10 @@ def _training_batch(setup: _Setup, batch: Any, given: str) -> Any:
     ``training_step`` runs on its first micro-batch and returns a loss."""
     if not callable(getattr(setup.model, "training_step", None)):
         raise ValueError(f"--batch goes with a LightningModule: {setup.path} has no training_step.")
+    batch = setup.precision.convert(batch)
     microbatch = scatter(((batch,), {}), setup.chunks)[0][0][0]
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), setup.precision.step():
             warnings.simplefilter("ignore")
             loss = _training_step(setup.model, setup.model.forward, microbatch)
     except Exception as err:

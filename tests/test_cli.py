@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightning_pipe import MemoryPipeStrategy
+from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.plan import Plan
 from lightning_pipe.units import parse_bytes
 
@@ -315,3 +316,51 @@ def test_with_the_training_batch_each_check_runs_training_step_and_sees_its_loss
     stepped = capsys.readouterr().out
     assert "(training_step on --batch)" in stepped
     assert _largest(stepped)["dawnpiper"] < _largest(summed)["dawnpiper"]
+
+
+def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_least_as_large(capsys, monkeypatch):
+    import lightning_pipe.cli as cli
+
+    profiles = []
+
+    def spied(*args, **kwargs):
+        profiles.append(profile_graph(*args, **kwargs))
+        return profiles[-1]
+
+    monkeypatch.setattr(cli, "profile_graph", spied)
+    monkeypatch.setattr(cli, "PARTITIONERS", ("dawnpiper",))  # one partitioner is enough, and quick
+    model = ["plan", "--model", "examples.models.UNet", "--init-args", '{"channels": 4, "depth": 2}',
+             "--input", "image=float32[8,3,16,16]", "--devices", "2x2MiB", "--chunks", "4"]
+    largest = {}
+    for precision in ("32-true", "bf16-mixed"):
+        assert cli.main([*model, "--precision", precision]) == 0
+        out = capsys.readouterr().out
+        assert f"; precision {precision} (" in out.splitlines()[0]
+        largest[precision] = _largest(out)["dawnpiper"]
+    fp32, bf16 = (sum(n.saved_bytes for n in p.nodes) for p in profiles)
+    assert bf16 < 0.7 * fp32  # the convolutions' activations in bf16
+    assert [n.param_bytes for n in profiles[0].nodes] == [n.param_bytes for n in profiles[1].nodes]  # fp32 weights
+    assert largest["bf16-mixed"] >= largest["32-true"]
+
+
+def test_the_precision_comes_from_the_config_and_an_unknown_one_exits_2(capsys, tmp_path):
+    from lightning_pipe.cli import main
+
+    gpt = ["plan", "--model", "examples.models.GPT", "--input", "batch.input_ids=int64[8,16]", "--devices", "2x1GiB"]
+    with pytest.raises(SystemExit) as info:
+        main([*gpt, "--precision", "bf16"])
+    assert info.value.code == 2
+    choices = "'32-true', 'bf16-mixed', '16-mixed', 'bf16-true'"
+    assert f"argument --precision: invalid choice: 'bf16' (choose from {choices})" in capsys.readouterr().err
+    config = tmp_path / "config.yaml"
+    config.write_text("trainer:\n  precision: 64-true\n")
+    with pytest.raises(SystemExit) as info:
+        main([*gpt, "--config", str(config)])
+    assert info.value.code == 2
+    assert ("trainer.precision in " + str(config) + " is '64-true', which a dry run cannot plan for: give --precision, "
+            "one of 32-true, bf16-mixed, 16-mixed, bf16-true.") in capsys.readouterr().err
+    from lightning_pipe.cli import PRECISIONS, resolve_precision
+
+    assert resolve_precision(None, "bf16", "c.yaml") is PRECISIONS["bf16-mixed"]  # Lightning's older names
+    assert resolve_precision(None, 32, "c.yaml") is PRECISIONS["32-true"]
+    assert resolve_precision("bf16-true", "16-mixed", "c.yaml") is PRECISIONS["bf16-true"]  # the command line's first

@@ -450,7 +450,7 @@ class DistributedEngine(Engine):
             try:
                 with self._seeded(self._calls, 0):
                     step = probe_step(self.module, scatter(batch, self.options.chunks)[0], batch_idx, meter,
-                                      [self.root_device], lambda: output[0])
+                                      [self.root_device], lambda: output[0], self.precision_plugin)
             finally:
                 self._mode, self._serve = None, None
             assert self.profile is not None, "the step called self(...) (_forward_calls)"

@@ -587,7 +587,7 @@ class LocalEngine(Engine):
         step = None
         try:
             step = probe_step(module, sample, batch_idx, self._probe_meter, self.parallel_devices or [],
-                              lambda: self._probe_output, grad=planning)
+                              lambda: self._probe_output, self.precision_plugin, grad=planning)
         except _Probed:
             pass
         finally:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
 from lightning_pipe.internals import tree_flatten
@@ -54,17 +55,21 @@ def probe_step(
     meter: MemoryMeter,
     devices: Sequence[torch.device],
     output: Callable[[], Any],
+    precision: Precision,
     grad: bool = True,
 ) -> StepBytes:
     """Run ``training_step`` on ``sample`` (one micro-batch) under ``meter`` (one stage), and
     its loss's backward down to ``output()``: the graph's output its ``self(...)`` returned, a
     leaf the profiler made. ``devices``: the CUDA devices whose random state to restore;
-    ``grad``: whether to build the loss's graph at all (else only what runs up to
-    ``self(...)`` matters: an exception raised there ends the probe)."""
+    ``precision``: the Trainer's, whose step context (autocast under ``bf16-mixed``) the step
+    runs in as in training, so that the profile its ``self(...)`` makes sees the activations'
+    dtype training makes (half the bytes of fp32 under bf16); ``grad``: whether to build the
+    loss's graph at all (else only what runs up to ``self(...)`` matters: an exception raised
+    there ends the probe)."""
     cuda = [d for d in devices if d.type == "cuda"]
     with (
         torch.random.fork_rng(cuda), torch.set_grad_enabled(grad), silenced(module), meter,
-        meter.saved_tensors_hooks(),
+        meter.saved_tensors_hooks(), precision.train_step_context(),
     ):
         returned = meter.run_as(0, partial(module.training_step, sample, batch_idx))
         loss = returned["loss"] if isinstance(returned, Mapping) else returned

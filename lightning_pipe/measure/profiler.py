@@ -21,7 +21,7 @@ from torch import Tensor, fx
 from lightning_pipe.graph.capture import Captured, get_attr
 from lightning_pipe.graph.export import localize_args
 from lightning_pipe.graph.microbatch import batch_size
-from lightning_pipe.internals import FakeTensorMode, tree_flatten, tree_map
+from lightning_pipe.internals import FakeTensorMode, TorchDispatchMode, tree_flatten, tree_map
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.measure.optimizers import rebuild
 from lightning_pipe.measure.roofline import WorkCounter
@@ -133,6 +133,7 @@ def profile_graph(
                 saved_inputs_from=memory[k].saved_inputs_from,
                 input_grad_bytes=memory[k].input_grads,
                 forwarded_grads=sorted(memory[k].forwarded),
+                cast_bytes=memory[k].cast,
             )
         )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -179,6 +180,7 @@ class _NodeBytes:
     last_saver: int = -1
     input_grads: int = 0
     forwarded: set[int] = field(default_factory=set)
+    cast: int = 0
 
 
 def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBytes]:
@@ -212,6 +214,7 @@ def _measure_forward(runner: "_NodeRunner", nodes: list[fx.Node], meter: MemoryM
     """Run the forward node by node under ``meter``, noting in ``measured`` what each node
     makes, saves and holds."""
     index = {node: k for k, node in enumerate(nodes)}
+    autocast = any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))  # (else nothing is cast)
     made: dict[int, tuple[int, Tensor]] = {}  # storage -> the node making it, and a tensor on it
     last_read: dict[int, int] = {}  # storage -> the last node reading a value on it
     for node in runner.gm.graph.nodes:
@@ -219,8 +222,11 @@ def _measure_forward(runner: "_NodeRunner", nodes: list[fx.Node], meter: MemoryM
             runner.env[node] = runner.run_node(node)
         elif node.op != "output":
             k = index[node]
-            with meter.running(k):
+            casts = _ParameterCasts()
+            with meter.running(k), casts if autocast else nullcontext():
                 runner.env[node] = runner.run_on(node, _device_of(node, runner))
+            copies = {id(t.untyped_storage()): t for t in casts.made if meter.charged(t) == (k, "activations")}
+            measured[k].cast = sum(t.untyped_storage().nbytes() for t in copies.values())
             meter.tag_backward([runner.env[node]], k)
             _watch_input_grads(runner.env[node], measured[k], _read_by(node, index, runner))
             stage = meter.stages[k]
@@ -245,6 +251,22 @@ def _measure_forward(runner: "_NodeRunner", nodes: list[fx.Node], meter: MemoryM
             if holder is not None and holder[1] == "activations":
                 measured[k].held_by = max(measured[k].held_by, holder[0])
             measured[k].held_until = max(measured[k].held_until, last_read[key])
+
+
+class _ParameterCasts(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Notes the copies of parameters autocast makes (in its lower precision): a matrix
+    product or convolution saves its weight's for backward, one per micro-batch, whatever
+    the micro-batch's size (:attr:`NodeProfile.cast_bytes`)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.made: list[Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.nn.Parameter):
+            self.made.append(out)
+        return out
 
 
 def _watch_input_grads(value: Any, measured: _NodeBytes, read: dict[tuple[int, int], int]) -> None:

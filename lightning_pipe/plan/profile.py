@@ -57,6 +57,10 @@ class NodeProfile:
         forwarded_grads: the nodes read whose gradient the node's backward hands over on its
             output gradient's storage (``add`` gives both inputs that very tensor, ``cat``
             slices of it): one storage, alive whole until the earliest of them takes it.
+        cast_bytes: of ``saved_bytes``, autocast's copies of the node's parameters in the
+            lower precision (``bf16-mixed``: a linear layer keeps its weight's bf16 copy for
+            backward), made again by every micro-batch (Lightning turns autocast's cache off)
+            but of the same size whatever its number of samples.
     """
 
     name: str
@@ -81,6 +85,7 @@ class NodeProfile:
     saved_inputs_from: int = -1
     input_grad_bytes: int = 0
     forwarded_grads: list[int] = field(default_factory=list)
+    cast_bytes: int = 0
 
 
 @dataclass
@@ -139,7 +144,7 @@ class Profile:
     def scaled(self, microbatch_size: int) -> "Profile":
         """Predict the profile at another micro-batch size: activation, output and
         workspace bytes and node times scale linearly (a first-order model); parameters,
-        gradients and optimizer state are kept."""
+        gradients, optimizer state and autocast's copies of parameters are kept."""
         if microbatch_size < 1:
             raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}.")
         f = microbatch_size / self.microbatch_size
@@ -147,16 +152,19 @@ class Profile:
         def scale(n: int) -> int:
             return round(n * f)
 
+        def scale_but(n: int, kept: int) -> int:
+            return scale(max(n - kept, 0)) + min(kept, n)
+
         nodes = [
             replace(
                 n,
                 output_bytes=scale(n.output_bytes),
-                saved_bytes=scale(n.saved_bytes),
+                saved_bytes=scale_but(n.saved_bytes, n.cast_bytes),
                 transient_bytes=scale(n.transient_bytes),
-                made_bytes=scale(n.made_bytes),
+                made_bytes=scale_but(n.made_bytes, n.cast_bytes),
                 held_bytes=scale(n.held_bytes),
                 saved_inputs_bytes=scale(n.saved_inputs_bytes),
-                backward_bytes=scale(max(n.backward_bytes - n.grad_bytes, 0)) + min(n.grad_bytes, n.backward_bytes),
+                backward_bytes=scale_but(n.backward_bytes, n.grad_bytes),
                 output_grad_bytes=scale(n.output_grad_bytes),
                 input_grad_bytes=scale(n.input_grad_bytes),
                 forward_ms=n.forward_ms * f,

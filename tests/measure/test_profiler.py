@@ -309,3 +309,23 @@ def test_an_optimizer_steps_temporaries_are_measured_per_parameter_or_per_group(
     assert p.step_grouped == foreach and act.step_bytes == 0
     for node, (weight, bias) in ((l0, (16 * 32 * 4, 32 * 4)), (l1, (32 * 4 * 4, 4 * 4))):
         assert node.step_bytes == (weight + bias if foreach else 2 * weight)
+
+
+def test_autocasts_copies_of_parameters_are_kept_not_scaled_with_the_micro_batch():
+    # under bf16 autocast a linear layer saves its weight's bf16 copy per micro-batch, whatever its size
+    from examples.models import GPT
+
+    model = GPT(layers=1, dim=64)
+    captured = capture(model.train())
+
+    def profiled(size):
+        ids = torch.zeros(size, 16, dtype=torch.long)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            return profile_graph(captured, ({"input_ids": ids},), repeats=1, warmup=0, fake=True)
+
+    small, large = profiled(1), profiled(16)
+    qkv = next(n for n in small.nodes if n.name == "blocks_0_attn_qkv")
+    assert qkv.cast_bytes == 64 * 192 * 2  # the weight's bf16 copy (the bias's is not kept)
+    scaled = small.scaled(16)
+    predicted, measured = (sum(n.saved_bytes for n in p.nodes) for p in (scaled, large))
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)  # scaling the copies too: +198%
