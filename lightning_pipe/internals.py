@@ -177,7 +177,9 @@ def storage_key(t: Tensor) -> int:
 
 # aten's own operators, private by name (a leading underscore) but the graph holds them: export
 # adds checks of the meta stand-ins' devices that a stage on another device must drop, and
-# attention on the CPU runs as a flash kernel torch's FLOP counter has no formula for.
+# attention on the CPU runs as a flash kernel torch's FLOP counter has no formula for; autocast
+# casts a parameter with a copy (``_to_copy``), which a matrix product then saves.
+TO_COPY = torch.ops.aten._to_copy.default
 ASSERT_TENSOR_METADATA = torch.ops.aten._assert_tensor_metadata.default
 CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward

@@ -138,6 +138,7 @@ def test_module_tables_are_the_modules_own() -> None:
 def test_aten_private_operators() -> None:
     assert fence.op_schema(fence.ASSERT_TENSOR_METADATA).name == "aten::_assert_tensor_metadata"
     assert "_scaled_dot_product_flash_attention_for_cpu" in str(fence.CPU_FLASH_ATTENTION)
+    assert str(fence.TO_COPY) == "aten._to_copy.default"
     assert fence.CPU_FLASH_ATTENTION_BACKWARD.default is not None
 
 

@@ -21,7 +21,7 @@ from torch import Tensor, fx
 from lightning_pipe.graph.capture import Captured, get_attr
 from lightning_pipe.graph.export import localize_args
 from lightning_pipe.graph.microbatch import batch_size
-from lightning_pipe.internals import FakeTensorMode, TorchDispatchMode, tree_flatten, tree_map
+from lightning_pipe.internals import TO_COPY, FakeTensorMode, TorchDispatchMode, tree_flatten, tree_map
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.measure.optimizers import rebuild
 from lightning_pipe.measure.roofline import WorkCounter
@@ -264,7 +264,7 @@ class _ParameterCasts(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.nn.Parameter):
+        if func is TO_COPY and isinstance(args[0], torch.nn.Parameter):
             self.made.append(out)
         return out
 
