@@ -31,11 +31,14 @@ from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import DistributedSchedule, Schedule
 
-__all__ = ["CHUNKS_PER_STAGE", "SEARCHED_SCHEDULES", "Candidate", "Cluster", "Configuration", "Search",
-           "allreduce_ms", "candidates", "search"]
+__all__ = ["BOUND_ROUNDING", "CHUNKS_PER_STAGE", "SEARCHED_SCHEDULES", "Candidate", "Cluster", "Configuration", "Search",
+           "allreduce_ms", "bound", "candidates", "search"]
 
 #: Micro-batches per batch are tried up to this many per pipeline stage.
 CHUNKS_PER_STAGE = 4
+#: How far a plan's simulated samples/s may exceed :func:`bound`: the cost model sums its times
+#: in single precision.
+BOUND_ROUNDING = 1e-3
 #: The schedules tried: those the distributed runtime, which runs data-parallel replicas, has.
 SEARCHED_SCHEDULES: tuple[Schedule, ...] = get_args(DistributedSchedule)
 
@@ -176,34 +179,23 @@ def search(
     """The configurations of ``cluster`` for ``global_batch`` samples per step that fit (every
     stage planned below its GPU's limit by the flat
     :data:`~lightning_pipe.plan.plan.PLANNING_HEADROOM`), best first by simulated samples per
-    second. With ``top``, a candidate whose bound (its compute spread evenly over its stages,
-    its parameters over its all-reduce) cannot beat the ``top``-th found so far is skipped;
+    second. With ``top``, a candidate whose :func:`bound` cannot beat the ``top``-th found so
+    far is skipped;
     ``None``: every candidate is planned. ``progress(done, total)`` after each candidate.
 
     Raises:
         ValueError: no candidate (:func:`candidates`), naming the batch, the GPUs and the fix.
     """
     pending = candidates(cluster.gpus, global_batch, len(profile.nodes), schedules, chunks)
-    compute = sum(n.forward_ms + n.backward_ms for n in profile.nodes) / profile.microbatch_size
-    params = sum(n.param_bytes for n in profile.nodes)
-
-    def bound(c: Candidate) -> float:
-        """Samples/s no plan of ``c`` beats: the busiest stage has its share of the compute for
-        every micro-batch, the first micro-batch passes every stage, the all-reduce moves at
-        least an even share of the parameters."""
-        per_microbatch = compute * c.microbatch_size
-        pipeline = max(per_microbatch, c.chunks * per_microbatch / c.depth)
-        reduce = 0.0 if c.width == 1 or cluster.link_bandwidth is None else (
-            1e3 * 2 * (c.width - 1) / c.width * params / c.depth / cluster.link_bandwidth)
-        return 1e3 * c.batch / (pipeline + reduce) if pipeline + reduce > 0 else float("inf")
-
-    pending.sort(key=bound, reverse=True)
+    # best bound first; among equals the smallest micro-batch, the likeliest to fit without recompute
+    bounds = {c: bound(profile, cluster, c) for c in pending}
+    pending.sort(key=lambda c: (-bounds[c], c.microbatch_size))
     target = int(cluster.memory_limit * PLANNING_HEADROOM)
     scaled: dict[int, Profile] = {}
     found: list[Configuration] = []
     planned = infeasible = 0
     for done, c in enumerate(pending, 1):
-        if top is not None and len(found) >= top and bound(c) <= found[top - 1].samples_per_second:
+        if top is not None and len(found) >= top and bounds[c] * (1 + BOUND_ROUNDING) < found[top - 1].samples_per_second:
             break  # sorted by bound: none after it can reach the top either
         if c.microbatch_size not in scaled:
             scaled[c.microbatch_size] = profile.scaled(c.microbatch_size)
@@ -224,6 +216,24 @@ def search(
     return Search(found, planned, infeasible, len(pending) - planned)
 
 
+def bound(profile: Profile, cluster: Cluster, candidate: Candidate) -> float:
+    """Samples/s no plan of ``candidate`` beats. A stage can start only after the first
+    micro-batch's forward through the stages before it and ends before the last one's backward
+    through them, so a step takes at least ``P_s + chunks * t_s`` for every stage ``s`` (its
+    time ``t_s`` per micro-batch, ``P_s`` the earlier stages'); the split making these equal is
+    the least any split reaches: ``T / (1 - (1 - 1/chunks) ** depth)`` for a compute time ``T``
+    per micro-batch (recompute and sends only add). The all-reduce moves at least an even share
+    of the parameters."""
+    c = candidate
+    compute = sum(n.forward_ms + n.backward_ms for n in profile.nodes) * c.microbatch_size / profile.microbatch_size
+    pipeline = compute / (1 - (1 - 1 / c.chunks) ** c.depth)
+    reduce = 0.0
+    if c.width > 1 and cluster.link_bandwidth is not None:
+        params = sum(n.param_bytes for n in profile.nodes)
+        reduce = 1e3 * 2 * (c.width - 1) / c.width * params / c.depth / cluster.link_bandwidth
+    return 1e3 * c.batch / (pipeline + reduce) if pipeline + reduce > 0 else float("inf")
+
+
 def _none_found(gpus: int, global_batch: int, max_depth: int, chunks: int | None) -> str:
     """Why no configuration lays ``global_batch`` out over ``gpus`` GPUs, and what to change."""
     depths = [d for d in range(1, min(gpus, max_depth) + 1) if gpus % d == 0]
@@ -232,7 +242,8 @@ def _none_found(gpus: int, global_batch: int, max_depth: int, chunks: int | None
     if not fitting:
         return (f"a global batch of {global_batch} splits evenly over no data-parallel width: {gpus} GPUs with a "
                 f"pipeline depth of at most {max_depth} (the graph's nodes) make widths "
-                f"{', '.join(map(str, widths))}; give a global batch divisible by one of them, e.g. {widths[0]}.")
+                f"{', '.join(map(str, widths))}; give a global batch divisible by one of them, e.g. "
+                f"{-(-global_batch // widths[0]) * widths[0]}.")
     replicas = ", ".join(str(global_batch // w) for w in fitting)
     return (f"chunks={chunks} divides no replica's batch ({replicas} samples for widths "
             f"{', '.join(map(str, fitting))}): give a number of micro-batches dividing one of them, or leave "
