@@ -242,6 +242,19 @@ GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
     (["--model", "tests.models.Untraceable", "--input", "x=float32[8,4]", "--devices", "2x1GiB"],
      "Neither torch.fx nor torch.export could capture Untraceable.forward; either fix works.\n"
      "torch.fx could not trace Untraceable.forward in submodule 'gate' (Gate)"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "16MiB,16MiB,8MiB",
+      "--search"], "--search regroups the GPUs into pipelines of any depth, so they must be alike: --devices gives "
+                   "stages of 16.0MiB, 16.0MiB, 8.0MiB. Give COUNTxGPU or COUNTxSIZE, e.g. 32xA100-80GB."),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "4x1GiB", "--search",
+      "--schedule", "2bw"], "--schedule 2bw runs only with runtime='local', one process without data-parallel "
+                            "replicas; with --search give one of gpipe, 1f1b, or leave --schedule out"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[7,3,32,32]", "--devices", "4x1GiB", "--search",
+      "--chunks", "2"], "chunks=2 divides no replica's batch (7 samples for widths 1): give a number of "
+                        "micro-batches dividing one of them, or leave chunks out to search them."),
+    ([*GPT, "--input", "batch.input_ids=int64[8,16]", "--search", "--batch", "input_ids=int64[8,16]"],
+     "--batch goes without --search"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "4x1GiB", "--json",
+      "c.json"], "--json goes with --search: it writes the configurations searched."),
 ])
 def test_lightning_pipe_plan_bad_input_exits_2_with_a_message(capsys, argv, message):
     from lightning_pipe.cli import main
@@ -299,3 +312,36 @@ def test_with_the_training_batch_each_check_runs_training_step_and_sees_its_loss
     stepped = capsys.readouterr().out
     assert "(training_step on --batch)" in stepped
     assert _largest(stepped)["dawnpiper"] < _largest(summed)["dawnpiper"]
+
+
+def test_lightning_pipe_plan_search_ranks_the_configurations_of_a_cluster(capsys, tmp_path):
+    """--search on four GPUs: the top 10 of every depth x width, schedule and chunks for the
+    --input batch as the global batch, the best's plan and how to train it, all of it as JSON."""
+    from lightning_pipe.cli import main
+
+    assert main(["plan", "--model", "examples.models.GPT", "--init-args", '{"layers": 2, "dim": 32}',
+                 "--input", "batch.input_ids=int64[8,16]", "--devices", "4x64MiB", "--search",
+                 "--json", str(tmp_path / "search.json"), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    head, *rows = [line for line in out.splitlines() if re.match(r"\s*(#|\d+)\s+(depth|\d+)\s", line)]
+    assert head.split() == ["#", "depth", "width", "schedule", "chunks", "micro", "samples/s", "step", "ms",
+                            "reduce", "ms", "fullest", "stage"]
+    assert len(rows) == 10 and max(len(line) for line in [head, *rows]) <= 100
+    rates = [float(row.split()[6]) for row in rows]
+    assert rates == sorted(rates, reverse=True)
+    assert all(int(row.split()[1]) * int(row.split()[2]) == 4 for row in rows)
+    saved = json.loads((tmp_path / "search.json").read_text())
+    configurations = saved["configurations"]
+    assert len(configurations) >= 10 and configurations[0]["samples_per_second"] == pytest.approx(rates[0], abs=0.1)
+    for entry in configurations:
+        assert entry["depth"] * entry["width"] == 4
+        assert entry["width"] * entry["chunks"] * entry["micro_batch"] == 8
+        assert {"schedule", "samples_per_second", "step_ms"} <= set(entry)
+        assert max(entry["stage_peaks"]) <= 64 * 2**20
+    best = configurations[0]
+    plan = Plan.read(tmp_path / "dawnpiper" / "plan.json")
+    assert (len(plan.balance), plan.schedule, plan.chunks, plan.microbatch_size) == (
+        best["depth"], best["schedule"], best["chunks"], best["micro_batch"])
+    assert f"== best: depth {best['depth']} x width {best['width']}, {best['schedule']}" in out
+    assert (f'MemoryPipeStrategy(runtime="distributed", stages={best["depth"]}, schedule="{best["schedule"]}", '
+            f'chunks={best["chunks"]}, plan="{tmp_path}/dawnpiper/plan.json")') in out
