@@ -47,6 +47,8 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 # MemoryPipeStrategy's defaults, so that a plan made without a setting is the one training makes.
 _CHUNKS, _SCHEDULE = 4, "gpipe"
+# --search profiles a micro-batch of this many samples (scaled to each size it plans).
+_SEARCH_PROFILED = 2
 
 
 @dataclass
@@ -118,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         setup = _setup(args)
         if args.search:
             _check_search(args, setup)
+            # profiled at a micro-batch of 2 samples and scaled to each size: checking that the model runs
+            # on a micro-batch and capturing it cost far less than at the global batch's quarter
+            setup.chunks = max(1, _global_batch(setup) // _SEARCH_PROFILED)
         elif args.json:
             raise ValueError("--json goes with --search: it writes the configurations searched.")
         sample_args, sample_kwargs = _microbatch(setup, args.input)
