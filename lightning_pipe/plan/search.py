@@ -31,8 +31,8 @@ from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import DistributedSchedule, Schedule
 
-__all__ = ["BOUND_ROUNDING", "CHUNKS_PER_STAGE", "SEARCHED_SCHEDULES", "Candidate", "Cluster", "Configuration", "Search",
-           "allreduce_ms", "bound", "candidates", "search"]
+__all__ = ["BOUND_ROUNDING", "CHUNKS_PER_STAGE", "SEARCHED_SCHEDULES", "Candidate", "Cluster", "Configuration",
+           "Search", "allreduce_ms", "bound", "candidates", "search"]
 
 #: Micro-batches per batch are tried up to this many per pipeline stage.
 CHUNKS_PER_STAGE = 4
@@ -195,7 +195,8 @@ def search(
     found: list[Configuration] = []
     planned = infeasible = 0
     for done, c in enumerate(pending, 1):
-        if top is not None and len(found) >= top and bounds[c] * (1 + BOUND_ROUNDING) < found[top - 1].samples_per_second:
+        reach = bounds[c] * (1 + BOUND_ROUNDING)
+        if top is not None and len(found) >= top and reach < found[top - 1].samples_per_second:
             break  # sorted by bound: none after it can reach the top either
         if c.microbatch_size not in scaled:
             scaled[c.microbatch_size] = profile.scaled(c.microbatch_size)

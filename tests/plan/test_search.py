@@ -46,8 +46,9 @@ def test_candidates_lay_the_global_batch_over_every_gpu():
 
 
 @pytest.mark.parametrize("args, message", [
-    ((8, 7, 4), "a global batch of 7 splits evenly over no data-parallel width: 8 GPUs with a pipeline depth of at "
-                "most 4 (the graph's nodes) make widths 2, 4, 8; give a global batch divisible by one of them, e.g. 8."),
+    ((8, 7, 4), "a global batch of 7 splits evenly over no data-parallel width: 8 GPUs with a pipeline depth of "
+                "at most 4 (the graph's nodes) make widths 2, 4, 8; give a global batch divisible by one of them, "
+                "e.g. 8."),
     ((4, 8, 100, ("gpipe",), 3), "chunks=3 divides no replica's batch (8, 4, 2 samples for widths 1, 2, 4)"),
     ((4, 8, 100, ("2bw",)), "schedule '2bw' cannot be searched: it runs only with runtime='local'"),
     ((4, 0, 100), "the global batch is 0 samples"),
