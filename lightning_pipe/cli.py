@@ -228,8 +228,9 @@ def _search(args: argparse.Namespace, setup: _Setup, captured: Captured, sample_
     print(_ranking(found.configurations[:10]) + "\n")
     best = found.configurations[0]
     c = best.candidate
-    print(f"== best: depth {c.depth} x width {c.width}, {c.schedule}, {c.chunks} micro-batches of "
-          f"{c.microbatch_size} per replica: {best.samples_per_second:.1f} samples/s; each replica's pipeline:")
+    print(f"== best: depth {c.depth} x width {c.width}, {c.schedule}, {c.chunks} "
+          f"micro-batch{'es' if c.chunks > 1 else ''} of {c.microbatch_size} per replica: "
+          f"{best.samples_per_second:.1f} samples/s; each replica's pipeline:")
     print(best.plan.table())
     saved = ""
     if args.out:
