@@ -102,14 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--host-bandwidth", type=float, help="bytes/s to host memory; allows swap (default: a named "
                                                            "GPU's host link, else none)")
     plan.add_argument("--link-bandwidth", type=float, help="bytes/s between stage devices (default: a named GPU's "
-                                                           "link, else transfers are free)")
+                                                           "link, else transfers are free); with --search also "
+                                                           "between replicas, for their gradient all-reduce")
     plan.add_argument("--out", help="a folder: each partitioner's plan shown, as OUT/NAME/plan.json and plan.png "
                                     "(with --search: the best configuration's, as OUT/dawnpiper/)")
     plan.add_argument("--search", action="store_true",
                       help="search the configurations of the --devices GPUs (COUNTxGPU or COUNTxSIZE): pipeline depth "
                            "x data-parallel width (their product the GPU count), schedule (gpipe, 1f1b: those "
                            "runtime='distributed' runs) and micro-batches per batch (divisors of a replica's batch, "
-                           f"up to {CHUNKS_PER_STAGE} per stage; --chunks and --schedule fix one). The --input batch "
+                           f"up to {CHUNKS_PER_STAGE} per stage; --chunks and --schedule given here fix one, a "
+                           "config's are not read). The --input batch "
                            "is the global batch, split evenly over the replicas. Prints the top 10 by simulated "
                            "samples/s (the pipeline's step plus the gradient all-reduce over --link-bandwidth) and "
                            "the best's plan")
