@@ -216,14 +216,16 @@ def _search(args: argparse.Namespace, setup: _Setup, captured: Captured, sample_
     where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
     chunks = (f"{args.chunks} micro-batches" if args.chunks else
               f"micro-batches per batch dividing a replica's batch, up to {CHUNKS_PER_STAGE} per stage")
+    link = ("all-reduce and sends free (no link bandwidth)" if setup.link_bandwidth is None
+            else f"all-reduce and sends over a link of {_rate(setup.link_bandwidth)}")
     print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
           f"{profile.microbatch_size}; searched {gpus} x {name} for a global batch of {batch} as depth x width "
           f"(pipelines of depth stages, width data-parallel replicas, runtime='distributed'), schedules "
           f"{', '.join(_searched_schedules(args))}, {chunks}: {found.planned + found.skipped} configurations, "
           f"{found.planned} planned, {len(found.configurations)} fit, {found.skipped} skipped (their bound cannot "
           f"reach the top 10); memory limit {format_bytes(limit)}, each stage planned below it by the flat "
-          f"headroom (no training step checks them); all-reduce and sends over a link of "
-          f"{_rate(setup.link_bandwidth)}, host link {_rate(setup.host_bandwidth)}; {_optimizer_note(setup.model)}\n")
+          f"headroom (no training step checks them); {link}, host link {_rate(setup.host_bandwidth)}; "
+          f"{_optimizer_note(setup.model)}\n")
     if not found.configurations:
         print("no configuration fits: add GPUs or memory, or give a smaller global batch.")
         return 1
