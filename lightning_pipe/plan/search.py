@@ -17,9 +17,10 @@ Only the schedules the distributed runtime runs are searched (:data:`SEARCHED_SC
 PipeDream-2BW keeps two weight versions, which only the one-process runtime does, and one
 process cannot hold data-parallel replicas.
 
-The search plans every configuration of one profile scaled to each micro-batch size
-(:meth:`~lightning_pipe.plan.profile.Profile.scaled`) and visits configurations best bound
-first, so that one whose bound cannot reach the ``top`` found so far is never planned.
+The search plans on one profile scaled to each micro-batch size
+(:meth:`~lightning_pipe.plan.profile.Profile.scaled`: one profiling run, not one per size) and
+visits configurations best :func:`bound` first, so that one whose bound cannot reach the
+``top`` found so far is never planned: planning a large model with recompute takes seconds.
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -140,7 +141,8 @@ def candidates(
     batch up to :data:`CHUNKS_PER_STAGE` per stage (only ``chunks`` where given).
 
     Raises:
-        ValueError: there is none, naming the batch, the widths and the fix.
+        ValueError: a global batch below one, a schedule without replicas (2BW), or no
+            candidate (naming the batch, the widths and the fix).
     """
     if global_batch < 1:
         raise ValueError(f"the global batch is {global_batch} samples: give at least one.")
