@@ -314,15 +314,19 @@ def test_with_the_training_batch_each_check_runs_training_step_and_sees_its_loss
     assert _largest(stepped)["dawnpiper"] < _largest(summed)["dawnpiper"]
 
 
-def test_lightning_pipe_plan_search_ranks_the_configurations_of_a_cluster(capsys, tmp_path):
+def test_lightning_pipe_plan_search_ranks_the_configurations_of_a_cluster(capsys, tmp_path, monkeypatch):
     """--search on four GPUs: the top 10 of every depth x width, schedule and chunks for the
-    --input batch as the global batch, the best's plan and how to train it, all of it as JSON."""
+    --input batch as the global batch, the best's plan and how to train it, all of it as JSON;
+    on a terminal a bar counts the configurations."""
     from lightning_pipe.cli import main
 
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich draws the bar as on a terminal
     assert main(["plan", "--model", "examples.models.GPT", "--init-args", '{"layers": 2, "dim": 32}',
                  "--input", "batch.input_ids=int64[8,16]", "--devices", "4x64MiB", "--search",
                  "--json", str(tmp_path / "search.json"), "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "configurations" in captured.err and "\x1b" not in out
     head, *rows = [line for line in out.splitlines() if re.match(r"\s*(#|\d+)\s+(depth|\d+)\s", line)]
     assert head.split() == ["#", "depth", "width", "schedule", "chunks", "micro", "samples/s", "step", "ms",
                             "reduce", "ms", "fullest", "stage"]
