@@ -47,8 +47,9 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 # MemoryPipeStrategy's defaults, so that a plan made without a setting is the one training makes.
 _CHUNKS, _SCHEDULE = 4, "gpipe"
-# --search profiles a micro-batch of this many samples (scaled to each size it plans).
-_SEARCH_PROFILED = 2
+# --search profiles a micro-batch of this many samples (scaled to each size it plans) and prints
+# this many configurations.
+_SEARCH_PROFILED, _TOP = 2, 10
 
 
 @dataclass
@@ -211,7 +212,7 @@ def _search(args: argparse.Namespace, setup: _Setup, captured: Captured, sample_
                                 fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
                                 progress=tracker(bar, "profiling nodes", len(captured.nodes)))
         found = search(profile, cluster, batch, schedules=_searched_schedules(args), chunks=args.chunks,
-                       progress=tracker(bar, "configurations"))
+                       top=_TOP, progress=tracker(bar, "configurations"))
     name = setup.device.name if setup.device else format_bytes(limit)
     where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
     chunks = (f"{args.chunks} micro-batches" if args.chunks else
@@ -223,13 +224,18 @@ def _search(args: argparse.Namespace, setup: _Setup, captured: Captured, sample_
           f"(pipelines of depth stages, width data-parallel replicas, runtime='distributed'), schedules "
           f"{', '.join(_searched_schedules(args))}, {chunks}: {found.planned + found.skipped} configurations, "
           f"{found.planned} planned, {len(found.configurations)} fit, {found.skipped} skipped (their bound cannot "
-          f"reach the top 10); memory limit {format_bytes(limit)}, each stage planned below it by the flat "
+          f"reach the top {_TOP}); memory limit {format_bytes(limit)}, each stage planned below it by the flat "
           f"headroom (no training step checks them); {link}, host link {_rate(setup.host_bandwidth)}; "
           f"{_optimizer_note(setup.model)}\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"configurations": [f.to_dict() for f in found.configurations], "gpus": gpus, "device": name,
+             "global_batch": batch, "planned": found.planned, "infeasible": found.infeasible,
+             "skipped": found.skipped}, indent=1))
     if not found.configurations:
         print("no configuration fits: add GPUs or memory, or give a smaller global batch.")
         return 1
-    print(_ranking(found.configurations[:10]) + "\n")
+    print(_ranking(found.configurations[:_TOP]) + "\n")
     best = found.configurations[0]
     c = best.candidate
     print(f"== best: depth {c.depth} x width {c.width}, {c.schedule}, {c.chunks} "
@@ -244,10 +250,6 @@ def _search(args: argparse.Namespace, setup: _Setup, captured: Captured, sample_
           f"per replica: MemoryPipeStrategy(runtime=\"distributed\", stages={c.depth}, schedule=\"{c.schedule}\", "
           f"chunks={c.chunks}{saved})")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"configurations": [f.to_dict() for f in found.configurations], "gpus": gpus, "device": name,
-             "global_batch": batch, "planned": found.planned, "infeasible": found.infeasible,
-             "skipped": found.skipped}, indent=1))
         print(f"configurations written to {args.json}")
     return 0
 

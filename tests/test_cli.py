@@ -349,3 +349,14 @@ def test_lightning_pipe_plan_search_ranks_the_configurations_of_a_cluster(capsys
     assert f"== best: depth {best['depth']} x width {best['width']}, {best['schedule']}" in out
     assert (f'MemoryPipeStrategy(runtime="distributed", stages={best["depth"]}, schedule="{best["schedule"]}", '
             f'chunks={best["chunks"]}, plan="{tmp_path}/dawnpiper/plan.json")') in out
+
+
+def test_lightning_pipe_plan_search_where_nothing_fits_says_so_and_exits_1(capsys, tmp_path):
+    from lightning_pipe.cli import main
+
+    assert main(["plan", "--model", "examples.models.GPT", "--init-args", '{"layers": 2, "dim": 32}',
+                 "--input", "batch.input_ids=int64[8,16]", "--devices", "4x64KiB", "--search", "--chunks", "2",
+                 "--json", str(tmp_path / "search.json")]) == 1
+    assert "no configuration fits: add GPUs or memory, or give a smaller global batch." in capsys.readouterr().out
+    saved = json.loads((tmp_path / "search.json").read_text())
+    assert saved["configurations"] == [] and saved["infeasible"] == saved["planned"] > 0
