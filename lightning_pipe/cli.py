@@ -37,6 +37,7 @@ from lightning_pipe.plan.plan import InfeasiblePlanError, Plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest, check_settings
 from lightning_pipe.plan.schedule import SCHEDULES, Schedule
+from lightning_pipe.plan.search import CHUNKS_PER_STAGE, SEARCHED_SCHEDULES, Cluster, Configuration, candidates, search
 from lightning_pipe.progress import progress_bar, tracker
 from lightning_pipe.runtime.build import Policy
 from lightning_pipe.runtime.fake import fake_training, meta_copy
@@ -48,6 +49,9 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 # MemoryPipeStrategy's defaults, so that a plan made without a setting is the one training makes.
 _CHUNKS, _SCHEDULE = 4, "gpipe"
+# --search profiles a micro-batch of this many samples (scaled to each size it plans) and prints
+# this many configurations.
+_SEARCH_PROFILED, _TOP = 2, 10
 
 
 @dataclass(frozen=True)
@@ -172,22 +176,48 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--host-bandwidth", type=float, help="bytes/s to host memory; allows swap (default: a named "
                                                            "GPU's host link, else none)")
     plan.add_argument("--link-bandwidth", type=float, help="bytes/s between stage devices (default: a named GPU's "
-                                                           "link, else transfers are free)")
-    plan.add_argument("--out", help="a folder: each partitioner's plan shown, as OUT/NAME/plan.json and plan.png")
+                                                           "link, else transfers are free); with --search also "
+                                                           "between replicas, for their gradient all-reduce")
+    plan.add_argument("--out", help="a folder: each partitioner's plan shown, as OUT/NAME/plan.json and plan.png "
+                                    "(with --search: the best configuration's, as OUT/dawnpiper/)")
+    plan.add_argument("--search", action="store_true",
+                      help="search the configurations of the --devices GPUs (COUNTxGPU or COUNTxSIZE): pipeline depth "
+                           "x data-parallel width (their product the GPU count), schedule (gpipe, 1f1b: those "
+                           "runtime='distributed' runs) and micro-batches per batch (divisors of a replica's batch, "
+                           f"up to {CHUNKS_PER_STAGE} per stage; --chunks and --schedule given here fix one, a "
+                           "config's are not read). The --input batch "
+                           "is the global batch, split evenly over the replicas. Prints the top 10 by simulated "
+                           "samples/s (the pipeline's step plus the gradient all-reduce over --link-bandwidth) and "
+                           "the best's plan")
+    plan.add_argument("--json", metavar="PATH", help="with --search: write every configuration that fits, best first, "
+                                                     "as {\"configurations\": [...]}")
     args = parser.parse_args(argv)
     try:
         setup = _setup(args)
+        if args.search:
+            _check_search(args, setup)
+            # profiled at a micro-batch of 2 samples and scaled to each size: checking that the model runs
+            # on a micro-batch and capturing it cost far less than at the global batch's quarter
+            setup.chunks = max(1, _global_batch(setup) // _SEARCH_PROFILED)
+        elif args.json:
+            raise ValueError("--json goes with --search: it writes the configurations searched.")
         sample_args, sample_kwargs = _microbatch(setup, args.input)
         if args.batch:
             given = "--batch " + " --batch ".join(args.batch)
             setup.batch = _training_batch(setup, _described_batch(args.batch), given)
-        elif hasattr(setup.model, "training_step") and (batch := _config_batch(setup.config, args.config)) is not None:
+        elif (not args.search and hasattr(setup.model, "training_step")
+              and (batch := _config_batch(setup.config, args.config)) is not None):
             setup.batch = _training_batch(setup, batch, f"the data module of {args.config}")
             setup.batch_from = "the config's data module"
         # The training graph, as the strategy plans it; torch.export captures what fx cannot.
         captured = capture(setup.model.train(), setup.leaf_modules, example_inputs=(sample_args, sample_kwargs))
+        if args.search:  # a layout of the batch over the GPUs exists before profiling for it
+            candidates(len(setup.limits), _global_batch(setup), len(captured.nodes), _searched_schedules(args),
+                       args.chunks)
     except (ValueError, CaptureError) as err:
         plan.error(str(err))
+    if args.search:
+        return _search(args, setup, captured, sample_args, sample_kwargs)
     with progress_bar() as bar:
         with setup.precision.step():
             profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
@@ -221,6 +251,103 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         print(f"plans written to {args.out}/<partitioner>/plan.json and plan.png")
     return 0
+
+
+def _check_search(args: argparse.Namespace, setup: _Setup) -> None:
+    """Settings ``--search`` cannot take: GPUs of different sizes, a fixed 2BW schedule, a
+    training batch (the search plans by the memory model, without fake training steps)."""
+    if len(set(setup.limits)) > 1:
+        raise ValueError(f"--search regroups the GPUs into pipelines of any depth, so they must be alike: --devices "
+                         f"gives stages of {_sizes(setup.limits)}. Give COUNTxGPU or COUNTxSIZE, e.g. 32xA100-80GB.")
+    if args.schedule is not None and args.schedule not in SEARCHED_SCHEDULES:
+        raise ValueError(f"--schedule {args.schedule} runs only with runtime='local', one process without "
+                         f"data-parallel replicas; with --search give one of {', '.join(SEARCHED_SCHEDULES)}, or "
+                         f"leave --schedule out to search them.")
+    if args.batch:
+        raise ValueError("--batch goes without --search: the search plans every configuration by the memory model, "
+                         "below the limit by the flat headroom, and runs no training step to check them.")
+
+
+def _searched_schedules(args: argparse.Namespace) -> tuple[Schedule, ...]:
+    """The schedules ``--search`` tries: the one ``--schedule`` fixes, else all it can."""
+    return (args.schedule,) if args.schedule is not None else SEARCHED_SCHEDULES
+
+
+def _global_batch(setup: _Setup) -> int:
+    """The samples per step of the whole ``--input`` batch (the leading size its tensors share)."""
+    sizes = {t.shape[0] for t in tree_flatten(setup.inputs)[0] if isinstance(t, torch.Tensor) and t.dim()}
+    if len(sizes) != 1:
+        raise ValueError(f"--search needs the global batch: the --input tensors' leading sizes are "
+                         f"{sorted(sizes) or 'none'}; give tensors that share one batch size.")
+    return sizes.pop()
+
+
+def _search(args: argparse.Namespace, setup: _Setup, captured: Captured, sample_args: tuple[Any, ...],
+            sample_kwargs: dict[str, Any]) -> int:
+    """``--search``: profile once, plan every configuration, print the top 10 and the best's plan."""
+    gpus, limit, batch = len(setup.limits), setup.limits[0], _global_batch(setup)
+    cluster = Cluster(gpus, limit, setup.link_bandwidth, setup.host_bandwidth)
+    with progress_bar() as bar:
+        with setup.precision.step():
+            profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
+                                    fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
+                                    progress=tracker(bar, "profiling nodes", len(captured.nodes)))
+        found = search(profile, cluster, batch, schedules=_searched_schedules(args), chunks=args.chunks,
+                       top=_TOP, progress=tracker(bar, "configurations"))
+    name = setup.device.name if setup.device else format_bytes(limit)
+    where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
+    chunks = (f"{args.chunks} micro-batches" if args.chunks else
+              f"micro-batches per batch dividing a replica's batch, up to {CHUNKS_PER_STAGE} per stage")
+    link = ("all-reduce and sends free (no link bandwidth)" if setup.link_bandwidth is None
+            else f"all-reduce and sends over a link of {_rate(setup.link_bandwidth)}")
+    print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
+          f"{profile.microbatch_size}; {setup.precision.describe()}; searched {gpus} x {name} for a global batch "
+          f"of {batch} as depth x width "
+          f"(pipelines of depth stages, width data-parallel replicas, runtime='distributed'), schedules "
+          f"{', '.join(_searched_schedules(args))}, {chunks}: {found.planned + found.skipped} configurations, "
+          f"{found.planned} planned, {len(found.configurations)} fit, {found.skipped} skipped (their bound cannot "
+          f"reach the top {_TOP}); memory limit {format_bytes(limit)}, each stage planned below it by the flat "
+          f"headroom (no training step checks them); {link}, host link {_rate(setup.host_bandwidth)}; "
+          f"{_optimizer_note(setup.model)}\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"configurations": [f.to_dict() for f in found.configurations], "gpus": gpus, "device": name,
+             "global_batch": batch, "planned": found.planned, "infeasible": found.infeasible,
+             "skipped": found.skipped}, indent=1))
+    if not found.configurations:
+        print("no configuration fits: add GPUs or memory, or give a smaller global batch.")
+        return 1
+    print(_ranking(found.configurations[:_TOP]) + "\n")
+    best = found.configurations[0]
+    c = best.candidate
+    print(f"== best: depth {c.depth} x width {c.width}, {c.schedule}, {c.chunks} "
+          f"micro-batch{'es' if c.chunks > 1 else ''} of {c.microbatch_size} per replica: "
+          f"{best.samples_per_second:.1f} samples/s; each replica's pipeline:")
+    print(best.plan.table())
+    saved = ""
+    if args.out:
+        report.save(best.plan, Path(args.out) / "dawnpiper")
+        saved = f', plan="{Path(args.out) / "dawnpiper" / "plan.json"}"'
+    print(f"\ntrain it on {gpus} GPUs (Trainer devices x num_nodes) with batches of {c.chunks * c.microbatch_size} "
+          f"per replica: MemoryPipeStrategy(runtime=\"distributed\", stages={c.depth}, schedule=\"{c.schedule}\", "
+          f"chunks={c.chunks}{saved})")
+    if args.json:
+        print(f"configurations written to {args.json}")
+    return 0
+
+
+def _ranking(configurations: list[Configuration]) -> str:
+    """The configurations as a table within 100 columns, with each one's fullest stage."""
+    head = ["#", "depth", "width", "schedule", "chunks", "micro", "samples/s", "step ms", "reduce ms",
+            "fullest stage"]
+    rows = [head]
+    for k, f in enumerate(configurations, 1):
+        c, worst = f.candidate, max(f.peaks)
+        rows.append([str(k), str(c.depth), str(c.width), c.schedule, str(c.chunks), str(c.microbatch_size),
+                     f"{f.samples_per_second:.1f}", f"{f.step_ms:.1f}", f"{f.allreduce_ms:.1f}",
+                     f"{format_bytes(worst)}/{format_bytes(f.memory_limit)}"])
+    widths = [max(len(row[k]) for row in rows) for k in range(len(head))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows)
 
 
 def _setup(args: argparse.Namespace) -> _Setup:

@@ -17,7 +17,8 @@ def progress_bar() -> Progress:
                     disable=not console.is_terminal)
 
 
-def tracker(bar: Progress, description: str, total: int) -> Callable[[int, int], None]:
-    """A ``(done, total)`` callback moving a new task of ``bar``."""
+def tracker(bar: Progress, description: str, total: int | None = None) -> Callable[[int, int], None]:
+    """A ``(done, total)`` callback moving a new task of ``bar``; ``total`` unknown until the
+    first call (``None``): each call's sets it."""
     task = bar.add_task(description, total=total)
-    return lambda done, _total: bar.update(task, completed=done)
+    return lambda done, total_: bar.update(task, completed=done, total=total_)

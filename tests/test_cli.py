@@ -258,6 +258,19 @@ GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
     (["--model", "tests.models.Untraceable", "--input", "x=float32[8,4]", "--devices", "2x1GiB"],
      "Neither torch.fx nor torch.export could capture Untraceable.forward; either fix works.\n"
      "torch.fx could not trace Untraceable.forward in submodule 'gate' (Gate)"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "16MiB,16MiB,8MiB",
+      "--search"], "--search regroups the GPUs into pipelines of any depth, so they must be alike: --devices gives "
+                   "stages of 16.0MiB, 16.0MiB, 8.0MiB. Give COUNTxGPU or COUNTxSIZE, e.g. 32xA100-80GB."),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "4x1GiB", "--search",
+      "--schedule", "2bw"], "--schedule 2bw runs only with runtime='local', one process without data-parallel "
+                            "replicas; with --search give one of gpipe, 1f1b, or leave --schedule out"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[7,3,32,32]", "--devices", "4x1GiB", "--search",
+      "--chunks", "2"], "chunks=2 divides no replica's batch (7 samples for widths 1): give a number of "
+                        "micro-batches dividing one of them, or leave chunks out to search them."),
+    ([*GPT, "--input", "batch.input_ids=int64[8,16]", "--search", "--batch", "input_ids=int64[8,16]"],
+     "--batch goes without --search"),
+    (["--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--devices", "4x1GiB", "--json",
+      "c.json"], "--json goes with --search: it writes the configurations searched."),
 ])
 def test_lightning_pipe_plan_bad_input_exits_2_with_a_message(capsys, argv, message):
     from lightning_pipe.cli import main
@@ -343,6 +356,25 @@ def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_lea
     assert largest["bf16-mixed"] >= largest["32-true"]
 
 
+def test_the_search_profiles_under_the_precision(capsys, monkeypatch):
+    import lightning_pipe.cli as cli
+
+    profiles = []
+
+    def spied(*args, **kwargs):
+        profiles.append(profile_graph(*args, **kwargs))
+        return profiles[-1]
+
+    monkeypatch.setattr(cli, "profile_graph", spied)
+    model = ["plan", "--model", "examples.models.UNet", "--init-args", '{"channels": 4, "depth": 2}',
+             "--input", "image=float32[8,3,16,16]", "--devices", "2x2MiB", "--search", "--schedule", "1f1b"]
+    for precision in ("32-true", "bf16-mixed"):
+        assert cli.main([*model, "--precision", precision]) == 0
+        assert f"; precision {precision} (" in capsys.readouterr().out.splitlines()[0]
+    fp32, bf16 = (sum(n.saved_bytes for n in p.nodes) for p in profiles)
+    assert bf16 < 0.7 * fp32
+
+
 def test_the_precision_comes_from_the_config_and_an_unknown_one_exits_2(capsys, tmp_path):
     from lightning_pipe.cli import main
 
@@ -364,3 +396,51 @@ def test_the_precision_comes_from_the_config_and_an_unknown_one_exits_2(capsys, 
     assert resolve_precision(None, "bf16", "c.yaml") is PRECISIONS["bf16-mixed"]  # Lightning's older names
     assert resolve_precision(None, 32, "c.yaml") is PRECISIONS["32-true"]
     assert resolve_precision("bf16-true", "16-mixed", "c.yaml") is PRECISIONS["bf16-true"]  # the command line's first
+
+
+def test_lightning_pipe_plan_search_ranks_the_configurations_of_a_cluster(capsys, tmp_path, monkeypatch):
+    """--search on four GPUs: the top 10 of every depth x width, schedule and chunks for the
+    --input batch as the global batch, the best's plan and how to train it, all of it as JSON;
+    on a terminal a bar counts the configurations."""
+    from lightning_pipe.cli import main
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich draws the bar as on a terminal
+    assert main(["plan", "--model", "examples.models.GPT", "--init-args", '{"layers": 2, "dim": 32}',
+                 "--input", "batch.input_ids=int64[8,16]", "--devices", "4x64MiB", "--search",
+                 "--json", str(tmp_path / "search.json"), "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "configurations" in captured.err and "\x1b" not in out
+    head, *rows = [line for line in out.splitlines() if re.match(r"\s*(#|\d+)\s+(depth|\d+)\s", line)]
+    assert head.split() == ["#", "depth", "width", "schedule", "chunks", "micro", "samples/s", "step", "ms",
+                            "reduce", "ms", "fullest", "stage"]
+    assert len(rows) == 10 and max(len(line) for line in [head, *rows]) <= 100
+    rates = [float(row.split()[6]) for row in rows]
+    assert rates == sorted(rates, reverse=True)
+    assert all(int(row.split()[1]) * int(row.split()[2]) == 4 for row in rows)
+    saved = json.loads((tmp_path / "search.json").read_text())
+    configurations = saved["configurations"]
+    assert len(configurations) >= 10 and configurations[0]["samples_per_second"] == pytest.approx(rates[0], abs=0.1)
+    for entry in configurations:
+        assert entry["depth"] * entry["width"] == 4
+        assert entry["width"] * entry["chunks"] * entry["micro_batch"] == 8
+        assert {"schedule", "samples_per_second", "step_ms"} <= set(entry)
+        assert max(entry["stage_peaks"]) <= 64 * 2**20
+    best = configurations[0]
+    plan = Plan.read(tmp_path / "dawnpiper" / "plan.json")
+    assert (len(plan.balance), plan.schedule, plan.chunks, plan.microbatch_size) == (
+        best["depth"], best["schedule"], best["chunks"], best["micro_batch"])
+    assert f"== best: depth {best['depth']} x width {best['width']}, {best['schedule']}" in out
+    assert (f'MemoryPipeStrategy(runtime="distributed", stages={best["depth"]}, schedule="{best["schedule"]}", '
+            f'chunks={best["chunks"]}, plan="{tmp_path}/dawnpiper/plan.json")') in out
+
+
+def test_lightning_pipe_plan_search_where_nothing_fits_says_so_and_exits_1(capsys, tmp_path):
+    from lightning_pipe.cli import main
+
+    assert main(["plan", "--model", "examples.models.GPT", "--init-args", '{"layers": 2, "dim": 32}',
+                 "--input", "batch.input_ids=int64[8,16]", "--devices", "4x64KiB", "--search", "--chunks", "2",
+                 "--json", str(tmp_path / "search.json")]) == 1
+    assert "no configuration fits: add GPUs or memory, or give a smaller global batch." in capsys.readouterr().out
+    saved = json.loads((tmp_path / "search.json").read_text())
+    assert saved["configurations"] == [] and saved["infeasible"] == saved["planned"] > 0
