@@ -331,7 +331,8 @@ def test_with_the_training_batch_each_check_runs_training_step_and_sees_its_loss
     assert _largest(stepped)["dawnpiper"] < _largest(summed)["dawnpiper"]
 
 
-def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_least_as_large(capsys, monkeypatch):
+def _spied_profiles(monkeypatch) -> list:
+    """The profiles the CLI makes, in order."""
     import lightning_pipe.cli as cli
 
     profiles = []
@@ -341,6 +342,13 @@ def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_lea
         return profiles[-1]
 
     monkeypatch.setattr(cli, "profile_graph", spied)
+    return profiles
+
+
+def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_least_as_large(capsys, monkeypatch):
+    import lightning_pipe.cli as cli
+
+    profiles = _spied_profiles(monkeypatch)
     monkeypatch.setattr(cli, "PARTITIONERS", ("dawnpiper",))  # one partitioner is enough, and quick
     model = ["plan", "--model", "examples.models.UNet", "--init-args", '{"channels": 4, "depth": 2}',
              "--input", "image=float32[8,3,16,16]", "--devices", "2x2MiB", "--chunks", "4"]
@@ -359,13 +367,7 @@ def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_lea
 def test_the_search_profiles_under_the_precision(capsys, monkeypatch):
     import lightning_pipe.cli as cli
 
-    profiles = []
-
-    def spied(*args, **kwargs):
-        profiles.append(profile_graph(*args, **kwargs))
-        return profiles[-1]
-
-    monkeypatch.setattr(cli, "profile_graph", spied)
+    profiles = _spied_profiles(monkeypatch)
     model = ["plan", "--model", "examples.models.UNet", "--init-args", '{"channels": 4, "depth": 2}',
              "--input", "image=float32[8,3,16,16]", "--devices", "2x2MiB", "--search", "--schedule", "1f1b"]
     for precision in ("32-true", "bf16-mixed"):
