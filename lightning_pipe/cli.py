@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_against_input(result.microbatch_size, profile.microbatch_size)}")
             print(result.table() + "\n")
             if args.out:
-                report.save(result, Path(args.out) / name)
+                report.save(replace(result, precision=setup.precision.name), Path(args.out) / name)
     if args.out:
         print(f"plans written to {args.out}/<partitioner>/plan.json and plan.png")
     return 0
@@ -326,7 +326,7 @@ def _search(args: argparse.Namespace, setup: _Setup, captured: Captured, sample_
     print(best.plan.table())
     saved = ""
     if args.out:
-        report.save(best.plan, Path(args.out) / "dawnpiper")
+        report.save(replace(best.plan, precision=setup.precision.name), Path(args.out) / "dawnpiper")
         saved = f', plan="{Path(args.out) / "dawnpiper" / "plan.json"}"'
     print(f"\ntrain it on {gpus} GPUs (Trainer devices x num_nodes) with batches of {c.chunks * c.microbatch_size} "
           f"per replica: MemoryPipeStrategy(runtime=\"distributed\", stages={c.depth}, schedule=\"{c.schedule}\", "

@@ -345,7 +345,8 @@ def _spied_profiles(monkeypatch) -> list:
     return profiles
 
 
-def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_least_as_large(capsys, monkeypatch):
+def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_least_as_large(capsys, monkeypatch,
+                                                                                             tmp_path):
     import lightning_pipe.cli as cli
 
     profiles = _spied_profiles(monkeypatch)
@@ -354,10 +355,11 @@ def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_lea
              "--input", "image=float32[8,3,16,16]", "--devices", "2x2MiB", "--chunks", "4"]
     largest = {}
     for precision in ("32-true", "bf16-mixed"):
-        assert cli.main([*model, "--precision", precision]) == 0
+        assert cli.main([*model, "--precision", precision, "--out", str(tmp_path / precision)]) == 0
         out = capsys.readouterr().out
         assert f"; precision {precision} (" in out.splitlines()[0]
         largest[precision] = _largest(out)["dawnpiper"]
+        assert Plan.read(tmp_path / precision / "dawnpiper" / "plan.json").precision == precision  # as trained
     fp32, bf16 = (sum(n.saved_bytes for n in p.nodes) for p in profiles)
     assert bf16 < 0.7 * fp32  # the convolutions' activations in bf16
     assert [n.param_bytes for n in profiles[0].nodes] == [n.param_bytes for n in profiles[1].nodes]  # fp32 weights

@@ -303,11 +303,13 @@ class DistributedEngine(Engine):
             if len(saved.balance) != stages:
                 raise ValueError(f"the plan has {len(saved.balance)} stages, this run {stages} ({self.num_stages} "
                                  f"processes x {self.options.virtual_stages} virtual stages): plan for {stages}.")
-            check_follows(saved, captured)
+            check_follows(saved, captured, self.precision_plugin.precision)
             if training:
                 check_microbatch(saved, batch_shapes(batch))
         planning = training and self.options.planner is not None and self.options.balance is None and saved is None
         plan = self._plan(captured, batch, batch_idx, (args, kwargs)) if planning else saved
+        if planning and plan is not None:
+            plan.precision = self.precision_plugin.precision
         box: list[Any] = [None]
         if self.global_rank == 0:
             sample = scatter((args, kwargs), self.options.chunks)[0]

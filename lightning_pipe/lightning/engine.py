@@ -301,12 +301,18 @@ def policies_of(captured: Captured, plan: Plan) -> dict[str, Policy]:
     return {n.name: cast(Policy, p) for n, p in zip(captured.nodes, plan.policies) if p != "keep"}
 
 
-def check_follows(plan: Plan, captured: Captured) -> None:
-    """That a saved ``plan`` was made for this graph: the same nodes in the same order.
+def check_follows(plan: Plan, captured: Captured, precision: str) -> None:
+    """That a saved ``plan`` was made for this graph (the same nodes in the same order) and
+    this Trainer ``precision`` (its bytes are that precision's).
 
     Raises:
-        ValueError: naming the first node that differs, or a plan that names none.
+        ValueError: naming the first node that differs, a plan that names none, or the
+            precisions.
     """
+    if plan.precision != precision:
+        raise ValueError(f"the plan was made for precision {plan.precision!r}, this Trainer trains in {precision!r}: "
+                         f"give Trainer(precision={plan.precision!r}), or plan again with lightning-pipe plan "
+                         f"--precision {precision} --out.")
     names = [n.name for n in captured.nodes]
     if not plan.nodes:
         raise ValueError("the plan names no graph nodes (a plan.json from an older lightning_pipe): plan again with "

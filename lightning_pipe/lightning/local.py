@@ -242,7 +242,7 @@ class LocalEngine(Engine):
     def _install_known(self, captured: Captured) -> None:
         """Split by the plan already made for this graph, else by the user's or an even split."""
         if self.options.plan is not None:
-            check_follows(self.options.plan, captured)
+            check_follows(self.options.plan, captured, self.precision_plugin.precision)
         if self.plan is not None and sum(self.plan.balance) == len(captured.nodes):
             self._install(captured, self.plan.balance, policies_of(captured, self.plan))
         else:
@@ -329,6 +329,7 @@ class LocalEngine(Engine):
         if before is not None and corrections is None:
             rank_zero_info(f"The stages are split again: balance {before.balance} -> {self.plan.balance}.")
         self.plan.input_shapes = {path: list(shape) for path, shape in self._shapes_to_plan.items()}
+        self.plan.precision = self.precision_plugin.precision
         self._install(self.captured, self.plan.balance, policies_of(self.captured, self.plan))
         if self.meter is not None:
             self.meter.reset_peaks()  # peaks of an earlier split are not this plan's

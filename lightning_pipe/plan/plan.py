@@ -28,8 +28,8 @@ from lightning_pipe.plan.stages import Stages
 from lightning_pipe.units import format_bytes
 
 __all__ = [
-    "PLANNING_HEADROOM", "PREDICTION_ERROR", "InfeasiblePlanError", "Plan", "StageReport", "fitting_plan",
-    "largest_plan", "make_plan", "max_microbatch", "plan_fits", "planning_stages",
+    "PLANNING_HEADROOM", "PLAN_FORMAT", "PREDICTION_ERROR", "InfeasiblePlanError", "Plan", "StageReport",
+    "fitting_plan", "largest_plan", "make_plan", "max_microbatch", "plan_fits", "planning_stages",
 ]
 
 #: How far the memory model may under-predict a stage, over models it was not checked on.
@@ -81,6 +81,11 @@ class StageReport:
         return self.forward_ms + self.backward_ms + self.recompute_ms + self.swap_ms + self.send_ms
 
 
+#: The meaning of a plan.json's fields; raised whenever a version of lightning_pipe reads one
+#: differently, so that a plan made by another is refused rather than followed wrongly.
+PLAN_FORMAT = 1
+
+
 @dataclass
 class Plan:
     """A balance with per-node policies (``keep``/``recompute``/``swap``) and predictions.
@@ -103,6 +108,7 @@ class Plan:
     link_bandwidth: float | None = None
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     nodes: list[str] = field(default_factory=list)
+    precision: str = "32-true"  # the Trainer precision whose bytes it planned
 
     @property
     def time_ms(self) -> float:
@@ -110,11 +116,12 @@ class Plan:
         return max(s.time_ms for s in self.stages)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        return json.dumps({**asdict(self), "format": PLAN_FORMAT}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         data = json.loads(text)
+        data.pop("format", None)
         data["stages"] = [StageReport(**{**s, "peak": StagePeak(**s["peak"])}) for s in data["stages"]]
         return cls(**data)
 
@@ -123,7 +130,8 @@ class Plan:
         """A ``plan.json`` as the strategy and ``lightning-pipe plan --out`` write it.
 
         Raises:
-            ValueError: the file is missing or is not such a plan.
+            ValueError: the file is missing, is not such a plan, or another version of
+                lightning_pipe wrote it.
         """
         try:
             text = Path(path).read_text()
@@ -131,11 +139,16 @@ class Plan:
             raise ValueError(f"plan={str(path)!r} cannot be read ({error.strerror}); give the path of a plan.json "
                              f"that lightning-pipe plan --out or a training run's logger folder holds.") from None
         try:
-            return cls.from_json(text)
-        except (ValueError, TypeError, KeyError) as error:
+            written = json.loads(text).get("format")
+            plan = cls.from_json(text)
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
             raise ValueError(f"plan={str(path)!r} is not a plan.json written by lightning_pipe ({error}); make "
                              f"one with lightning-pipe plan --out, or take it from a training run's logger "
                              f"folder.") from None
+        if written != PLAN_FORMAT:
+            raise ValueError(f"plan={str(path)!r} was written by another version of lightning_pipe (plan format "
+                             f"{written}; this one reads {PLAN_FORMAT}): plan again with lightning-pipe plan --out.")
+        return plan
 
     def table(self) -> str:
         """One line per stage, within 100 columns: nodes, parameter bytes, one micro-batch's

@@ -2,6 +2,7 @@
 per-node choices, no profiling, never planned again; a plan that does not belong is named."""
 
 import functools
+import json
 from dataclasses import replace
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from examples.models import GPT, TokenDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
-from lightning_pipe.plan.plan import Plan
+from lightning_pipe.plan.plan import PLAN_FORMAT, Plan
 from tests.helpers import max_rel_diff, trainer
 
 CHUNKS, SCHEDULE = 4, "1f1b"
@@ -80,6 +81,13 @@ def test_a_plan_that_does_not_belong_is_named(dry_run, tmp_path):
     with pytest.raises(ValueError, match="the plan names no graph nodes"):
         trainer(MemoryPipeStrategy(plan=older, chunks=CHUNKS, schedule=SCHEDULE), 2, max_steps=1).fit(
             _gpt(), loader(TokenDataset(8), 8))
+    bf16 = tmp_path / "bf16.json"  # its bytes are bf16's: the fp32 run would outgrow them
+    bf16.write_text(replace(saved, precision="bf16-mixed").to_json())
+    with pytest.raises(ValueError, match=r"the plan was made for precision 'bf16-mixed', this Trainer trains in "
+                                         r"'32-true': give Trainer\(precision='bf16-mixed'\), or plan again with "
+                                         r"lightning-pipe plan --precision 32-true --out."):
+        trainer(MemoryPipeStrategy(plan=bf16, chunks=CHUNKS, schedule=SCHEDULE), 2, max_steps=1).fit(
+            _gpt(), loader(TokenDataset(8), 8))
 
 
 def _images():
@@ -109,6 +117,19 @@ def test_a_file_that_is_not_a_plan_is_named(tmp_path):
     (tmp_path / "bad.json").write_text('{"balance": [1]}')
     with pytest.raises(ValueError, match=r"plan='.*bad.json' is not a plan.json written by lightning_pipe"):
         MemoryPipeStrategy(plan=str(tmp_path / "bad.json"))
+    plan = Plan("dawnpiper", "1f1b", [1 << 20] * 2, 2, 4, None, [1, 1], ["keep"] * 2, [], 1.0, 0.1, nodes=["a", "b"])
+    assert Plan.read(_written(tmp_path / "plan.json", plan.to_json())) == plan
+    for fields in ({"format": PLAN_FORMAT + 1}, {"format": None}):  # a later version's, one from before formats
+        other = _written(tmp_path / "other.json", json.dumps({**json.loads(plan.to_json()), **fields}))
+        with pytest.raises(ValueError, match=rf"plan='.*other.json' was written by another version of lightning_pipe "
+                                             rf"\(plan format {fields['format']}; this one reads {PLAN_FORMAT}\): "
+                                             rf"plan again with lightning-pipe plan --out."):
+            MemoryPipeStrategy(plan=other)
+
+
+def _written(path, text: str):
+    path.write_text(text)
+    return path
 
 
 @pytest.mark.slow
