@@ -151,7 +151,7 @@ def candidates(
             raise ValueError(f"schedule {s!r} cannot be searched: it runs only with runtime='local', one process "
                              f"without data-parallel replicas; give one of {', '.join(map(repr, SEARCHED_SCHEDULES))}.")
     found = []
-    for depth in (d for d in range(1, min(gpus, max_depth) + 1) if gpus % d == 0):
+    for depth in _depths(gpus, max_depth):
         width = gpus // depth
         if global_batch % width:
             continue
@@ -169,9 +169,15 @@ def allreduce_ms(plan: Plan, width: int, link_bandwidth: float | None) -> float:
     reduces its own with its replicas by a ring, ``2 (w - 1) / w`` times its parameter bytes
     over the link, all stages at once, so the stage with the most parameters decides. No
     replicas or no link price: nothing."""
+    return _ring_ms(max(s.param_bytes for s in plan.stages), width, link_bandwidth)
+
+
+def _ring_ms(nbytes: float, width: int, link_bandwidth: float | None) -> float:
+    """A ring all-reduce of ``nbytes`` among ``width`` ranks: ``2 (w - 1) / w`` times them over
+    the link; nothing for one rank or an unpriced link."""
     if width == 1 or link_bandwidth is None:
         return 0.0
-    return 1e3 * 2 * (width - 1) / width * max(s.param_bytes for s in plan.stages) / link_bandwidth
+    return 1e3 * 2 * (width - 1) / width * nbytes / link_bandwidth
 
 
 def search(
@@ -230,17 +236,18 @@ def bound(profile: Profile, cluster: Cluster, candidate: Candidate) -> float:
     c = candidate
     compute = sum(n.forward_ms + n.backward_ms for n in profile.nodes) * c.microbatch_size / profile.microbatch_size
     pipeline = compute / (1 - (1 - 1 / c.chunks) ** c.depth)
-    reduce = 0.0
-    if c.width > 1 and cluster.link_bandwidth is not None:
-        params = sum(n.param_bytes for n in profile.nodes)
-        reduce = 1e3 * 2 * (c.width - 1) / c.width * params / c.depth / cluster.link_bandwidth
+    reduce = _ring_ms(sum(n.param_bytes for n in profile.nodes) / c.depth, c.width, cluster.link_bandwidth)
     return 1e3 * c.batch / (pipeline + reduce) if pipeline + reduce > 0 else float("inf")
+
+
+def _depths(gpus: int, max_depth: int) -> list[int]:
+    """The pipeline depths of ``gpus`` GPUs: those dividing the count, up to ``max_depth``."""
+    return [d for d in range(1, min(gpus, max_depth) + 1) if gpus % d == 0]
 
 
 def _none_found(gpus: int, global_batch: int, max_depth: int, chunks: int | None) -> str:
     """Why no configuration lays ``global_batch`` out over ``gpus`` GPUs, and what to change."""
-    depths = [d for d in range(1, min(gpus, max_depth) + 1) if gpus % d == 0]
-    widths = sorted(gpus // d for d in depths)
+    widths = sorted(gpus // d for d in _depths(gpus, max_depth))
     fitting = [w for w in widths if global_batch % w == 0]
     if not fitting:
         return (f"a global batch of {global_batch} splits evenly over no data-parallel width: {gpus} GPUs with a "
