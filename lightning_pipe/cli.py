@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import torch
 import yaml
+from rich.progress import Progress
 
 from lightning_pipe.graph.capture import Captured, CaptureError, capture
 from lightning_pipe.graph.microbatch import scatter
@@ -219,10 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.search:
         return _search(args, setup, captured, sample_args, sample_kwargs)
     with progress_bar() as bar:
-        with setup.precision.step():
-            profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
-                                    fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
-                                    progress=tracker(bar, "profiling nodes", len(captured.nodes)))
+        profile = _profile(setup, captured, sample_args, sample_kwargs, bar)
         advance = tracker(bar, "planning", len(PARTITIONERS))
         results = []
         for done, name in enumerate(PARTITIONERS, 1):
@@ -231,10 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     loss = (f"training_step on {setup.batch_from}" if setup.batch is not None
             else "loss not checked: the outputs' sum stands in; give --batch, or a config with a data module, "
                  "to run training_step")
-    where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
-    print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
-          f"{profile.microbatch_size}; "
-          f"{setup.precision.describe()}; {len(setup.limits)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
+    print(f"{_profiled(setup, captured, profile)}; "
+          f"{len(setup.limits)} stages, {setup.schedule}, {setup.chunks} micro-batches; "
           f"memory limit {_sizes(setup.limits)}, each plan checked by a training step on fake tensors ({loss}) "
           f"and planned below the limit by the error that measures; host link "
           f"{_rate(setup.host_bandwidth)}, link between stages {_rate(setup.link_bandwidth)}; "
@@ -251,6 +247,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         print(f"plans written to {args.out}/<partitioner>/plan.json and plan.png")
     return 0
+
+
+def _profile(setup: _Setup, captured: Captured, sample_args: tuple[Any, ...], sample_kwargs: dict[str, Any],
+             bar: Progress) -> Profile:
+    """The graph's profile on its first micro-batch under the precision's step context: on fake
+    tensors with the named GPU's times, else on the CPU."""
+    with setup.precision.step():
+        return profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
+                             fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
+                             progress=tracker(bar, "profiling nodes", len(captured.nodes)))
+
+
+def _profiled(setup: _Setup, captured: Captured, profile: Profile) -> str:
+    """The header's first words: what was profiled, where, at what size and precision."""
+    where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
+    return (f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
+            f"{profile.microbatch_size}; {setup.precision.describe()}")
 
 
 def _check_search(args: argparse.Namespace, setup: _Setup) -> None:
@@ -288,20 +301,15 @@ def _search(args: argparse.Namespace, setup: _Setup, captured: Captured, sample_
     gpus, limit, batch = len(setup.limits), setup.limits[0], _global_batch(setup)
     cluster = Cluster(gpus, limit, setup.link_bandwidth, setup.host_bandwidth)
     with progress_bar() as bar:
-        with setup.precision.step():
-            profile = profile_graph(captured, sample_args, sample_kwargs, optimizer=_optimizer(setup.model),
-                                    fake=setup.device is not None, device=setup.device or FAKE_DEVICE,
-                                    progress=tracker(bar, "profiling nodes", len(captured.nodes)))
+        profile = _profile(setup, captured, sample_args, sample_kwargs, bar)
         found = search(profile, cluster, batch, schedules=_searched_schedules(args), chunks=args.chunks,
                        top=_TOP, progress=tracker(bar, "configurations"))
     name = setup.device.name if setup.device else format_bytes(limit)
-    where = f"on fake tensors, times for {setup.device.name}," if setup.device else f"on {profile.device}"
     chunks = (f"{args.chunks} micro-batches" if args.chunks else
               f"micro-batches per batch dividing a replica's batch, up to {CHUNKS_PER_STAGE} per stage")
     link = ("all-reduce and sends free (no link bandwidth)" if setup.link_bandwidth is None
             else f"all-reduce and sends over a link of {_rate(setup.link_bandwidth)}")
-    print(f"profiled {len(profile.nodes)} nodes ({captured.front_end}) {where} at micro-batch "
-          f"{profile.microbatch_size}; {setup.precision.describe()}; searched {gpus} x {name} for a global batch "
+    print(f"{_profiled(setup, captured, profile)}; searched {gpus} x {name} for a global batch "
           f"of {batch} as depth x width "
           f"(pipelines of depth stages, width data-parallel replicas, runtime='distributed'), schedules "
           f"{', '.join(_searched_schedules(args))}, {chunks}: {found.planned + found.skipped} configurations, "
