@@ -16,16 +16,17 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import yaml
 from rich.progress import Progress
 
+from lightning_pipe.autocast import cuda_policy
 from lightning_pipe.graph.capture import Captured, CaptureError, capture
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.internals import tree_flatten, tree_map
@@ -65,22 +66,26 @@ class Precision:
     it. ``16-mixed``'s grad scaler adds only a scale and a step counter per device (scalars)
     and unscales the gradients in place: no bytes to plan.
 
-    Autocast is the CPU's, for a named GPU too: ``torch.autocast("cuda")`` needs PyTorch
-    built with CUDA and a GPU (without, it disables itself and casts nothing), and fake
-    tensors cannot stand on a CUDA device without them. The CPU's policy casts the
-    operators that hold most activations (matrix products, convolutions, attention) as
-    CUDA's does; what CUDA's policy runs in float32 (layer and group norm, softmax, the
-    losses) it leaves in the lower precision, so those outputs may take up to twice the
-    planned bytes on a GPU, which the plan's check does not see either."""
+    Autocast casts as CUDA's does (:func:`~lightning_pipe.autocast.cuda_autocast`: layer norm,
+    softmax and the losses in float32, matrix products and convolutions in the lower
+    precision), run on the CPU: ``torch.autocast("cuda")`` needs a GPU. Where the config's
+    ``trainer.accelerator`` is ``cpu``, as the CPU's does (``cuda=False``).
+    """
 
     name: str
     autocast: torch.dtype | None  # the lower precision autocast runs in; None: no autocast
     params: torch.dtype
+    cuda: bool = True  # autocast casts as CUDA's does, not as the CPU's
+
+    def policy(self) -> AbstractContextManager[None]:
+        """The context autocast casts in as on a GPU (:func:`~lightning_pipe.autocast.cuda_policy`),
+        held for the whole dry run; none for the CPU's own policy or without autocast."""
+        return cuda_policy() if self.cuda and self.autocast is not None else nullcontext()
 
     @contextmanager
     def step(self) -> Iterator[None]:
         """The context a training step (forward, loss) runs in, as Lightning's plugin's
-        ``train_step_context``."""
+        ``train_step_context``: within :meth:`policy`."""
         if self.autocast is not None:
             with torch.autocast("cpu", dtype=self.autocast, cache_enabled=False):  # (Lightning's setting)
                 yield
@@ -104,8 +109,8 @@ class Precision:
 
     def describe(self) -> str:
         if self.autocast is not None:
-            return (f"precision {self.name} (CPU autocast to {_dtype(self.autocast)}; parameters, gradients and "
-                    f"optimizer state float32)")
+            return (f"precision {self.name} ({'CUDA' if self.cuda else 'CPU'} autocast to {_dtype(self.autocast)}; "
+                    f"parameters, gradients and optimizer state float32)")
         return f"precision {self.name} (parameters, activations, gradients and optimizer state {_dtype(self.params)})"
 
 
@@ -195,6 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         setup = _setup(args)
+    except (ValueError, CaptureError) as err:
+        plan.error(str(err))
+    with setup.precision.policy():  # for the whole dry run: a recompute casts again in the backward
+        return _dry_run(args, setup, plan.error)
+
+
+def _dry_run(args: argparse.Namespace, setup: _Setup, error: Callable[[str], NoReturn]) -> int:
+    """``lightning-pipe plan`` once its settings are read (``error``: exits 2 with the message)."""
+    try:
         if args.search:
             _check_search(args, setup)
             # profiled at a micro-batch of 2 samples and scaled to each size: checking that the model runs
@@ -216,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             candidates(len(setup.limits), _global_batch(setup), len(captured.nodes), _searched_schedules(args),
                        args.chunks)
     except (ValueError, CaptureError) as err:
-        plan.error(str(err))
+        error(str(err))
     if args.search:
         return _search(args, setup, captured, sample_args, sample_kwargs)
     with progress_bar() as bar:
@@ -365,6 +379,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
     strategy = trainer.get("strategy")
     settings = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     precision = resolve_precision(args.precision, trainer.get("precision"), args.config)
+    if trainer.get("accelerator") == "cpu":
+        precision = replace(precision, cuda=False)
     path, model = _model(args, config)
     model = precision.convert(model)
     chunks = args.chunks if args.chunks is not None else settings.get("chunks", _CHUNKS)

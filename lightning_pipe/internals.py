@@ -64,6 +64,7 @@ __all__ = [
     "TreeSpec", "buffer_table", "check_input_dim", "current_autograd_node", "current_graph_task_id",
     "default_store", "fake_process_group", "mark_as_parameter", "module_apply", "op_schema",
     "outer_saved_tensors_hooks", "parameter_table", "preserve_version_counter", "profiler_enabled",
+    "registered_operators", "remove_library",
     "start_memory_events", "stop_memory_events", "storage_key", "tree_flatten", "tree_flatten_with_path",
     "tree_map", "tree_structure", "tree_unflatten", "view_base",
 ]
@@ -173,6 +174,21 @@ def storage_key(t: Tensor) -> int:
     """An id of ``t``'s storage itself (``UntypedStorage._cdata``, the address of its C++
     object), equal for every Python storage object of one storage."""
     return int(t.untyped_storage()._cdata)
+
+
+def registered_operators(key: str) -> list[str]:
+    """The operators (``name.overload``, without ``aten::``) with a kernel of their own for
+    dispatch key ``key``: what the CPU's autocast casts, which :mod:`lightning_pipe.autocast`
+    lets fall through. The dispatcher's tables have no public reader."""
+    return [name.removeprefix("aten::") for name in torch._C._dispatch_get_all_op_names()
+            if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, key)]
+
+
+def remove_library(library: torch.library.Library) -> None:
+    """Take back every kernel ``library`` registered, now (``Library._destroy``; otherwise only
+    once it is garbage, whenever that is): the CUDA autocast stand-in's kernels must not outlive
+    their scope."""
+    library._destroy()  # type: ignore[no-untyped-call]
 
 
 # aten's own operators, private by name (a leading underscore) but the graph holds them: export

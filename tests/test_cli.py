@@ -361,9 +361,29 @@ def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_lea
         largest[precision] = _largest(out)["dawnpiper"]
         assert Plan.read(tmp_path / precision / "dawnpiper" / "plan.json").precision == precision  # as trained
     fp32, bf16 = (sum(n.saved_bytes for n in p.nodes) for p in profiles)
-    assert bf16 < 0.7 * fp32  # the convolutions' activations in bf16
+    # the convolutions' activations in bf16; CUDA's autocast runs group norm in fp32, and so the SiLU after it
+    assert bf16 < 0.9 * fp32
     assert [n.param_bytes for n in profiles[0].nodes] == [n.param_bytes for n in profiles[1].nodes]  # fp32 weights
     assert largest["bf16-mixed"] >= largest["32-true"]
+
+
+def test_a_mixed_dry_run_casts_as_cudas_autocast_unless_the_config_trains_on_the_cpu(capsys, monkeypatch, tmp_path):
+    import lightning_pipe.cli as cli
+
+    profiles = _spied_profiles(monkeypatch)
+    monkeypatch.setattr(cli, "PARTITIONERS", ("dawnpiper",))
+    gpt = ["plan", "--model", "examples.models.GPT", "--init-args", '{"layers": 1, "dim": 32}', "--input",
+           "batch.input_ids=int64[8,16]", "--devices", "2x64MiB", "--precision", "bf16-mixed"]
+    config = tmp_path / "cpu.yaml"
+    config.write_text("trainer:\n  accelerator: cpu\n")
+    for args, autocast in ((gpt, "CUDA autocast to bfloat16"), ([*gpt, "--config", str(config)], "CPU autocast")):
+        assert cli.main(args) == 0
+        assert autocast in capsys.readouterr().out.splitlines()[0]
+    cuda, cpu = ({n.name: n.saved_bytes for n in p.nodes} for p in profiles)
+    # CUDA's policy runs softmax in float32: its output, which it saves, twice the CPU policy's bf16
+    assert cuda["softmax"] == 2 * cpu["softmax"]
+    assert cuda["blocks_0_attn_qkv"] == cpu["blocks_0_attn_qkv"]  # matrix products in bf16 under both
+    assert sum(cuda.values()) > sum(cpu.values())
 
 
 def test_the_search_profiles_under_the_precision(capsys, monkeypatch):
@@ -376,7 +396,7 @@ def test_the_search_profiles_under_the_precision(capsys, monkeypatch):
         assert cli.main([*model, "--precision", precision]) == 0
         assert f"; precision {precision} (" in capsys.readouterr().out.splitlines()[0]
     fp32, bf16 = (sum(n.saved_bytes for n in p.nodes) for p in profiles)
-    assert bf16 < 0.7 * fp32
+    assert bf16 < 0.9 * fp32  # (as above)
 
 
 def test_the_precision_comes_from_the_config_and_an_unknown_one_exits_2(capsys, tmp_path):

@@ -322,3 +322,14 @@ def test_no_private_override_outside_the_fences() -> None:
                       for name, line in names.items() if _private(name)
                       for base in external if hasattr(base, name)]
     assert not found, "private members of torch/Lightning classes used outside the fences:\n" + "\n".join(found)
+
+
+def test_the_dispatcher_lists_autocasts_kernels_and_a_library_is_taken_back_at_once() -> None:
+    assert {"linear", "softmax.int", "layer_norm"} <= set(fence.registered_operators("AutocastCUDA"))
+    assert "linear" in fence.registered_operators("AutocastCPU")
+    assert "softmax.int" not in fence.registered_operators("AutocastCPU")
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("softmax.int", lambda *args: None, "AutocastCPU")
+    assert "softmax.int" in fence.registered_operators("AutocastCPU")
+    fence.remove_library(library)
+    assert "softmax.int" not in fence.registered_operators("AutocastCPU")

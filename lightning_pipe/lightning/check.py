@@ -12,6 +12,7 @@ allocator's rounding and cached blocks take their share of it.
 """
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import Metric
 
+from lightning_pipe.autocast import cuda_policy
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.internals import DataDependentOutputException, DynamicOutputShapeException, tree_map
@@ -133,9 +135,9 @@ def fake_meter(
         return _user_step(replica, precision, microbatch, batch_idx)
 
     shapes = _on_meta(batch)
-    # CPU autocast casts fake tensors standing on the CPU, not meta ones
-    on_cpu = on_cpu or (isinstance(precision, MixedPrecision) and precision.device == "cpu")
-    with silenced(replica), torch.random.fork_rng(devices=[]):
+    # autocast casts fake tensors standing on the CPU, not meta ones (CUDA's: see _step_context)
+    on_cpu = on_cpu or isinstance(precision, MixedPrecision)
+    with silenced(replica), torch.random.fork_rng(devices=[]), _policy(precision):
         meter = fake_training(replica, graph, shapes, step, twin, plan.balance, policies,
                               schedule=cast(Schedule, plan.schedule), chunks=plan.chunks,
                               tensors="cpu" if on_cpu else "meta", trace=trace)
@@ -182,7 +184,7 @@ def _on_meta(value: Any) -> Any:
 def _user_step(replica: LightningModule, precision: Precision, microbatch: Any, batch_idx: int) -> Tensor:
     """The loss ``replica.training_step`` returns on fake tensors; what keeps it from running
     there, as :class:`UncheckableStepError`."""
-    with precision.train_step_context():
+    with _step_context(precision):
         try:
             returned = replica.training_step(microbatch, batch_idx)
         except NotImplementedError as error:  # an operator without a meta kernel
@@ -203,6 +205,22 @@ def _user_step(replica: LightningModule, precision: Precision, microbatch: Any, 
                 ) from error
             raise
     return cast(Tensor, returned["loss"] if isinstance(returned, Mapping) else returned)
+
+
+def _policy(precision: Precision) -> AbstractContextManager[Any]:
+    """What the whole fake step runs in: for CUDA stages under ``*-mixed``, CUDA's autocast
+    policy on the CPU (:func:`~lightning_pipe.autocast.cuda_policy`), which casts layer norm,
+    softmax and the losses to float32 where the CPU's keeps them in the lower precision."""
+    return cuda_policy() if isinstance(precision, MixedPrecision) and precision.device == "cuda" else nullcontext()
+
+
+def _step_context(precision: Precision) -> AbstractContextManager[Any]:
+    """``precision``'s training-step context, on the fake CPU tensors of the check (CUDA
+    stages' autocast too, as :func:`_policy` casts)."""
+    if isinstance(precision, MixedPrecision) and precision.device == "cuda":
+        dtype = torch.bfloat16 if precision.precision == "bf16-mixed" else torch.float16
+        return torch.autocast("cpu", dtype=dtype, cache_enabled=False)
+    return precision.train_step_context()
 
 
 def _replica(module: LightningModule, captured: Captured) -> tuple[LightningModule, Captured]:

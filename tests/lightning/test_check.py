@@ -6,11 +6,13 @@ from functools import partial
 import pytest
 import torch
 import torchmetrics
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch._subclasses.fake_tensor import FakeTensor
 
 import lightning_pipe.lightning.local as strategy_module
 from examples.models import GPT, TokenDataset, loader
 from lightning_pipe import MemoryPipeStrategy
+from lightning_pipe.autocast import cuda_autocast
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.lightning.check import fake_meter, fake_peaks, picks_kernel_by_device
 from lightning_pipe.measure.meter import StageOutOfMemoryError
@@ -149,6 +151,33 @@ def test_under_cpu_autocast_the_check_meters_what_training_does():
     peaks = fake_peaks(model, strategy.engine.captured, batch, 0, strategy.optimizers[0], strategy.precision_plugin,
                        strategy.plan)
     assert peaks == strategy.meter.peaks()
+
+
+class _CudaAutocast(MixedPrecision):
+    """bf16-mixed on the CPU casting as CUDA's autocast does: a GPU's training step, metered here."""
+
+    def autocast_context_manager(self):
+        return cuda_autocast(torch.bfloat16)
+
+
+def test_for_cuda_stages_the_check_casts_as_cudas_autocast():
+    # the check of a plan for CUDA stages under bf16-mixed ran on meta tensors, which autocast
+    # leaves in fp32; now on fake CPU tensors under CUDA's policy, as a GPU's step would cast
+    strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule="1f1b", measure_memory=True)
+    torch.manual_seed(0)
+    model = GPT(optimizer="adam")
+    trainer(strategy, STAGES, max_steps=2, plugins=[_CudaAutocast("bf16-mixed", "cpu")]).fit(
+        model, loader(TokenDataset(2 * BATCH), BATCH))
+    model.forward = strategy.engine.run_forward
+    batch = next(iter(loader(TokenDataset(BATCH), BATCH)))
+
+    def check(precision):
+        return fake_peaks(model, strategy.engine.captured, batch, 0, strategy.optimizers[0], precision, strategy.plan)
+
+    cuda = check(MixedPrecision("bf16-mixed", "cuda"))
+    assert cuda == strategy.meter.peaks()
+    # the CPU's policy keeps the layer norms and the attention probabilities in bf16: fewer bytes
+    assert all(c > p for c, p in zip(cuda, check(MixedPrecision("bf16-mixed", "cpu"))))
 
 
 @pytest.mark.slow
