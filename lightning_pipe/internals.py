@@ -257,7 +257,13 @@ class NoWarmupVotes:
     ``PipelineStage`` still has both methods with these signatures."""
 
     def _warmup_forward_vote(self, has_backward: bool, received_acc: Tensor | None = None) -> Tensor:
-        return torch.ones(1, dtype=torch.int32)
+        return _static_vote()
 
     def _warmup_backward_result(self, received_result: Tensor | None = None) -> Tensor:
-        return torch.ones(1, dtype=torch.int32)
+        return _static_vote()
+
+
+def _static_vote() -> Tensor:
+    """The vote for static shapes, whose value the schedule reads: made from a Python list, so
+    that within a fake tensor mode (a fake rank's check on the CPU) it keeps its value."""
+    return torch.tensor([1], dtype=torch.int32)

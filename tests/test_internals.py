@@ -172,6 +172,8 @@ def test_pipelining_stages_still_vote_through_the_overridden_methods() -> None:
             PipelineStage, name))
         assert list(ours.parameters) == list(torchs.parameters), name
         assert f".{name}(" in inspect.getsource(schedules), name  # the schedules still call it
+        with fence.FakeTensorMode():  # a fake rank's check reads the vote within a fake mode
+            assert getattr(fence.NoWarmupVotes(), name)(True if name.endswith("vote") else None).item() == 1
 
 
 # --- nothing private outside the fences ---------------------------------------------------------

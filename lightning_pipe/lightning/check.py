@@ -13,7 +13,7 @@ allocator's rounding and cached blocks take their share of it.
 
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from lightning.pytorch import LightningModule
@@ -24,7 +24,6 @@ from torchmetrics import Metric
 
 from lightning_pipe.autocast import cuda_policy
 from lightning_pipe.graph.capture import Captured
-from lightning_pipe.graph.microbatch import scatter
 from lightning_pipe.internals import DataDependentOutputException, DynamicOutputShapeException, tree_map
 from lightning_pipe.lightning.internals import attached_trainer
 from lightning_pipe.lightning.microlog import silenced
@@ -163,17 +162,17 @@ def fake_rank_peak(
     twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(replica.parameters(), lr=0.0)
     _inert_metrics(replica)
     batch = _on_meta(batch)
-    microbatches = scatter(batch, plan.chunks)
 
-    def loss(output: Any, i: int) -> Tensor:
+    def loss(output: Any, microbatch: Any) -> Tensor:
         replica.forward = lambda *args, **kwargs: output  # type: ignore[method-assign]
-        return _user_step(replica, precision, microbatches[i], batch_idx)
+        return _user_step(replica, precision, microbatch, batch_idx)
 
     policies = {n.name: cast(Policy, p) for n, p in zip(graph.nodes, plan.policies) if p != "keep"}
-    with silenced(replica), torch.random.fork_rng(devices=[]):
+    tensors: Literal["cpu", "meta"] = "cpu" if isinstance(precision, MixedPrecision) else "meta"  # (autocast: CPU)
+    with silenced(replica), torch.random.fork_rng(devices=[]), _policy(precision):
         meter = fake_rank_training(replica, graph, batch, _on_meta(arguments), loss, twin, plan.balance, policies,
-                                   mesh, schedule=cast(DistributedSchedule, plan.schedule),
-                                   chunks=plan.chunks)
+                                   mesh, schedule=cast(DistributedSchedule, plan.schedule), chunks=plan.chunks,
+                                   tensors=tensors, step_context=lambda: _step_context(precision))
     return meter.stages[0].peak
 
 

@@ -342,6 +342,7 @@ class DistributedEngine(Engine):
         self.meter = MemoryMeter(1) if self.options.measure_memory else None
         for stage in self.pipe.modules:
             stage.clock, stage.meter = self.clock, self.meter
+            stage.step_context = self.precision_plugin.train_step_context
         if self.meter is not None:  # from here on, as the local engine meters: the optimizer step too
             self.meter.own(0, self.pipe.held)
             self._metering.enter_context(self.meter)

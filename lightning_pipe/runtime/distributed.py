@@ -15,7 +15,7 @@ values as objects, micro-batch by micro-batch.
 """
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import InitVar, dataclass
 from datetime import timedelta
 from typing import Any, cast
@@ -156,9 +156,12 @@ class StageModule(StageRunner):
         self.inputs, self.outputs = boundaries[index], boundaries[index + 1]
         self.clock: StageClock | None = None  # this rank's stage as stage 0
         self.meter: MemoryMeter | None = None
+        # what each forward runs in: the Trainer precision's autocast, which Lightning opens only
+        # around training_step, which on every rank but the last never calls a stage's forward
+        self.step_context: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
-        with self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
+        with self.step_context(), self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
             # (gloo sends only contiguous tensors: a transposed view leaving the stage is copied)
             outputs = tuple(t.contiguous() for t in self.outputs.flatten(self.run(self.inputs.unflatten(tensors))))
         if self.meter is not None:

@@ -28,6 +28,7 @@ holds beyond the storages (rounding, cached blocks) follows from their order, wh
 records when asked (``trace``) and :mod:`~lightning_pipe.measure.allocator` replays.
 """
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from copy import deepcopy
@@ -143,7 +144,7 @@ def fake_rank_training(
     captured: Captured,
     batch: Any,
     arguments: tuple[tuple[Any, ...], dict[str, Any]],
-    loss_fn: Callable[[Any, int], Tensor],
+    loss_fn: Callable[[Any, Any], Tensor],
     optimizer: torch.optim.Optimizer,
     balance: Sequence[int],
     policies: Mapping[str, Policy],
@@ -151,26 +152,36 @@ def fake_rank_training(
     *,
     schedule: DistributedSchedule,
     chunks: int,
+    tensors: Literal["meta", "cpu"] = "meta",
+    step_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> MemoryMeter:
-    """This rank's training steps under ``runtime="distributed"``, on ``meta`` tensors, metered:
+    """This rank's training steps under ``runtime="distributed"``, on fake tensors, metered:
     the stages ``balance`` gives its place in ``mesh`` (a
     :func:`~lightning_pipe.runtime.distributed.silent_mesh`: every message is sent, none
     arrives, none is waited for), ``torch.distributed.pipelining``'s schedule with its receive
     buffers, the values carried through the rank, the gradient reductions and the optimizer
     step. ``root`` is a :func:`meta_copy` and ``optimizer`` over its parameters; ``batch``:
     the training batch every rank loads, ``arguments`` the forward's for the whole batch (the
-    first rank's copy), both ``meta`` tensors; ``loss_fn`` the loss of micro-batch ``i``'s
-    output (the last rank's). Two steps run, the second with
+    first rank's copy); ``loss_fn(output, microbatch)`` a micro-batch's loss (the last rank's).
+    ``tensors`` as :func:`fake_training`'s (``"cpu"``: under autocast); ``step_context``: what
+    each stage's forward runs in (the precision's autocast). Two steps run, the second with
     the first's gradients freed and its optimizer state alive: the meter's peak is a steady
     step's."""
-    device = torch.device("meta")
+    device = torch.device(tensors)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if device == _CPU else nullcontext()
+    _fake_in_place(root, mode, device)
+    batch, arguments = tree_map(lambda x: _fake(x, mode, device) if isinstance(x, Tensor) else x, (batch, arguments))
     program = build(captured, root, balance, [device] * len(balance), policies, place=False)
     boundaries = cuts(program, root, *scatter(arguments, chunks)[0])
-    pipe = DistributedPipeline(program, root, boundaries, mesh, schedule, chunks,
-                               lambda output, target: loss_fn(output, int(target)) / chunks, device, fake=True)
+    # the last rank computes the losses in micro-batch order (a fake target has no value to read)
+    microbatches, order = scatter(batch, chunks), itertools.count()
+    with mode:
+        pipe = DistributedPipeline(program, root, boundaries, mesh, schedule, chunks,
+                                   lambda output, _: loss_fn(output, microbatches[next(order) % chunks]) / chunks,
+                                   device, fake=True)
     meter = MemoryMeter(1)
     for stage in pipe.modules:
-        stage.meter = meter
+        stage.meter, stage.step_context = meter, step_context
     meter.own(0, pipe.held)
     meter.own(0, [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)], "boundary")
     bound = program.bind(*arguments)
@@ -178,7 +189,7 @@ def fake_rank_training(
     received = bound if pipe.is_first else None
     meter.own(0, [t for t in tree_flatten(received)[0] if isinstance(t, Tensor)], "boundary")
     try:
-        with meter, meter.saved_tensors_hooks():
+        with mode, meter, meter.saved_tensors_hooks():
             for _ in range(2):
                 optimizer.zero_grad()
                 with meter.running(0):

@@ -4,7 +4,7 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 
     python tests/lightning/distributed_fit.py OUT DEVICES SCENARIO...
 
-A scenario is ``family:schedule:stages[:metered][:features][:vN]`` (a few steps with
+A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``hooks``, ``features``, ``sharded``, ``refused``,
@@ -45,25 +45,31 @@ ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping
 
 
 def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages: int, metered: bool,
-        features: bool, virtual: int = 1, saved: bool = False) -> None:
+        features: bool, virtual: int = 1, saved: bool = False, precision: str = "32-true") -> None:
     """``metered``: plan (rank 0 profiles), measure memory and log per-stage metrics to a CSV
     logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
     and decay the learning rate every step (:func:`with_scheduler`). ``virtual``: stages per
     process (Interleaved 1F1B). ``saved``: the plan ``out/saved-plan.json`` (written by the
-    test), followed as is."""
+    test), followed as is. ``precision``: the Trainer's (``bf16-mixed``: named in the tag)."""
     model, data = _make(family)
     if features:
         with_scheduler(model)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
                                   planner="dawnpiper" if metered else None, measure_memory=metered,
                                   virtual_stages=virtual, plan=out / "saved-plan.json" if saved else None)
-    tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual > 1 else "")
+    tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual > 1 else "") + \
+        ("-bf16" if precision == "bf16-mixed" else "")
     logger = CSVLogger(out, name=tag) if metered else False
     extra = {"accumulate_grad_batches": ACCUMULATE, "gradient_clip_val": CLIP} if features else {}
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=logger,
                       log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, **extra)
+                      enable_model_summary=False, num_sanity_val_steps=0, precision=precision, **extra)
     replicas = devices // stages
+    dtypes: set[str] = set()  # of every linear layer's output in the steps after the first (planned), this rank's
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            layer.register_forward_hook(lambda m, args, out: dtypes.add(str(out.dtype))
+                                        if m.training and model.trainer.global_step else None)
     trainer.fit(model, loader(data, BATCH // replicas))
     name = tag + ("-features" if features else "")
     trainer.save_checkpoint(out / f"{name}.ckpt")
@@ -71,7 +77,7 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
     mesh = model.device_mesh
     result = {"logged": logged, "mesh": list(mesh.shape), "balance": strategy.plan.balance if strategy.plan else None,
-              "policies": strategy.plan.policies if strategy.plan else None}
+              "policies": strategy.plan.policies if strategy.plan else None, "linear_dtypes": sorted(dtypes)}
     if virtual > 1 and replicas == 1:  # evaluation through every rank's stages in turn (one replica: all data)
         result["val"] = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(result))
@@ -403,4 +409,4 @@ if __name__ == "__main__":
             family, schedule, stages, *flags = scenario.split(":")
             virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
             fit(out, devices, steps, family, schedule, int(stages), "metered" in flags, "features" in flags, virtual,
-                "saved" in flags)
+                "saved" in flags, "bf16-mixed" if "bf16" in flags else "32-true")
