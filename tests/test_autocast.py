@@ -120,6 +120,30 @@ def test_every_operator_sees_the_dtypes_cudas_autocast_gives_it(case: str, dtype
     assert _forward(case, "cpu", torch.autocast("cpu", dtype=dtype)) != cuda
 
 
+# one operator of each policy, and the ones CUDA's autocast leaves to type promotion
+OPERATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    "lower": lambda x, w: x @ w,
+    "float32": lambda x, w: (x @ w).exp(),
+    "float32 dtype": lambda x, w: ((x @ w).cumsum(0), (x @ w).sum(), torch.softmax(x @ w, -1, dtype=torch.float64)),
+    "float32 appended": lambda x, w: (torch.norm(x @ w), torch.norm(x @ w, 2, dim=1)),
+    "promote": lambda x, w: (torch.addcmul(x, x @ w, x @ w), torch.addcmul(x @ w, x @ w, x @ w)),
+    "neither": lambda x, w: (torch.cat([x, x @ w]), torch.stack([x, x @ w]), torch.relu(x @ w)),
+}
+
+
+def _outputs(operator: str, device: str, scope: Any) -> list[torch.dtype]:
+    with FakeTensorMode(), torch.device(device):
+        x, w = torch.empty(4, 4), torch.empty(4, 4)
+        with scope:
+            return [t.dtype for t in tree_flatten(OPERATORS[operator](x, w))[0]]
+
+
+@pytest.mark.parametrize("operator", sorted(OPERATORS))
+def test_each_policy_gives_the_dtypes_cudas_autocast_gives(operator: str) -> None:
+    cuda = _outputs(operator, "cuda", _cuda_autocast_without_a_gpu(torch.bfloat16))
+    assert _outputs(operator, "cpu", cuda_autocast(torch.bfloat16)) == cuda
+
+
 def test_gradients_flow_through_the_casts_and_the_scope_ends_clean() -> None:
     model, data = make("gpt")
     batch = {key: value[None] for key, value in data[0].items()}
