@@ -638,6 +638,12 @@ class DistributedEngine(Engine):
         self._calls += 1
         accumulate = module.trainer.accumulate_grad_batches
         weight = 1 / (self.options.chunks if self.options.loss_reduction == "mean" else 1) / accumulate
+        # 16-mixed's grad scaler: the schedule runs the backward, so the loss is scaled here, as
+        # Lightning's backward would (its optimizer step unscales the gradients; on a rank without
+        # the loss, the scale is made for it)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            scaler.scale(torch.zeros((), device=self.root_device))
         losses: dict[int, Tensor] = {}
         with LogCollector(module, sizes, self.options.loss_reduction) as logs:
 
@@ -650,7 +656,7 @@ class DistributedEngine(Engine):
                     loss = _loss_of(module.training_step(microbatches[i], batch_idx, *args, **kwargs))
                 logs.returned(i, loss)
                 losses[i] = loss.detach()
-                return loss * weight
+                return loss * weight if scaler is None else scaler.scale(loss * weight)
 
             self._step_loss = loss_fn
             bound = self._step_inputs("training_step", microbatches, batch_idx, turn)
@@ -673,9 +679,22 @@ class DistributedEngine(Engine):
         if self.stepping:
             with self._running():
                 pipe.sync_gradients()
+            if scaler is not None:
+                self._overflow_everywhere()
         call_callback_hooks(module.trainer, "on_after_backward")
         call_module_hook(module.trainer, "on_after_backward")
         return cast(Tensor, loss).to(self.root_device)
+
+    def _overflow_everywhere(self) -> None:
+        """Under 16-mixed, every rank skips the step (and lowers its scale) when any rank's
+        gradients overflowed, as one device's scaler would: each rank's scaler sees only its
+        own stages' gradients, so a rank whose are finite is handed an infinite entry."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        overflow = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
+        dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
+        if overflow.item() and finite and grads:
+            grads[0].view(-1)[0] = float("inf")
 
     def _running(self) -> AbstractContextManager[None]:
         """What is allocated inside is this rank's (its stages are the meter's stage 0)."""

@@ -4,7 +4,7 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 
     python tests/lightning/distributed_fit.py OUT DEVICES SCENARIO...
 
-A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16]`` (a few steps with
+A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16|:fp16]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``hooks``, ``features``, ``sharded``, ``refused``,
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.hf_gpt2 import GPT2LM, Counting
@@ -50,7 +51,7 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
     and decay the learning rate every step (:func:`with_scheduler`). ``virtual``: stages per
     process (Interleaved 1F1B). ``saved``: the plan ``out/saved-plan.json`` (written by the
-    test), followed as is. ``precision``: the Trainer's (``bf16-mixed``: named in the tag)."""
+    test), followed as is. ``precision``: the Trainer's (``bf16-mixed``, ``16-mixed``: named in the tag)."""
     model, data = _make(family)
     if features:
         with_scheduler(model)
@@ -58,12 +59,15 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
                                   planner="dawnpiper" if metered else None, measure_memory=metered,
                                   virtual_stages=virtual, plan=out / "saved-plan.json" if saved else None)
     tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual > 1 else "") + \
-        ("-bf16" if precision == "bf16-mixed" else "")
+        {"bf16-mixed": "-bf16", "16-mixed": "-fp16"}.get(precision, "")
+    # (on the CPU, Lightning runs 16-mixed as bf16-mixed, without the grad scaler a GPU has: given here)
+    mixed = {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]} \
+        if precision == "16-mixed" else {"precision": precision}
     logger = CSVLogger(out, name=tag) if metered else False
     extra = {"accumulate_grad_batches": ACCUMULATE, "gradient_clip_val": CLIP} if features else {}
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=logger,
                       log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, precision=precision, **extra)
+                      enable_model_summary=False, num_sanity_val_steps=0, **mixed, **extra)
     replicas = devices // stages
     dtypes: set[str] = set()  # of every linear layer's output in the steps after the first (planned), this rank's
     for layer in model.modules():
@@ -409,4 +413,4 @@ if __name__ == "__main__":
             family, schedule, stages, *flags = scenario.split(":")
             virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
             fit(out, devices, steps, family, schedule, int(stages), "metered" in flags, "features" in flags, virtual,
-                "saved" in flags, "bf16-mixed" if "bf16" in flags else "32-true")
+                "saved" in flags, "bf16-mixed" if "bf16" in flags else "16-mixed" if "fp16" in flags else "32-true")

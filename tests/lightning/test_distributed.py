@@ -120,8 +120,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    scenarios = [str(STEPS), *PP2, SAVED, BF16, "2", "hf:1f1b:2:metered", str(STEPS), *DENOISER_PP2, str(METRIC_STEPS),
-                 "metrics:gpipe:2", "hooks", "features", "sharded", "empty", "exported"]
+    scenarios = [str(STEPS), *PP2, SAVED, BF16, FP16, "2", "hf:1f1b:2:metered", str(STEPS), *DENOISER_PP2,
+                 str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded", "empty", "exported"]
     out = tmp_path_factory.mktemp("two_ranks")
     (out / "saved-plan.json").write_text(_saved_plan().to_json())
     return _launch(out, 2, *scenarios)
@@ -129,6 +129,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 
 SAVED = "gpt:1f1b:2:saved"  # the plan _saved_plan writes, followed as is
 BF16 = "gpt:1f1b:2:metered:bf16"  # Trainer(precision="bf16-mixed")
+FP16 = "gpt:1f1b:2:fp16"  # 16-mixed, with the grad scaler a GPU has
 
 
 def _saved_plan() -> Plan:
@@ -145,28 +146,36 @@ def _saved_plan() -> Plan:
                 nodes=names)
 
 
-def _reference(family: str, replicas: int, features: bool = False, bf16: bool = False) -> dict[str, torch.Tensor]:
+def _reference(family: str, replicas: int, features: bool = False, precision: str = "32-true"
+               ) -> dict[str, torch.Tensor]:
     """Single-device training on the global batches the replicas see together: Lightning's
     distributed sampler shuffles training data (seed 0) and deals it out by replica.
-    ``features``: accumulation, clipping and a learning rate decayed every step. ``bf16``:
-    each step under autocast, as ``bf16-mixed`` runs it."""
+    ``features``: accumulation, clipping and a learning rate decayed every step.
+    ``precision``: ``bf16-mixed`` or ``16-mixed`` run each step under autocast, the second
+    with a grad scaler, as Lightning does."""
     model, data = make(family)
     optimizer = model.configure_optimizers()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=GAMMA)
     accumulate = ACCUMULATE if features else 1
+    scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
     share = BATCH // replicas
     orders = [list(DistributedSampler(data, replicas, r, shuffle=True, seed=0)) for r in range(replicas)]
     for k in range(STEPS * accumulate):
         batch = default_collate([data[i] for order in orders for i in order[k * share : (k + 1) * share]])
         if k % accumulate == 0:
             optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=bf16):
+        with torch.autocast("cpu", dtype=torch.float16 if precision == "16-mixed" else torch.bfloat16,
+                            cache_enabled=False, enabled=precision != "32-true"):
             loss = model.loss(batch)
-        (loss / accumulate).backward()
+        (scaler.scale(loss / accumulate) if scaler else loss / accumulate).backward()
         if (k + 1) % accumulate == 0:
             if features:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            optimizer.step()
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             if features:
                 scheduler.step()
     return model.state_dict()
@@ -268,9 +277,21 @@ def test_bf16_mixed_runs_every_stage_under_autocast_and_trains_as_one_device(two
             "torch.bfloat16"]
     _check_predicted_peaks(two_ranks, ["gpt-1f1b-2-bf16"])  # the check, too, ran in fp32 (on meta tensors)
     state = torch.load(two_ranks.path("gpt-1f1b-2-bf16.ckpt"), weights_only=False)["state_dict"]
-    for key, value in _reference("gpt", 1, bf16=True).items():  # as one device, to bf16's precision
+    for key, value in _reference("gpt", 1, precision="bf16-mixed").items():  # as one device, to bf16's precision
         if value.is_floating_point():
             assert (state[key] - value).abs().max() <= 1e-2 * value.abs().max(), key
+
+
+@pytest.mark.slow
+def test_16_mixed_scales_the_loss_the_schedule_backs_and_trains_as_one_device(two_ranks):
+    # the schedule runs the backward, where Lightning scales the loss: unscaled, the optimizer step
+    # divided the gradients by the scale (65,536), and the weights barely moved
+    state = torch.load(two_ranks.path("gpt-1f1b-2-fp16.ckpt"), weights_only=False)["state_dict"]
+    initial, _ = make("gpt")
+    for key, value in _reference("gpt", 1, precision="16-mixed").items():
+        if value.is_floating_point():
+            moved = (value - initial.state_dict()[key]).abs().max()
+            assert (state[key] - value).abs().max() <= 0.05 * moved + 1e-3 * value.abs().max(), key
 
 
 @pytest.mark.slow
