@@ -44,6 +44,7 @@ from tests.lightning.distributed_fit import (
     empty_trainer,
     exported_trainer,
     features_trainer,
+    overflow_at_second_step,
     sharded_trainer,
 )
 from tests.models import Denoiser, MetricUNet, make
@@ -158,6 +159,8 @@ def _reference(family: str, replicas: int, features: bool = False, precision: st
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=GAMMA)
     accumulate = ACCUMULATE if features else 1
     scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+    if scaler:
+        overflow_at_second_step(model, lambda: k)
     share = BATCH // replicas
     orders = [list(DistributedSampler(data, replicas, r, shuffle=True, seed=0)) for r in range(replicas)]
     for k in range(STEPS * accumulate):
@@ -284,9 +287,12 @@ def test_bf16_mixed_runs_every_stage_under_autocast_and_trains_as_one_device(two
 
 @pytest.mark.slow
 def test_16_mixed_scales_the_loss_the_schedule_backs_and_trains_as_one_device(two_ranks):
-    # the schedule runs the backward, where Lightning scales the loss: unscaled, the optimizer step
-    # divided the gradients by the scale (65,536), and the weights barely moved
-    state = torch.load(two_ranks.path("gpt-1f1b-2-fp16.ckpt"), weights_only=False)["state_dict"]
+    # the schedule runs the backward, where Lightning scales the loss: no rank could step ("Attempted
+    # unscale_ but _scale is None"). The second step overflows on the last stage alone: the first
+    # stage's scaler skips it too and halves its scale, as one device's does
+    checkpoint = torch.load(two_ranks.path("gpt-1f1b-2-fp16.ckpt"), weights_only=False)
+    assert checkpoint["MixedPrecision"]["scale"] == 2.0**15
+    state = checkpoint["state_dict"]
     initial, _ = make("gpt")
     for key, value in _reference("gpt", 1, precision="16-mixed").items():
         if value.is_floating_point():
