@@ -45,7 +45,7 @@ from typing import TypeAlias, TypeVar
 
 import numpy as np
 
-from lightning_pipe.plan.activations import LiveBytes, backward_gradients, live_bytes
+from lightning_pipe.plan.activations import LiveBytes, backward_gradients, kept_live_bytes, live_bytes
 from lightning_pipe.plan.layout import NO_REGION_INPUTS, CodeRows, Layout, held_end, policy_runs
 from lightning_pipe.plan.nodes import Array, NodeArrays
 from lightning_pipe.plan.policy import CodedPolicies, Policy, policy_codes
@@ -120,10 +120,7 @@ _Number = TypeVar("_Number", int, float)
 
 
 def _prefix(values: Sequence[_Number]) -> list[_Number]:
-    out: list[_Number] = [0] * (len(values) + 1)
-    for i, v in enumerate(values):
-        out[i + 1] = out[i] + v
-    return out
+    return list(itertools.accumulate(values, initial=0))
 
 
 class CostModel:
@@ -574,7 +571,8 @@ class CostModel:
         if policies and (coded := CodedPolicies.of(policies, self.n)).codes[lo:hi].any():
             return self._lives(lo, hi, [coded])[0]
         if (lo, hi) not in self._kept:
-            self._kept[lo, hi] = self._live_bytes(lo, hi, None)[0]
+            self._kept[lo, hi] = kept_live_bytes(self._arrays, lo, hi, self.range_gradients(lo, hi),
+                                                 summed_parameter_grads=self._summed, received=self._receiving(lo))
         return self._kept[lo, hi]
 
     def _lives(self, lo: int, hi: int, variants: Sequence[CodedPolicies]) -> list[LiveBytes]:
@@ -591,12 +589,19 @@ class CostModel:
             self._priced.update(zip((key for key, _ in part), self._live_bytes(lo, hi, np.stack([c for _, c in part]))))
         return [self._priced[key] for key in keys]
 
-    def _live_bytes(self, lo: int, hi: int, codes: "CodeRows | None") -> list[LiveBytes]:
-        # the local GPipe's one backward sums the micro-batches' parameter gradients into a new tensor
-        summed = self.merges and self.chunks > 1
-        received = self.received_kept(lo) if self.carry else None
-        return live_bytes(self._arrays, lo, hi, codes, self.range_gradients(lo, hi), summed_parameter_grads=summed,
-                          received=received)
+    def _live_bytes(self, lo: int, hi: int, codes: CodeRows) -> list[LiveBytes]:
+        return live_bytes(self._arrays, lo, hi, codes, self.range_gradients(lo, hi),
+                          summed_parameter_grads=self._summed, received=self._receiving(lo))
+
+    @property
+    def _summed(self) -> bool:
+        """Whether the backward sums the micro-batches' parameter gradients into a new tensor
+        (the local GPipe's one backward)."""
+        return self.merges and self.chunks > 1
+
+    def _receiving(self, lo: int) -> "Array | None":
+        """:meth:`received_kept` of a stage starting at ``lo``, where stages are processes."""
+        return self.received_kept(lo) if self.carry else None
 
 
 def backward_waiting(states: Sequence[BackwardState], sent: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
