@@ -81,7 +81,7 @@ def live_bytes(
     # each node's forward, and the end of the stage's: its whole stash and what leaves it (a
     # node saving an input an earlier stage made takes it on only as it runs)
     ends = (kept[:, -1] + leaving)[:, None]
-    forward = np.concatenate((kept[:, :-1] + held + a.made[lo:hi] + a.workspace[lo:hi], ends), axis=1)
+    forward = np.concatenate((kept[:, :-1] + held + a.allocated[lo:hi], ends), axis=1)
     common = kept[:, 1:] + gradients + a.backward[lo:hi] + back.reshape(rows, size)
     # a fresh gradient of the node's parameters, to add to theirs; under the local GPipe, whose
     # one backward sums the micro-batches' gradients before the parameter takes them, a new
@@ -117,10 +117,10 @@ def kept_live_bytes(
     values, end = a.held[lo:hi], a.held_end[lo:hi]
     held = np.zeros(size + 1, dtype=np.int64)
     held[1:] = values
-    np.subtract.at(held, np.maximum(np.arange(1, size + 1), np.minimum(end, hi - 1) - lo + 1), values)
+    np.subtract.at(held, np.minimum(end, hi - 1) - (lo - 1), values)  # (an end is never before its node)
     leaving = int(values[end >= hi].sum())
-    forward = kept[:-1] + np.cumsum(held[:-1]) + a.made[lo:hi] + a.workspace[lo:hi]
-    f = int(np.argmax(forward))
+    forward = kept[:-1] + held[:-1].cumsum() + a.allocated[lo:hi]
+    f = int(forward.argmax())
     stashed, through = int(kept[-1]), int(forward[f])
     # the stage's forward ends holding its whole stash and what leaves it (the later peak
     # only where higher, as live_bytes's argmax over both takes the first)
@@ -130,8 +130,8 @@ def kept_live_bytes(
     backward = common + grads
     if summed_parameter_grads:
         backward += np.maximum(0, grads - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
-    first_backward = common + np.cumsum(grads[::-1])[::-1]
-    b, g = int(np.argmax(backward)), int(np.argmax(first_backward))
+    first_backward = common + (a.grads_before[hi] - a.grads_before[lo:hi])  # the parameter gradients made so far
+    b, g = int(backward.argmax()), int(first_backward.argmax())
     kb, kg = int(kept[b + 1]), int(kept[g + 1])
     return LiveBytes(stashed=stashed, leaving=leaving, forward=forward_peak,
                      backward=(kb, int(backward[b]) - kb), first_backward=(kg, int(first_backward[g]) - kg),

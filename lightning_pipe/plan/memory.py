@@ -151,6 +151,7 @@ class CostModel:
         self._outsides: dict[tuple[int, int], Array] = {}
         self._received: dict[int, Array] = {}
         self._range_gradients: tuple[tuple[int, int], Array] = ((0, 0), np.zeros(0, dtype=np.int64))
+        self._kept_bounds: _KeptBounds | None = None  # made when first asked (capslog's search)
         self.forward_ms, self.backward_ms = pooled_times(profile)
         self.saved = [n.saved_bytes for n in nodes]
         self.last_saver = [n.last_saver for n in nodes]
@@ -384,7 +385,8 @@ class CostModel:
             begin, end = np.searchsorted(a.reader, [lo, hi])
             storages = a.read_base[begin:end][a.read[begin:end] < lo]
             keepers = a.held_by[storages]
-            found = np.unique(np.concatenate((keepers[(keepers >= 0) & (keepers < lo)], storages))).tolist()
+            # (a set sorted: np.unique costs more on arrays this short)
+            found = sorted(set(keepers[(keepers >= 0) & (keepers < lo)].tolist()) | set(storages.tolist()))
             self._depends[lo, hi] = found
         return found
 
@@ -399,7 +401,7 @@ class CostModel:
         (:func:`~lightning_pipe.plan.layout.held_end`; cached)."""
         if (found := self._outsides.get((lo, hi))) is None:
             by = self._arrays.held_by[lo:hi]
-            found = np.unique(np.concatenate((np.array(self.depends_on(lo, hi), dtype=np.int64), by[by >= hi])))
+            found = np.array(sorted(set(self.depends_on(lo, hi)) | set(by[by >= hi].tolist())), dtype=np.int64)
             self._outsides[lo, hi] = found
         return found
 
@@ -420,6 +422,17 @@ class CostModel:
         backwards what it holds and the bytes waiting (:meth:`waiting`), known once a split
         is."""
         return self._peak(lo, hi, in_flight, self.live(lo, hi, policies), weight_versions, waiting)
+
+    def kept_peak_at_most(self, lo: int, hi: int, in_flight: float, weight_versions: int = 1) -> int:
+        """An upper bound of :meth:`peak`'s total on ``[lo, hi)`` keeping every node with nothing
+        waiting, from prefix sums and range maxima (:class:`_KeptBounds`), a few times cheaper:
+        a fill-first search asks mostly whether a range is within a limit it is well under.
+        Exact for stages as processes (their receive buffers change the stash)."""
+        if self.carry:
+            return self.peak(lo, hi, in_flight, {}, weight_versions).total
+        if self._kept_bounds is None:
+            self._kept_bounds = _KeptBounds(self._arrays, self._summed)
+        return self._peak(lo, hi, in_flight, self._kept_bounds.live(lo, hi), weight_versions, (0, ())).total
 
     def peaks(
         self,
@@ -604,6 +617,47 @@ class CostModel:
         return self.received_kept(lo) if self.carry else None
 
 
+class _KeptBounds:
+    """Upper bounds of a range's live bytes, all kept, at each of its nodes, through prefix sums
+    and range maxima of what the whole graph holds there (:func:`~lightning_pipe.plan.activations.
+    kept_live_bytes` counts the part the range's own nodes made, never more: every term is
+    non-negative). :meth:`CostModel._peak` grows with each live byte count, so it prices them
+    into a bound of the range's peak."""
+
+    def __init__(self, a: NodeArrays, summed_parameter_grads: bool) -> None:
+        n = a.n
+        stash = np.concatenate(([0], np.cumsum(a.saved)))  # [p]: of the nodes before p
+        # [p]: values made before node p that live through it (made by the range or before it)
+        held = np.zeros(n + 2, dtype=np.int64)
+        held[1:-1] = a.held
+        np.subtract.at(held, a.held_end + 1, a.held)
+        held = np.cumsum(held)[: n + 1]
+        # [p]: the largest gradient a later node hands each value made up to p (a range's later
+        # nodes hand some of them, and start those made before it at its first node)
+        latest = np.zeros(n, dtype=np.int64)
+        np.maximum.at(latest, a.producer, a.consumer)
+        largest = np.zeros(n + 1, dtype=np.int64)
+        np.maximum.at(largest, a.producer, a.gradient)
+        np.subtract.at(largest, latest, largest[:-1].copy())
+        awaiting = np.cumsum(largest)[:n]
+        backward = stash[1:] + awaiting + a.backward
+        if summed_parameter_grads:
+            backward += np.maximum(0, a.grads - np.maximum(0, a.backward - a.handed))
+        self.stash, self.held, self.grads_before = stash.tolist(), held.tolist(), a.grads_before.tolist()
+        self.forward = _sparse_max(stash[:-1] + held[:-1] + a.allocated)
+        self.backward = _sparse_max(backward + a.grads)
+        self.first_backward = _sparse_max(backward - a.grads_before[:-1])
+
+    def live(self, lo: int, hi: int) -> LiveBytes:
+        """Bounds of each of :func:`~lightning_pipe.plan.activations.kept_live_bytes`'s sums
+        on ``[lo, hi)`` (its stash exact)."""
+        before, stashed, leaving = self.stash[lo], self.stash[hi] - self.stash[lo], self.held[hi]
+        forward = max(_range_max(self.forward, lo, hi) - before, stashed + leaving)
+        backward = _range_max(self.backward, lo, hi) - before
+        first = _range_max(self.first_backward, lo, hi) - before + self.grads_before[hi]
+        return LiveBytes(stashed, leaving, (0, forward), (0, backward), (0, first))
+
+
 def backward_waiting(states: Sequence[BackwardState], sent: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """Per backward of a stage, the micro-batches it holds and the bytes waiting at it, given
     ``(p, bytes)`` of one micro-batch's gradients it makes for each earlier stage ``p``: the
@@ -625,7 +679,7 @@ def _range_max(table: list[list[int]], lo: int, hi: int) -> int:
     return max(table[level][lo], table[level][hi - (1 << level)])
 
 
-def _sparse_max(values: Sequence[int]) -> list[list[int]]:
+def _sparse_max(values: "Sequence[int] | Array") -> list[list[int]]:
     """Sparse table: level k holds the max of every window of 2**k values (O(1) range max)."""
     levels = [np.asarray(values, dtype=np.int64)]
     while 2 ** len(levels) <= len(values):

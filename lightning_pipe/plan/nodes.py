@@ -40,8 +40,10 @@ class NodeArrays:
         self.last_reader = array([len(nodes) if n.users and min(n.users) < 0 else max(k, max(n.users, default=k))
                                   for k, n in enumerate(nodes)])
         self.workspace = array([n.transient_bytes for n in nodes])
+        self.allocated = self.made + self.workspace  # what a node's forward allocates, at its peak
         self.backward = array([max(n.backward_bytes - n.grad_bytes, 0) for n in nodes])
         self.grads = array([n.grad_bytes for n in nodes])
+        self.grads_before = np.concatenate(([0], np.cumsum(self.grads)))  # [i]: of the nodes before i
         self.last_saver = array([max(k, n.last_saver) for k, n in enumerate(nodes)])
         self.output = array([n.output_bytes for n in nodes])
         # the node whose storage a node's value lives on: itself, or for a view its largest input's

@@ -81,8 +81,9 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
     check_stage_count(model.n, count)
     if name == "dawnpiper":
         return _dawnpiper(stages)
-    if name == "capslog":  # most ranges asked are far over the limit: ruled out by a bound
-        return _min_max(model.n, stages.capacities, stages.kept_peak, bound=stages.least_kept_peak)
+    if name == "capslog":  # most ranges asked are far over or under the limit: told by bounds
+        return _min_max(model.n, stages.capacities, stages.kept_peak, bound=stages.least_kept_peak,
+                        upper=stages.kept_peak_at_most)
     if name == "time":
         return _min_max(model.n, [1.0] * count, lambda lo, hi, s: model.compute_ms(lo, hi) + model.send_ms(lo, hi))
     if name == "params":
@@ -182,17 +183,18 @@ def reaching(n: int, limits: Sequence[float], within: Within) -> list[int] | Non
 
 def _min_max(
     n: int, scales: Sequence[float], cost: Cost, precision: float = 1e-12, start: Sequence[int] | None = None,
-    within: Within | None = None, bound: Cost | None = None,
+    within: Within | None = None, bound: Cost | None = None, upper: Cost | None = None,
 ) -> list[int]:
     """Balance minimising ``max_s cost(stage s) / scales[s]``: binary search on the threshold,
     fill-first at each, until the threshold is known to ``precision`` (relative). Given a
     balance to ``start`` from, the search brackets the threshold just under that balance's
     (within a twentieth, then a tenth, ...): a search near the answer prices fewer ranges.
     ``within``: whether a stage's cost is at most a limit, where that is cheaper to know than
-    the cost (then every threshold is searched); else the cost compared, after ``bound`` (a
-    lower bound of it, cheaper), and a threshold at which the search at the last threshold
-    under or over it would compare every range alike gets that search's answer unsearched
-    (:class:`_Trace`): most of the bisection's thresholds, so it prices fewer ranges."""
+    the cost (then every threshold is searched); else the cost compared, after ``bound`` and
+    ``upper`` (a lower and an upper bound of it, cheaper), and a threshold at which the search
+    at the last threshold under or over it would compare every range alike gets that search's
+    answer unsearched (:class:`_Trace`): most of the bisection's thresholds, so it prices fewer
+    ranges."""
     count = len(scales)
     traces: dict[bool, _Trace | None] = {True: None, False: None}  # at high and at low
 
@@ -204,7 +206,7 @@ def _min_max(
         limits = [threshold * c for c in scales]
         if within is not None:
             return fill_first(n, limits, within)
-        trace = _Trace(scales, cost, bound)
+        trace = _Trace(scales, cost, bound, upper)
         trace.found = fill_first(n, limits, trace.within)
         traces[trace.found is not None] = trace
         return trace.found
@@ -236,17 +238,20 @@ class _Trace:
     range asked, its stage and the value that decided it (its cost where within the limit or
     over it; its bound where that was already over). At another threshold where each value
     compares as before, the search would ask the same ranges and answer alike: fill-first
-    is a function of its comparisons."""
+    is a function of its comparisons. (A range within its limit is decided by its cost or by
+    an upper bound of it, one over by its cost or a lower bound: each tells alike at any limit
+    it is on the same side of.)"""
 
-    def __init__(self, scales: Sequence[float], cost: Cost, bound: Cost | None) -> None:
-        self.scales, self.cost, self.bound = scales, cost, bound
+    def __init__(self, scales: Sequence[float], cost: Cost, bound: Cost | None, upper: Cost | None) -> None:
+        self.scales, self.cost, self.bound, self.upper = scales, cost, bound, upper
         self.compared: list[tuple[int, float, bool]] = []  # (stage, deciding value, within)
         self.found: list[int] | None = None
 
     def within(self, lo: int, hi: int, s: int, limit: float) -> bool:
         value = self.bound(lo, hi, s) if self.bound else -math.inf
         if value <= limit:
-            value = max(value, self.cost(lo, hi, s))
+            upper = self.upper(lo, hi, s) if self.upper else math.inf
+            value = upper if upper <= limit else max(value, self.cost(lo, hi, s))
         self.compared.append((s, value, value <= limit))
         return value <= limit
 

@@ -177,7 +177,9 @@ class Stages:
         chosen = CodedPolicies.of({i: p for o in optima for i, p in o.policies.items()}, self.model.n)
         waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
         peaks = [self._peak(r.start, r.stop, s, chosen, waits[s]) for s, r in enumerate(stage_ranges(balance))]
-        return [replace(o, peak=p, fits=o.fits and p.total <= c) for o, p, c in zip(optima, peaks, self.capacities)]
+        # (made directly: dataclasses.replace costs more than pricing a stage from its cache)
+        return [StageOptimum(o.policies, o.recompute_ms, o.swap_ms, p, o.fits and p.total <= c)
+                for o, p, c in zip(optima, peaks, self.capacities)]
 
     def _peak(self, lo: int, hi: int, s: int, chosen: CodedPolicies, waiting: Waiting) -> StagePeak:
         """:meth:`CostModel.peak` of stage ``s`` on ``[lo, hi)`` under a whole split's policies
@@ -253,6 +255,17 @@ class Stages:
                                                                       self.weight_versions).total
         return peak
 
+    def kept_peak_at_most(self, lo: int, hi: int, s: int) -> int:
+        """An upper bound of :meth:`kept_peak` (:meth:`CostModel.kept_peak_at_most`), exact
+        where that is priced already (cached: a threshold search asks a range again at each
+        threshold)."""
+        if (peak := self.cache.kept_peaks.get((lo, hi, s))) is not None:
+            return peak
+        if (bound := self.cache.kept_bounds.get((lo, hi, s))) is None:
+            bound = self.cache.kept_bounds[lo, hi, s] = self.model.kept_peak_at_most(lo, hi, self.in_flight[s],
+                                                                                    self.weight_versions)
+        return bound
+
     def least_kept_peak(self, lo: int, hi: int, s: int) -> int:
         """A lower bound of :meth:`kept_peak` from prefix sums: the stage's static bytes and,
         before the last stage, the forward of its last micro-batch in flight, which ends
@@ -317,6 +330,7 @@ class Found:
     # a stage's peak under a whole split's policies, by the policies it reads (Stages._peak)
     peaks: dict[tuple[object, ...], StagePeak] = field(default_factory=dict)
     kept_peaks: dict[tuple[int, int, int], int] = field(default_factory=dict)  # Stages.kept_peak
+    kept_bounds: dict[tuple[int, int, int], int] = field(default_factory=dict)  # Stages.kept_peak_at_most
     descents: dict[tuple[int, int, int], Descent] = field(default_factory=dict)
     replay: Replay | None = None
     further: Stages | None = None
