@@ -213,12 +213,15 @@ class Stages:
         return self.model.static(lo, hi, self.weight_versions) + self.model.transient(lo, hi) > self.capacities[s]
 
     def times(self, balance: Sequence[int]) -> list[StageTime]:
-        """Per stage of ``balance``, placed, its times per micro-batch."""
-        model, times = self.model, []
-        for r, o in zip(stage_ranges(balance), self.placed(balance)):
-            forward = model.forward_time(r.start, r.stop)
-            backward = model.compute_ms(r.start, r.stop) - forward
-            times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, model.send_ms(r.start, r.stop)))
+        """Per stage of ``balance``, placed, its times per micro-batch (cached: a search asks
+        a split's step and its idle stages)."""
+        if (times := self.cache.times.get(tuple(balance))) is None:
+            model, times = self.model, []
+            for r, o in zip(stage_ranges(balance), self.placed(balance)):
+                forward = model.forward_time(r.start, r.stop)
+                backward = model.compute_ms(r.start, r.stop) - forward
+                times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, model.send_ms(r.start, r.stop)))
+            self.cache.times[tuple(balance)] = times
         return times
 
     def step_ms(self, balance: Sequence[int]) -> float:
@@ -282,10 +285,10 @@ class Stages:
     def stage_time(self, lo: int, hi: int, s: int) -> float:
         """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation,
         sending its outputs included; infinite when it cannot fit."""
-        base = self.model.peak(lo, hi, self.in_flight[s], {}, self.weight_versions)
         compute = self.model.compute_ms(lo, hi) + self.model.send_ms(lo, hi)
-        if base.total <= self.capacities[s]:
-            return compute
+        capacity = self.capacities[s]
+        if self.kept_peak_at_most(lo, hi, s) <= capacity or self.kept_peak(lo, hi, s) <= capacity:
+            return compute  # it fits keeping everything (most often told by the bound)
         found = self.optimum(lo, hi, s)
         return compute + found.added_ms if found.fits else math.inf
 
@@ -327,6 +330,7 @@ class Found:
     placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict)
     prunes: dict[tuple[object, ...], StageOptimum | None] = field(default_factory=dict)  # None: nothing to drop
     steps: dict[tuple[int, ...], float] = field(default_factory=dict)
+    times: dict[tuple[int, ...], list[StageTime]] = field(default_factory=dict)  # Stages.times
     # a stage's peak under a whole split's policies, by the policies it reads (Stages._peak)
     peaks: dict[tuple[object, ...], StagePeak] = field(default_factory=dict)
     kept_peaks: dict[tuple[int, int, int], int] = field(default_factory=dict)  # Stages.kept_peak
