@@ -179,14 +179,23 @@ class CostModel:
         last = [max(n.users) if n.users and min(n.users) >= 0 else (self.n if n.users else -1) for n in nodes]
         self._last_reader = [i if r < 0 else r for i, r in enumerate(last)]  # n: the graph output
         self._leaving: list[list[tuple[int, int]]] = [[] for _ in range(self.n + 1)]
+        crossing = [0] * (self.n + 2)  # the changes of crossing below, cut by cut
         for i, n in enumerate(nodes):
-            sent = max(0, n.output_bytes - n.saved_bytes)
-            for cut in range(i + 1, min(last[i], self.n) + 1):
+            sent, stop = max(0, n.output_bytes - n.saved_bytes), min(last[i], self.n) + 1
+            for cut in range(i + 1, stop):
                 self._leaving[cut].append((i, sent))
+            if stop > i + 1:
+                crossing[i + 1] += n.output_bytes
+                crossing[stop] -= n.output_bytes
         for entry in self._leaving:
             entry.reverse()
         # crossing[c]: bytes of the values made before node c and read from it on
-        self.crossing = [sum(self.output[i] for i, _ in entry) for entry in self._leaving]
+        self.crossing = list(itertools.accumulate(crossing[: self.n + 1]))
+        # per cut, of the values leaving it, latest first: their makers (negated, ascending) and
+        # their bytes summed so far, so that send_ms finds what a range sends by bisection
+        self._senders = [[-i for i, _ in entry] for entry in self._leaving] if link_bandwidth else []
+        self._sent = [list(itertools.accumulate(self.output[i] for i, _ in entry)) for entry in self._leaving
+                      ] if link_bandwidth else []
 
     def params(self, lo: int, hi: int) -> int:
         return self._params[hi] - self._params[lo]
@@ -249,16 +258,14 @@ class CostModel:
         the last stage, whose outputs stay on its device."""
         if not self.link_bandwidth or hi == self.n:
             return 0.0
-        sent = 0
-        for i, _ in self._leaving[hi]:
-            if i < lo:
-                break
-            sent += self.output[i]
-        return 1e3 * sent / self.link_bandwidth
+        made = bisect.bisect_right(self._senders[hi], -lo)  # how many were made from lo on
+        return 1e3 * (self._sent[hi][made - 1] if made else 0) / self.link_bandwidth
 
     def borrowed(self, lo: int, hi: int) -> int:
         """Bytes of the parameters nodes ``[lo, hi)`` read whose first user comes earlier:
         the stage keeps a copy of each."""
+        if not self.profile.shared:
+            return 0
         if (lo, hi) not in self._borrowed:
             self._borrowed[lo, hi] = sum(p.nbytes for p in self.profile.shared
                                          if p.users[0] < lo and any(lo <= u < hi for u in p.users))

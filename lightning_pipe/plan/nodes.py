@@ -95,11 +95,23 @@ def _summed_with(
         readers.setdefault(j, []).append(u)
         if as_is:
             onward.setdefault(u, []).append(j)
+    # per value, its last reader and its last other one (-1: none): a value many nodes read (a
+    # mask every layer takes) would otherwise have its readers listed again for each of them
+    last: dict[int, tuple[int, int]] = {}
+    for j, those in readers.items():
+        latest = max(those)
+        last[j] = (latest, max((r for r in those if r != latest), default=-1))
+
+    def other(u: int, j: int) -> int:
+        """The last reader of ``j`` but ``u`` (-1: none)."""
+        latest, before = last.get(j, (-1, -1))
+        return latest if latest != u else before
+
     found = []
     for u, j in edges:
-        while not (others := [r for r in readers.get(j, ()) if r != u]) and len(onward.get(j, ())) == 1:
+        while (reader := other(u, j)) < 0 and len(onward.get(j, ())) == 1:
             u, j = j, onward[j][0]
-        found.append((j, max(others, default=-1)))
+        found.append((j, reader))
     return found
 
 
