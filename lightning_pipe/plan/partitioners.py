@@ -235,12 +235,10 @@ def _min_max(
 
 class _Trace:
     """One fill-first search at a threshold, kept with every comparison it made: per stage
-    range asked, its stage and the value that decided it (its cost where within the limit or
-    over it; its bound where that was already over). At another threshold where each value
-    compares as before, the search would ask the same ranges and answer alike: fill-first
-    is a function of its comparisons. (A range within its limit is decided by its cost or by
-    an upper bound of it, one over by its cost or a lower bound: each tells alike at any limit
-    it is on the same side of.)"""
+    range asked, its stage and the value that decided it (its cost, or a bound that told
+    already: an upper one under the limit, a lower one over it). At another threshold where
+    each value compares as before, the search would ask the same ranges and answer alike:
+    fill-first is a function of its comparisons."""
 
     def __init__(self, scales: Sequence[float], cost: Cost, bound: Cost | None, upper: Cost | None) -> None:
         self.scales, self.cost, self.bound, self.upper = scales, cost, bound, upper
