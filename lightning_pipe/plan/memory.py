@@ -626,10 +626,10 @@ class CostModel:
 
 class _KeptBounds:
     """Upper bounds of a range's live bytes, all kept, at each of its nodes, through prefix sums
-    and range maxima of what the whole graph holds there (:func:`~lightning_pipe.plan.activations.
-    kept_live_bytes` counts the part the range's own nodes made, never more: every term is
-    non-negative). :meth:`CostModel._peak` grows with each live byte count, so it prices them
-    into a bound of the range's peak."""
+    and range maxima of what the whole graph holds there: a range holds the part its own nodes
+    made (:func:`~lightning_pipe.plan.activations.kept_live_bytes`), never more, as every term
+    is non-negative. :meth:`CostModel._peak` grows with each live byte count, so it prices
+    them into a bound of the range's peak."""
 
     def __init__(self, a: NodeArrays, summed_parameter_grads: bool) -> None:
         n = a.n
@@ -639,14 +639,15 @@ class _KeptBounds:
         held[1:-1] = a.held
         np.subtract.at(held, a.held_end + 1, a.held)
         held = np.cumsum(held)[: n + 1]
-        # [p]: the largest gradient a later node hands each value made up to p (a range's later
-        # nodes hand some of them, and start those made before it at its first node)
-        latest = np.zeros(n, dtype=np.int64)
+        # [p]: the gradients awaited at p, each value's largest from its maker to its last
+        # reader (a range awaits some of them, those made before it from its first node)
+        latest, largest = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         np.maximum.at(latest, a.producer, a.consumer)
-        largest = np.zeros(n + 1, dtype=np.int64)
         np.maximum.at(largest, a.producer, a.gradient)
-        np.subtract.at(largest, latest, largest[:-1].copy())
-        awaiting = np.cumsum(largest)[:n]
+        awaited = np.zeros(n + 1, dtype=np.int64)
+        awaited[:-1] = largest
+        np.subtract.at(awaited, latest, largest)
+        awaiting = np.cumsum(awaited)[:n]
         backward = stash[1:] + awaiting + a.backward
         if summed_parameter_grads:
             backward += np.maximum(0, a.grads - np.maximum(0, a.backward - a.handed))
