@@ -4,6 +4,8 @@ A balance is the hand-over format between whoever decides the split (the user, t
 even-by-parameters default here, a planner) and :mod:`lightning_pipe.runtime.build`.
 """
 
+import bisect
+import itertools
 from collections.abc import Sequence
 
 __all__ = ["balance_by_weight", "check_balance", "check_stage_count"]
@@ -43,21 +45,23 @@ def balance_by_weight(weights: Sequence[int], num_stages: int) -> list[int]:
     """Contiguous split of ``weights`` into ``num_stages`` non-empty parts minimising the
     heaviest part (binary search on the bound, greedy fill)."""
     check_stage_count(len(weights), num_stages)
+    prefix = list(itertools.accumulate(weights, initial=0))
 
-    def parts(bound: int) -> list[int]:
-        sizes, load = [0], 0
-        for w in weights:
-            if sizes[-1] and load + w > bound:
-                sizes.append(0)
-                load = 0
-            sizes[-1] += 1
-            load += w
+    def parts(bound: int, most: int = len(weights)) -> list[int]:
+        """Greedy fill: each part takes nodes while its load stays within ``bound`` (at least
+        one), each found by bisection on the prefix sums; stops past ``most`` parts."""
+        sizes: list[int] = []
+        start = 0
+        while start < len(weights) and len(sizes) <= most:
+            stop = max(start + 1, bisect.bisect_right(prefix, prefix[start] + bound) - 1)
+            sizes.append(stop - start)
+            start = stop
         return sizes
 
     lo, hi = max(weights), sum(weights)
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(parts(mid)) <= num_stages:
+        if len(parts(mid, num_stages)) <= num_stages:
             hi = mid
         else:
             lo = mid + 1

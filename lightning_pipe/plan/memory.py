@@ -45,7 +45,7 @@ from typing import TypeAlias, TypeVar
 
 import numpy as np
 
-from lightning_pipe.plan.activations import LiveBytes, backward_gradients, live_bytes
+from lightning_pipe.plan.activations import LiveBytes, backward_gradients, kept_live_bytes, live_bytes
 from lightning_pipe.plan.layout import NO_REGION_INPUTS, CodeRows, Layout, held_end, policy_runs
 from lightning_pipe.plan.nodes import Array, NodeArrays
 from lightning_pipe.plan.policy import CodedPolicies, Policy, policy_codes
@@ -120,10 +120,7 @@ _Number = TypeVar("_Number", int, float)
 
 
 def _prefix(values: Sequence[_Number]) -> list[_Number]:
-    out: list[_Number] = [0] * (len(values) + 1)
-    for i, v in enumerate(values):
-        out[i + 1] = out[i] + v
-    return out
+    return list(itertools.accumulate(values, initial=0))
 
 
 class CostModel:
@@ -154,6 +151,7 @@ class CostModel:
         self._outsides: dict[tuple[int, int], Array] = {}
         self._received: dict[int, Array] = {}
         self._range_gradients: tuple[tuple[int, int], Array] = ((0, 0), np.zeros(0, dtype=np.int64))
+        self._kept_bounds: _KeptBounds | None = None  # made when first asked (capslog's search)
         self.forward_ms, self.backward_ms = pooled_times(profile)
         self.saved = [n.saved_bytes for n in nodes]
         self.last_saver = [n.last_saver for n in nodes]
@@ -181,14 +179,23 @@ class CostModel:
         last = [max(n.users) if n.users and min(n.users) >= 0 else (self.n if n.users else -1) for n in nodes]
         self._last_reader = [i if r < 0 else r for i, r in enumerate(last)]  # n: the graph output
         self._leaving: list[list[tuple[int, int]]] = [[] for _ in range(self.n + 1)]
+        crossing = [0] * (self.n + 2)  # the changes of crossing below, cut by cut
         for i, n in enumerate(nodes):
-            sent = max(0, n.output_bytes - n.saved_bytes)
-            for cut in range(i + 1, min(last[i], self.n) + 1):
+            sent, stop = max(0, n.output_bytes - n.saved_bytes), min(last[i], self.n) + 1
+            for cut in range(i + 1, stop):
                 self._leaving[cut].append((i, sent))
+            if stop > i + 1:
+                crossing[i + 1] += n.output_bytes
+                crossing[stop] -= n.output_bytes
         for entry in self._leaving:
             entry.reverse()
         # crossing[c]: bytes of the values made before node c and read from it on
-        self.crossing = [sum(self.output[i] for i, _ in entry) for entry in self._leaving]
+        self.crossing = list(itertools.accumulate(crossing[: self.n + 1]))
+        # per cut, of the values leaving it, latest first: their makers (negated, ascending) and
+        # their bytes summed so far, so that send_ms finds what a range sends by bisection
+        self._senders = [[-i for i, _ in entry] for entry in self._leaving] if link_bandwidth else []
+        self._sent = [list(itertools.accumulate(self.output[i] for i, _ in entry)) for entry in self._leaving
+                      ] if link_bandwidth else []
 
     def params(self, lo: int, hi: int) -> int:
         return self._params[hi] - self._params[lo]
@@ -251,16 +258,14 @@ class CostModel:
         the last stage, whose outputs stay on its device."""
         if not self.link_bandwidth or hi == self.n:
             return 0.0
-        sent = 0
-        for i, _ in self._leaving[hi]:
-            if i < lo:
-                break
-            sent += self.output[i]
-        return 1e3 * sent / self.link_bandwidth
+        made = bisect.bisect_right(self._senders[hi], -lo)  # how many were made from lo on
+        return 1e3 * (self._sent[hi][made - 1] if made else 0) / self.link_bandwidth
 
     def borrowed(self, lo: int, hi: int) -> int:
         """Bytes of the parameters nodes ``[lo, hi)`` read whose first user comes earlier:
         the stage keeps a copy of each."""
+        if not self.profile.shared:
+            return 0
         if (lo, hi) not in self._borrowed:
             self._borrowed[lo, hi] = sum(p.nbytes for p in self.profile.shared
                                          if p.users[0] < lo and any(lo <= u < hi for u in p.users))
@@ -387,7 +392,8 @@ class CostModel:
             begin, end = np.searchsorted(a.reader, [lo, hi])
             storages = a.read_base[begin:end][a.read[begin:end] < lo]
             keepers = a.held_by[storages]
-            found = np.unique(np.concatenate((keepers[(keepers >= 0) & (keepers < lo)], storages))).tolist()
+            # (a set sorted: np.unique costs more on arrays this short)
+            found = sorted(set(keepers[(keepers >= 0) & (keepers < lo)].tolist()) | set(storages.tolist()))
             self._depends[lo, hi] = found
         return found
 
@@ -402,7 +408,7 @@ class CostModel:
         (:func:`~lightning_pipe.plan.layout.held_end`; cached)."""
         if (found := self._outsides.get((lo, hi))) is None:
             by = self._arrays.held_by[lo:hi]
-            found = np.unique(np.concatenate((np.array(self.depends_on(lo, hi), dtype=np.int64), by[by >= hi])))
+            found = np.array(sorted(set(self.depends_on(lo, hi)) | set(by[by >= hi].tolist())), dtype=np.int64)
             self._outsides[lo, hi] = found
         return found
 
@@ -423,6 +429,17 @@ class CostModel:
         backwards what it holds and the bytes waiting (:meth:`waiting`), known once a split
         is."""
         return self._peak(lo, hi, in_flight, self.live(lo, hi, policies), weight_versions, waiting)
+
+    def kept_peak_at_most(self, lo: int, hi: int, in_flight: float, weight_versions: int = 1) -> int:
+        """An upper bound of :meth:`peak`'s total on ``[lo, hi)`` keeping every node with nothing
+        waiting, from prefix sums and range maxima (:class:`_KeptBounds`), a few times cheaper:
+        a fill-first search asks mostly whether a range is within a limit it is well under.
+        Exact for stages as processes (their receive buffers change the stash)."""
+        if self.carry:
+            return self.peak(lo, hi, in_flight, {}, weight_versions).total
+        if self._kept_bounds is None:
+            self._kept_bounds = _KeptBounds(self._arrays, self._summed)
+        return self._peak(lo, hi, in_flight, self._kept_bounds.live(lo, hi), weight_versions, (0, ())).total
 
     def peaks(
         self,
@@ -574,7 +591,8 @@ class CostModel:
         if policies and (coded := CodedPolicies.of(policies, self.n)).codes[lo:hi].any():
             return self._lives(lo, hi, [coded])[0]
         if (lo, hi) not in self._kept:
-            self._kept[lo, hi] = self._live_bytes(lo, hi, None)[0]
+            self._kept[lo, hi] = kept_live_bytes(self._arrays, lo, hi, self.range_gradients(lo, hi),
+                                                 summed_parameter_grads=self._summed, received=self._receiving(lo))
         return self._kept[lo, hi]
 
     def _lives(self, lo: int, hi: int, variants: Sequence[CodedPolicies]) -> list[LiveBytes]:
@@ -591,12 +609,61 @@ class CostModel:
             self._priced.update(zip((key for key, _ in part), self._live_bytes(lo, hi, np.stack([c for _, c in part]))))
         return [self._priced[key] for key in keys]
 
-    def _live_bytes(self, lo: int, hi: int, codes: "CodeRows | None") -> list[LiveBytes]:
-        # the local GPipe's one backward sums the micro-batches' parameter gradients into a new tensor
-        summed = self.merges and self.chunks > 1
-        received = self.received_kept(lo) if self.carry else None
-        return live_bytes(self._arrays, lo, hi, codes, self.range_gradients(lo, hi), summed_parameter_grads=summed,
-                          received=received)
+    def _live_bytes(self, lo: int, hi: int, codes: CodeRows) -> list[LiveBytes]:
+        return live_bytes(self._arrays, lo, hi, codes, self.range_gradients(lo, hi),
+                          summed_parameter_grads=self._summed, received=self._receiving(lo))
+
+    @property
+    def _summed(self) -> bool:
+        """Whether the backward sums the micro-batches' parameter gradients into a new tensor
+        (the local GPipe's one backward)."""
+        return self.merges and self.chunks > 1
+
+    def _receiving(self, lo: int) -> "Array | None":
+        """:meth:`received_kept` of a stage starting at ``lo``, where stages are processes."""
+        return self.received_kept(lo) if self.carry else None
+
+
+class _KeptBounds:
+    """Upper bounds of a range's live bytes, all kept, at each of its nodes, through prefix sums
+    and range maxima of what the whole graph holds there: a range holds the part its own nodes
+    made (:func:`~lightning_pipe.plan.activations.kept_live_bytes`), never more, as every term
+    is non-negative. :meth:`CostModel._peak` grows with each live byte count, so it prices
+    them into a bound of the range's peak."""
+
+    def __init__(self, a: NodeArrays, summed_parameter_grads: bool) -> None:
+        n = a.n
+        stash = np.concatenate(([0], np.cumsum(a.saved)))  # [p]: of the nodes before p
+        # [p]: values made before node p that live through it (made by the range or before it)
+        held = np.zeros(n + 2, dtype=np.int64)
+        held[1:-1] = a.held
+        np.subtract.at(held, a.held_end + 1, a.held)
+        held = np.cumsum(held)[: n + 1]
+        # [p]: the gradients awaited at p, each value's largest from its maker to its last
+        # reader (a range awaits some of them, those made before it from its first node)
+        latest, largest = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        np.maximum.at(latest, a.producer, a.consumer)
+        np.maximum.at(largest, a.producer, a.gradient)
+        awaited = np.zeros(n + 1, dtype=np.int64)
+        awaited[:-1] = largest
+        np.subtract.at(awaited, latest, largest)
+        awaiting = np.cumsum(awaited)[:n]
+        backward = stash[1:] + awaiting + a.backward
+        if summed_parameter_grads:
+            backward += np.maximum(0, a.grads - np.maximum(0, a.backward - a.handed))
+        self.stash, self.held, self.grads_before = stash.tolist(), held.tolist(), a.grads_before.tolist()
+        self.forward = _sparse_max(stash[:-1] + held[:-1] + a.allocated)
+        self.backward = _sparse_max(backward + a.grads)
+        self.first_backward = _sparse_max(backward - a.grads_before[:-1])
+
+    def live(self, lo: int, hi: int) -> LiveBytes:
+        """Bounds of each of :func:`~lightning_pipe.plan.activations.kept_live_bytes`'s sums
+        on ``[lo, hi)`` (its stash exact)."""
+        before, stashed, leaving = self.stash[lo], self.stash[hi] - self.stash[lo], self.held[hi]
+        forward = max(_range_max(self.forward, lo, hi) - before, stashed + leaving)
+        backward = _range_max(self.backward, lo, hi) - before
+        first = _range_max(self.first_backward, lo, hi) - before + self.grads_before[hi]
+        return LiveBytes(stashed, leaving, (0, forward), (0, backward), (0, first))
 
 
 def backward_waiting(states: Sequence[BackwardState], sent: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -620,7 +687,7 @@ def _range_max(table: list[list[int]], lo: int, hi: int) -> int:
     return max(table[level][lo], table[level][hi - (1 << level)])
 
 
-def _sparse_max(values: Sequence[int]) -> list[list[int]]:
+def _sparse_max(values: "Sequence[int] | Array") -> list[list[int]]:
     """Sparse table: level k holds the max of every window of 2**k values (O(1) range max)."""
     levels = [np.asarray(values, dtype=np.int64)]
     while 2 ** len(levels) <= len(values):

@@ -37,22 +37,27 @@ class NodeArrays:
         self.held_end = np.where(self.held_by >= 0, np.maximum(self.held_by, np.arange(len(nodes))), self.held_until)
         # the part of a node's output it keeps itself, and the last node reading its output
         self.own_output = array([max(0, min(n.output_bytes, n.made_bytes) - n.held_bytes) for n in nodes])
-        self.last_reader = array([max([k, *(u if u >= 0 else len(nodes) for u in n.users)])
+        self.last_reader = array([len(nodes) if n.users and min(n.users) < 0 else max(k, max(n.users, default=k))
                                   for k, n in enumerate(nodes)])
         self.workspace = array([n.transient_bytes for n in nodes])
+        self.allocated = self.made + self.workspace  # what a node's forward allocates, at its peak
         self.backward = array([max(n.backward_bytes - n.grad_bytes, 0) for n in nodes])
         self.grads = array([n.grad_bytes for n in nodes])
+        self.grads_before = np.concatenate(([0], np.cumsum(self.grads)))  # [i]: of the nodes before i
         self.last_saver = array([max(k, n.last_saver) for k, n in enumerate(nodes)])
         self.output = array([n.output_bytes for n in nodes])
         # the node whose storage a node's value lives on: itself, or for a view its largest input's
         base = list(range(len(nodes)))
-        reads = sorted((u, j) for j, n in enumerate(nodes) for u in set(n.users) if u >= 0)
-        producers: list[list[int]] = [[] for _ in nodes]
-        for u, j in reads:
-            producers[u].append(j)
+        producers: list[list[int]] = [[] for _ in nodes]  # per node, the nodes it reads, in order
+        for j, n in enumerate(nodes):
+            for u in set(n.users):
+                if u >= 0:
+                    producers[u].append(j)
+        reads = [(u, j) for u, read in enumerate(producers) for j in read]  # by reader
+        outputs = [n.output_bytes for n in nodes]
         for j, n in enumerate(nodes):
             if n.made_bytes == 0 and n.output_bytes and producers[j]:
-                base[j] = base[max(producers[j], key=lambda i: nodes[i].output_bytes)]
+                base[j] = base[max(producers[j], key=outputs.__getitem__)]
         # every read (reader, node read, that node's storage), by reader
         self.reader = array([u for u, _ in reads])
         self.read = array([j for _, j in reads])
@@ -63,7 +68,10 @@ class NodeArrays:
         self.producer = array([j for _, j in edges])
         self.gradient = array([_edge_gradient(nodes, u, j) for u, j in edges])
         self.forwarded = np.asarray([j in nodes[u].forwarded_grads for u, j in edges], dtype=bool)
-        self.first_reader = array([min((u for u in n.users if u >= 0), default=len(nodes)) for n in nodes])
+        first_reader = [len(nodes)] * len(nodes)
+        for u, j in reversed(reads):
+            first_reader[j] = u
+        self.first_reader = array(first_reader)
         # (not counting the graph's output, gathered in a container: its values take no gradient)
         summing = [(u, j, f or nodes[u].made_bytes == 0) for (u, j), f in zip(edges, self.forwarded)
                    if nodes[u].made_bytes or any(x >= 0 for x in nodes[u].users)]
@@ -87,11 +95,23 @@ def _summed_with(
         readers.setdefault(j, []).append(u)
         if as_is:
             onward.setdefault(u, []).append(j)
+    # per value, its last reader and its last other one (-1: none): a value many nodes read (a
+    # mask every layer takes) would otherwise have its readers listed again for each of them
+    last: dict[int, tuple[int, int]] = {}
+    for j, those in readers.items():
+        latest = max(those)
+        last[j] = (latest, max((r for r in those if r != latest), default=-1))
+
+    def other(u: int, j: int) -> int:
+        """The last reader of ``j`` but ``u`` (-1: none)."""
+        latest, before = last.get(j, (-1, -1))
+        return latest if latest != u else before
+
     found = []
     for u, j in edges:
-        while not (others := [r for r in readers.get(j, ()) if r != u]) and len(onward.get(j, ())) == 1:
+        while (reader := other(u, j)) < 0 and len(onward.get(j, ())) == 1:
             u, j = j, onward[j][0]
-        found.append((j, max(others, default=-1)))
+        found.append((j, reader))
     return found
 
 

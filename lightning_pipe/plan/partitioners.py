@@ -81,11 +81,9 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
     check_stage_count(model.n, count)
     if name == "dawnpiper":
         return _dawnpiper(stages)
-    if name == "capslog":
-        def within(lo: int, hi: int, s: int, limit: float) -> bool:  # most ranges asked are far over the limit
-            return stages.least_kept_peak(lo, hi, s) <= limit and stages.kept_peak(lo, hi, s) <= limit
-
-        return _min_max(model.n, stages.capacities, stages.kept_peak, within=within)
+    if name == "capslog":  # most ranges asked are far over or under the limit: told by bounds
+        return _min_max(model.n, stages.capacities, stages.kept_peak, bound=stages.least_kept_peak,
+                        upper=stages.kept_peak_at_most)
     if name == "time":
         return _min_max(model.n, [1.0] * count, lambda lo, hi, s: model.compute_ms(lo, hi) + model.send_ms(lo, hi))
     if name == "params":
@@ -148,10 +146,6 @@ Cost = Callable[[int, int, int], float]
 Within = Callable[[int, int, int, float], bool]  # whether stage s on [lo, hi) costs at most a limit
 
 
-def _within(cost: Cost) -> Within:
-    return lambda lo, hi, s, limit: cost(lo, hi, s) <= limit
-
-
 def fill_first(n: int, limits: Sequence[float], within: Within) -> list[int] | None:
     """CAPSlog's fill-first: each stage in turn takes the longest run of nodes whose cost stays
     ``within`` its limit (keeping a node for every later stage); the last takes the rest. Exact
@@ -189,37 +183,80 @@ def reaching(n: int, limits: Sequence[float], within: Within) -> list[int] | Non
 
 def _min_max(
     n: int, scales: Sequence[float], cost: Cost, precision: float = 1e-12, start: Sequence[int] | None = None,
-    within: Within | None = None,
+    within: Within | None = None, bound: Cost | None = None, upper: Cost | None = None,
 ) -> list[int]:
     """Balance minimising ``max_s cost(stage s) / scales[s]``: binary search on the threshold,
     fill-first at each, until the threshold is known to ``precision`` (relative). Given a
     balance to ``start`` from, the search brackets the threshold just under that balance's
     (within a twentieth, then a tenth, ...): a search near the answer prices fewer ranges.
     ``within``: whether a stage's cost is at most a limit, where that is cheaper to know than
-    the cost (default: the cost compared)."""
+    the cost (then every threshold is searched); else the cost compared, after ``bound`` and
+    ``upper`` (a lower and an upper bound of it, cheaper), and a threshold at which the search
+    at the last threshold under or over it would compare every range alike gets that search's
+    answer unsearched (:class:`_Trace`): most of the bisection's thresholds, so it prices fewer
+    ranges."""
     count = len(scales)
-    cost_within = within or _within(cost)
+    traces: dict[bool, _Trace | None] = {True: None, False: None}  # at high and at low
+
+    def tried(threshold: float) -> list[int] | None:
+        """Fill-first at ``threshold``, or the answer of a search that would compare alike."""
+        for trace in traces.values():
+            if trace is not None and trace.holds(threshold):
+                return trace.found
+        limits = [threshold * c for c in scales]
+        if within is not None:
+            return fill_first(n, limits, within)
+        trace = _Trace(scales, cost, bound, upper)
+        trace.found = fill_first(n, limits, trace.within)
+        traces[trace.found is not None] = trace
+        return trace.found
+
     if start is None:
         high = max(cost(0, n, s) / scales[s] for s in range(count)) or 1.0
-        while (found := fill_first(n, [high * c for c in scales], cost_within)) is None:
+        while (found := tried(high)) is None:
             high *= 2
         low = 0.0
     else:
         found = list(start)
         high = max(cost(r.start, r.stop, s) / scales[s] for s, r in enumerate(stage_ranges(found)))
         step = 0.05
-        while (attempt := fill_first(n, [high * (1 - step) * c for c in scales], cost_within)) is not None \
-                and step < 0.5:
+        while (attempt := tried(high * (1 - step))) is not None and step < 0.5:
             high, found, step = high * (1 - step), attempt, 2 * step
         low = high * (1 - step) if attempt is None else 0.0
     while high - low > precision * high:
         mid = (low + high) / 2
-        attempt = fill_first(n, [mid * c for c in scales], cost_within)
+        attempt = tried(mid)
         if attempt is None:
             low = mid
         else:
             high, found = mid, attempt
     return found
+
+
+class _Trace:
+    """One fill-first search at a threshold, kept with every comparison it made: per stage
+    range asked, its stage and the value that decided it (its cost, or a bound that told
+    already: an upper one under the limit, a lower one over it). At another threshold where
+    each value compares as before, the search would ask the same ranges and answer alike:
+    fill-first is a function of its comparisons."""
+
+    def __init__(self, scales: Sequence[float], cost: Cost, bound: Cost | None, upper: Cost | None) -> None:
+        self.scales, self.cost, self.bound, self.upper = scales, cost, bound, upper
+        self.compared: list[tuple[int, float, bool]] = []  # (stage, deciding value, within)
+        self.found: list[int] | None = None
+
+    def within(self, lo: int, hi: int, s: int, limit: float) -> bool:
+        value = self.bound(lo, hi, s) if self.bound else -math.inf
+        if value <= limit:
+            upper = self.upper(lo, hi, s) if self.upper else math.inf
+            value = upper if upper <= limit else max(value, self.cost(lo, hi, s))
+        self.compared.append((s, value, value <= limit))
+        return value <= limit
+
+    def holds(self, threshold: float) -> bool:
+        """Whether fill-first at ``threshold`` compares every range asked as this search did
+        (limits computed as :func:`_min_max` computes them, so exactly alike)."""
+        return all((value <= threshold * self.scales[s]) == fits for s, value, fits in self.compared)
 
 
 def _crossing(left: Callable[[int], float], right: Callable[[int], float], a: int, b: int) -> int:

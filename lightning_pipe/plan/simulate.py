@@ -50,8 +50,9 @@ class Replay:
     def __init__(self, schedule: Sequence[Sequence[Action]]) -> None:
         count = len(schedule)
         index: dict[tuple[str, int, int], int] = {}
-        # per task: stage, kind, index of the task it waits for (-1: none), stage whose send it waits for
-        self.tasks: list[tuple[int, str, int, int]] = []
+        # per task: stage, kind (_KINDS), index of the task it waits for (-1: none), stage whose
+        # send it waits for (-1: none); flat, since a search replays thousands of splits
+        self.tasks: list[tuple[int, int, int, int]] = []
         position = [0] * count
         remaining = sum(len(order) for order in schedule)
         while remaining:
@@ -64,7 +65,7 @@ class Replay:
                         break
                     dependency, sender = (index[waits[0]], waits[1]) if waits is not None else (-1, -1)
                     index[(action.kind, action.microbatch, s)] = len(self.tasks)
-                    self.tasks.append((s, action.kind, dependency, sender))
+                    self.tasks.append((s, _KINDS.get(action.kind, len(_KINDS)), dependency, sender))
                     position[s] += 1
                     remaining -= 1
                     progressed = True
@@ -76,19 +77,23 @@ class Replay:
         """Step time and bubble of the schedule with these per-stage times."""
         if len(times) != self.count:
             raise ValueError(f"{len(times)} stage times but {self.count} action lists.")
-        durations = [{"forward": t.forward, "backward": t.recompute + t.swap + t.backward} for t in times]
-        sends = [t.send for t in times]
+        durations = [[t.forward for t in times], [t.recompute + t.swap + t.backward for t in times], [0.0] * self.count]
+        sends = [t.send for t in times] + [0.0]  # [-1]: no transfer
         clock = [0.0] * self.count
-        end = [0.0] * len(self.tasks)
+        end = [0.0] * (len(self.tasks) + 1)  # [-1]: waits for nothing
         busy = 0.0
         for k, (s, kind, dependency, sender) in enumerate(self.tasks):
-            duration = durations[s].get(kind, 0.0)
-            ready = end[dependency] + (sends[sender] if sender >= 0 else 0.0) if dependency >= 0 else 0.0
+            duration = durations[kind][s]
+            ready = end[dependency] + sends[sender]
             clock[s] = (clock[s] if clock[s] > ready else ready) + duration
             busy += duration
             end[k] = clock[s]
         step = max(clock)
         return Simulation(step, 1.0 - busy / (self.count * step) if step > 0 else 0.0)
+
+
+# The kinds of task that take a stage's time, by index into Replay.run's durations (others take none).
+_KINDS = {"forward": 0, "backward": 1}
 
 
 def _input(action: Action, count: int) -> tuple[tuple[str, int, int], int] | None:

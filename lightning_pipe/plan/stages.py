@@ -177,7 +177,9 @@ class Stages:
         chosen = CodedPolicies.of({i: p for o in optima for i, p in o.policies.items()}, self.model.n)
         waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
         peaks = [self._peak(r.start, r.stop, s, chosen, waits[s]) for s, r in enumerate(stage_ranges(balance))]
-        return [replace(o, peak=p, fits=o.fits and p.total <= c) for o, p, c in zip(optima, peaks, self.capacities)]
+        # (made directly: dataclasses.replace costs more than pricing a stage from its cache)
+        return [StageOptimum(o.policies, o.recompute_ms, o.swap_ms, p, o.fits and p.total <= c)
+                for o, p, c in zip(optima, peaks, self.capacities)]
 
     def _peak(self, lo: int, hi: int, s: int, chosen: CodedPolicies, waiting: Waiting) -> StagePeak:
         """:meth:`CostModel.peak` of stage ``s`` on ``[lo, hi)`` under a whole split's policies
@@ -211,12 +213,15 @@ class Stages:
         return self.model.static(lo, hi, self.weight_versions) + self.model.transient(lo, hi) > self.capacities[s]
 
     def times(self, balance: Sequence[int]) -> list[StageTime]:
-        """Per stage of ``balance``, placed, its times per micro-batch."""
-        model, times = self.model, []
-        for r, o in zip(stage_ranges(balance), self.placed(balance)):
-            forward = model.forward_time(r.start, r.stop)
-            backward = model.compute_ms(r.start, r.stop) - forward
-            times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, model.send_ms(r.start, r.stop)))
+        """Per stage of ``balance``, placed, its times per micro-batch (cached: a search asks
+        a split's step and its idle stages)."""
+        if (times := self.cache.times.get(tuple(balance))) is None:
+            model, times = self.model, []
+            for r, o in zip(stage_ranges(balance), self.placed(balance)):
+                forward = model.forward_time(r.start, r.stop)
+                backward = model.compute_ms(r.start, r.stop) - forward
+                times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, model.send_ms(r.start, r.stop)))
+            self.cache.times[tuple(balance)] = times
         return times
 
     def step_ms(self, balance: Sequence[int]) -> float:
@@ -253,6 +258,17 @@ class Stages:
                                                                       self.weight_versions).total
         return peak
 
+    def kept_peak_at_most(self, lo: int, hi: int, s: int) -> int:
+        """An upper bound of :meth:`kept_peak` (:meth:`CostModel.kept_peak_at_most`), exact
+        where that is priced already (cached: a threshold search asks a range again at each
+        threshold)."""
+        if (peak := self.cache.kept_peaks.get((lo, hi, s))) is not None:
+            return peak
+        if (bound := self.cache.kept_bounds.get((lo, hi, s))) is None:
+            bound = self.cache.kept_bounds[lo, hi, s] = self.model.kept_peak_at_most(lo, hi, self.in_flight[s],
+                                                                                    self.weight_versions)
+        return bound
+
     def least_kept_peak(self, lo: int, hi: int, s: int) -> int:
         """A lower bound of :meth:`kept_peak` from prefix sums: the stage's static bytes and,
         before the last stage, the forward of its last micro-batch in flight, which ends
@@ -269,10 +285,10 @@ class Stages:
     def stage_time(self, lo: int, hi: int, s: int) -> float:
         """Per micro-batch time of stage ``s`` on ``[lo, hi)`` after memory optimisation,
         sending its outputs included; infinite when it cannot fit."""
-        base = self.model.peak(lo, hi, self.in_flight[s], {}, self.weight_versions)
         compute = self.model.compute_ms(lo, hi) + self.model.send_ms(lo, hi)
-        if base.total <= self.capacities[s]:
-            return compute
+        capacity = self.capacities[s]
+        if self.kept_peak_at_most(lo, hi, s) <= capacity or self.kept_peak(lo, hi, s) <= capacity:
+            return compute  # it fits keeping everything (most often told by the bound)
         found = self.optimum(lo, hi, s)
         return compute + found.added_ms if found.fits else math.inf
 
@@ -314,9 +330,11 @@ class Found:
     placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict)
     prunes: dict[tuple[object, ...], StageOptimum | None] = field(default_factory=dict)  # None: nothing to drop
     steps: dict[tuple[int, ...], float] = field(default_factory=dict)
+    times: dict[tuple[int, ...], list[StageTime]] = field(default_factory=dict)  # Stages.times
     # a stage's peak under a whole split's policies, by the policies it reads (Stages._peak)
     peaks: dict[tuple[object, ...], StagePeak] = field(default_factory=dict)
     kept_peaks: dict[tuple[int, int, int], int] = field(default_factory=dict)  # Stages.kept_peak
+    kept_bounds: dict[tuple[int, int, int], int] = field(default_factory=dict)  # Stages.kept_peak_at_most
     descents: dict[tuple[int, int, int], Descent] = field(default_factory=dict)
     replay: Replay | None = None
     further: Stages | None = None

@@ -8,6 +8,10 @@ from lightning_pipe.plan.profile import Profile
 __all__ = ["TICK_MS", "on_grid", "pooled_times"]
 
 
+# A node's name's numbers: the same work in another block, or of another count, is named alike but for them.
+_NUMBERS = re.compile(r"\d+")
+
+
 def pooled_times(profile: Profile) -> tuple[list[float], list[float]]:
     """Forward and backward milliseconds per node, each the median over the nodes doing the
     same work: names equal but for their numbers (``blocks_3_ln1``, ``blocks_5_ln2``; ``add_7``)
@@ -17,18 +21,23 @@ def pooled_times(profile: Profile) -> tuple[list[float], list[float]]:
     groups: dict[tuple[object, ...], list[int]] = {}
     for i, n in enumerate(profile.nodes):
         work = (
-            re.sub(r"\d+", "#", n.name), n.output_bytes, n.saved_bytes, n.transient_bytes, n.param_bytes,
+            _NUMBERS.sub("#", n.name), n.output_bytes, n.saved_bytes, n.transient_bytes, n.param_bytes,
             n.backward_bytes, n.output_grad_bytes,
         )
         groups.setdefault(work, []).append(i)
     forward = [0.0] * len(profile.nodes)
     backward = [0.0] * len(profile.nodes)
     for members in groups.values():
-        f = on_grid(statistics.median(profile.nodes[i].forward_ms for i in members))
-        b = on_grid(statistics.median(profile.nodes[i].backward_ms for i in members))
+        f = on_grid(_median([profile.nodes[i].forward_ms for i in members]))
+        b = on_grid(_median([profile.nodes[i].backward_ms for i in members]))
         for i in members:
             forward[i], backward[i] = f, b
     return forward, backward
+
+
+def _median(values: list[float]) -> float:
+    """:func:`statistics.median`, without its sort for a node whose work no other node does."""
+    return values[0] if len(values) == 1 else statistics.median(values)
 
 
 # Times are multiples of 2**-20 ms (about 1 ns), so that sums of them (stage times, simulated

@@ -397,3 +397,21 @@ def test_no_policy_takes_a_stage_under_its_parameters_state_and_largest_workspac
             versions = 2 if schedule == "2bw" else 1
             floor = model.static(lo, hi, versions) + model.transient(lo, hi)
             assert model.peak(lo, hi, rnd.choice([1, 3]), policies, versions).total >= floor, (seed, lo, hi)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
+def test_the_kept_peak_bound_is_never_under_the_kept_peak_and_often_equals_it(schedule):
+    # capslog's search takes a range as within its limit when this bound is (kept_peak_at_most):
+    # a bound under the peak would let a split over its capacity through
+    rnd = random.Random(7)
+    equal = total = 0
+    for seed in range(8):
+        model = CostModel(random_profile(40, seed), schedule=schedule, chunks=4)
+        for _ in range(30):
+            lo, hi = sorted(rnd.sample(range(41), 2))
+            in_flight, versions = rnd.choice([1, 2, 3.5]), rnd.choice([1, 2])
+            bound = model.kept_peak_at_most(lo, hi, in_flight, versions)
+            peak = model.peak(lo, hi, in_flight, {}, versions).total
+            assert bound >= peak, (seed, lo, hi)
+            equal, total = equal + (bound == peak), total + 1
+    assert equal > total / 4  # a bound far over every peak would price every range as before

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.partitioners import bisection, partition, split
+from lightning_pipe.plan.partitioners import bisection, fill_first, partition, split
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.stages import Stages
 
@@ -51,6 +51,45 @@ def test_capslog_reaches_the_brute_force_minimum_peak(seed, capacities):
     ratio = peak_ratio(stages)
     best = min(worst(stages, b, ratio) for b in balances(11, len(capacities)))
     assert worst(stages, split("capslog", stages), ratio) == pytest.approx(best, rel=1e-12)
+
+
+def searched_at_every_threshold(n, scales, cost):
+    """CAPSlog's threshold bisection to 1e-12 with a fill-first search at every threshold: what
+    capslog answered before its search skipped thresholds (traces) and ranges (bounds)."""
+    def within(lo, hi, s, limit):
+        return cost(lo, hi, s) <= limit
+
+    high = max(cost(0, n, s) / scales[s] for s in range(len(scales))) or 1.0
+    while (found := fill_first(n, [high * c for c in scales], within)) is None:
+        high *= 2
+    low = 0.0
+    while high - low > 1e-12 * high:
+        mid = (low + high) / 2
+        attempt = fill_first(n, [mid * c for c in scales], within)
+        low, high, found = (mid, high, found) if attempt is None else (low, mid, attempt)
+    return found
+
+
+def residual_chain(n, seed):
+    """A chain whose every fourth node's output is also read four nodes on (a residual): what
+    crosses a cut, and so a stage's peak, is not monotone in the range."""
+    rnd = random.Random(seed)
+    nodes = []
+    for i in range(n):
+        users = [i + 1] + ([i + 5] if i % 4 == 0 and i + 5 < n else []) if i + 1 < n else [-1]
+        output, saved, workspace = (rnd.randint(1, k) << 20 for k in (8, 40, 4))
+        nodes.append(NodeProfile(letters(i), 1.0, 2.0, output, saved, workspace, 1 << 20, 1 << 20, 2 << 20,
+                                 users=users, held_bytes=rnd.randint(0, 4) << 20, held_until=max(users[-1], i)))
+    return Profile(nodes, "cpu", "f", 1, input_bytes=1 << 20, input_users=[0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("capacities", [[1 << 30] * 4, [3 << 28, 1 << 30, 5 << 28, 1 << 30]])
+def test_capslog_answers_as_the_search_at_every_threshold(seed, capacities):
+    # fill-first's answers depend on every comparison it makes: skipping a threshold or the
+    # pricing of a range must change none of them
+    stages = Stages(CostModel(residual_chain(200, seed)), capacities, [4, 3, 2, 1])
+    assert split("capslog", stages) == searched_at_every_threshold(200, capacities, stages.kept_peak)
 
 
 @pytest.mark.parametrize("seed", range(6))
