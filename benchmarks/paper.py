@@ -5,6 +5,7 @@ on 4 and 8 A100-40GB, by fake execution on this CPU.
     python -m benchmarks.paper --full    # also 1F1B and the params, uniform and capslog partitioners (hours)
     python -m benchmarks.paper --models bert unet    # a part of the grid (minutes; the default run: 19)
     python -m benchmarks.paper --models amoebanet    # the paper's CNN, AmoebaNet-D (about 9 minutes)
+    python -m benchmarks.paper --precision bf16-mixed --models bert gpt2    # Lightning's bf16-mixed
 
 BERT-large (seq 512), GPT-2 large (seq 1024) and T5-large (seq 512) are built from their
 ``transformers`` configs, AmoebaNet-D at the paper's 28M parameters from ``benchmarks.amoebanet``
@@ -16,6 +17,8 @@ largest micro-batch its plan fits in (91% of 40 GiB per stage, Adam in fp32, one
 per stage as the paper's synchronous runs); a fake execution of that plan under the meter's
 40 GiB cap per stage (:mod:`lightning_pipe.runtime.fake`) confirms it, and where the meter
 refuses, smaller sizes are tried until one trains. The size above is refused by the planner.
+``--precision bf16-mixed`` profiles and runs the training step under CUDA's autocast to
+bfloat16 (on the CPU, :mod:`lightning_pipe.autocast`), parameters, gradients and Adam in fp32.
 Writes ``benchmarks/paper_results.json`` and ``docs/paper-scale.md``.
 """
 
@@ -45,7 +48,9 @@ import lightning_pipe
 from benchmarks.amoebanet import AmoebaNetD
 from benchmarks.run import quiet
 from examples.models import UNet
+from lightning_pipe.cli import PRECISIONS
 from lightning_pipe.graph.capture import Captured, capture
+from lightning_pipe.internals import tree_map
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec
 from lightning_pipe.plan.partitioners import PARTITIONERS
@@ -160,6 +165,7 @@ class Settings:
     schedules: list[str]
     partitioners: list[str]
     memopt: list[bool] = field(default_factory=lambda: [False, True])
+    precision: str = "32-true"
 
 
 QUICK = Settings(["bert", "gpt2", "t5", "unet"], [4, 8], ["gpipe", "2bw"], ["time", "dawnpiper"])
@@ -187,27 +193,42 @@ class Row:
     exact: bool = True  # max_microbatch + 1 did not train (else PROBES ran out first)
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # CPU time of the process measuring it
+    precision: str = "32-true"  # the Trainer's: "32-true" or "bf16-mixed"
 
 
-# (name, label, device): a workload's model, graph and profile, made once per process (a run
-# over several stage counts, or several runs, measure one profile; a fake run copies the model)
-_PROFILED: dict[tuple[str, str, str], tuple[nn.Module, Captured, Profile]] = {}
+PAPER_PRECISIONS = ("32-true", "bf16-mixed")
+
+# (name, label, device, precision): a workload's model, graph and profile, made once per process
+# (a run over several stage counts, or several runs, measure one profile; a fake run copies the model)
+_PROFILED: dict[tuple[str, str, str, str], tuple[nn.Module, Captured, Profile]] = {}
 
 
 class Bench:
-    """One workload, captured and profiled once, measured in many configurations."""
+    """One workload at one precision, captured and profiled once, measured in many configurations.
 
-    def __init__(self, workload: Workload, device: DeviceSpec) -> None:
+    Under ``bf16-mixed`` the profile and every fake run are under CUDA's autocast policy on the
+    CPU (a recompute casts again in the backward), the training step under CPU autocast: it
+    casts tensors on the CPU, never meta ones. So the profiled model's parameters and inputs
+    stand on the CPU, uninitialised (a fake profile reads no page), and fake runs use fake CPU
+    tensors."""
+
+    def __init__(self, workload: Workload, device: DeviceSpec, precision: str = "32-true") -> None:
         self.workload = workload
         self.device = device
-        key = (workload.name, workload.label, repr(device))
+        self.precision = PRECISIONS[precision]
+        key = (workload.name, workload.label, repr(device), precision)
         if key not in _PROFILED:
             model = workload.build().train()
-            args, kwargs = workload.inputs(workload.batch(PROFILED))
+            inputs = workload.inputs(workload.batch(PROFILED))
             with quiet():
-                captured = capture(model, example_inputs=(args, kwargs))
-                profile = profile_graph(captured, args, kwargs, optimizer=self._optimizer(model), fake=True,
-                                        device=device)
+                captured = capture(model, example_inputs=inputs)
+                if self.precision.autocast is not None:
+                    _on_cpu(model)
+                    inputs = tree_map(lambda t: torch.empty_like(t, device="cpu") if isinstance(t, Tensor) else t,
+                                      inputs)
+                with self.precision.policy(), self.precision.step():
+                    profile = profile_graph(captured, *inputs, optimizer=self._optimizer(model), fake=True,
+                                            device=device)
             _PROFILED[key] = model, captured, profile
         self.model, self.captured, self.profile = _PROFILED[key]
         self._runs: dict[tuple[Any, ...], list[int]] = {}
@@ -218,6 +239,12 @@ class Bench:
         the meta device, where it steps parameter by parameter), whose temporaries are a
         stage's square roots."""
         return torch.optim.Adam(model.parameters(), foreach=True)
+
+    def _step(self, forward: Callable[..., Any], batch: dict[str, Tensor]) -> Tensor:
+        """The workload's training step (forward and loss) in the precision's context, as
+        Lightning's precision plugin runs it."""
+        with self.precision.step():
+            return self.workload.step(forward, batch)
 
     def plan(self, stages: int, schedule: str, memopt: bool, partitioner: str, microbatch: int) -> Plan | None:
         """The strategy's plan at ``microbatch``, or ``None`` where the planner refuses."""
@@ -242,8 +269,10 @@ class Bench:
             policies = {n.name: p for n, p in zip(self.captured.nodes, plan.policies) if p != "keep"}
             batch = self.workload.batch(plan.microbatch_size * plan.chunks)
             model, graph = meta_copy(self.model, self.captured)  # a model runs fake once
-            meter = fake_training(model, graph, batch, self.workload.step, self._optimizer(model), plan.balance,
-                                  policies, schedule=schedule, chunks=plan.chunks)
+            with self.precision.policy():
+                meter = fake_training(model, graph, batch, self._step, self._optimizer(model), plan.balance,
+                                      policies, schedule=schedule, chunks=plan.chunks,
+                                      tensors="meta" if self.precision.autocast is None else "cpu")
             self._runs[key] = meter.peaks()
         return self._runs[key]
 
@@ -262,7 +291,8 @@ class Bench:
         runs_before = len(self._runs)
         largest = self.largest(stages, schedule, memopt, partitioner, at_least)
         predicted = largest.microbatch_size if largest else 0
-        row = Row(self.workload.name, stages, schedule, memopt, partitioner, stages, 0, predicted)
+        row = Row(self.workload.name, stages, schedule, memopt, partitioner, stages, 0, predicted,
+                  precision=self.precision.name)
         low, high = 0, predicted + 1  # low trains (0: none yet), high does not (the planner refuses it)
         peaks: dict[int, int] = {}  # size -> the fullest stage's metered peak
         size = predicted
@@ -282,6 +312,15 @@ class Bench:
         row.fake_runs = len(self._runs) - runs_before
         row.seconds, row.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
         return row
+
+
+def _on_cpu(model: nn.Module) -> None:
+    """``model``'s meta parameters and buffers made uninitialised CPU tensors in place: the
+    same objects, so the captured graph holds them and tied weights stay tied (``to_empty``
+    makes new parameters, one per module holding it)."""
+    for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values():
+        empty = torch.empty_like(t, device="cpu")
+        torch.utils.swap_tensors(t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty)
 
 
 def _next_size(low: int, high: int, peaks: dict[int, int], memory: int) -> int:
@@ -311,7 +350,7 @@ def measure_group(bench: Bench, stages: int, schedule: str, memopt: bool, partit
 
 def measure_stages(workload: Workload, stages: int, settings: Settings, device: DeviceSpec) -> list[Row]:
     """Every configuration of one workload over ``stages`` stages."""
-    bench = Bench(workload, device)
+    bench = Bench(workload, device, settings.precision)
     return [r for schedule in settings.schedules for memopt in settings.memopt
             for r in measure_group(bench, stages, schedule, memopt, settings.partitioners)]
 
@@ -334,7 +373,7 @@ def run(workloads: Sequence[Workload], settings: Settings, device: DeviceSpec = 
     group, or inline a model and stage count) ends: a run cut short keeps what it measured."""
     pool = None
     if jobs > 1:
-        _BENCHES.update((w.name, Bench(w, device)) for w in workloads)
+        _BENCHES.update((w.name, Bench(w, device, settings.precision)) for w in workloads)
         groups = [(w.name, s, schedule, memopt, settings.partitioners) for w in workloads for s in settings.stages
                   for schedule in settings.schedules for memopt in settings.memopt]
         groups.sort(key=lambda g: (not g[3], -g[1], ("t5", "gpt2", "amoebanet", "bert", "unet").index(g[0]),
@@ -352,9 +391,9 @@ def run(workloads: Sequence[Workload], settings: Settings, device: DeviceSpec = 
             for part in finished:
                 rows += part
                 for r in part:
-                    bar.console.print(f"{r.model} x{r.stages} {r.schedule:<5} {_mo(r.memopt):<4} {r.partitioner:<9} "
-                                      f"max {r.max_microbatch}{'' if r.exact else '+'} predicted {r.predicted} "
-                                      f"({r.fake_runs} fake runs, {r.seconds:.0f} s)")
+                    bar.console.print(f"{r.model} {r.precision} x{r.stages} {r.schedule:<5} {_mo(r.memopt):<4} "
+                                      f"{r.partitioner:<9} max {r.max_microbatch}{'' if r.exact else '+'} "
+                                      f"predicted {r.predicted} ({r.fake_runs} fake runs, {r.seconds:.0f} s)")
                 bar.advance(progress, len(part))
                 finished_task(list(rows))
     finally:
@@ -373,9 +412,10 @@ def ratios(rows: Sequence[Row]) -> list[dict[str, Any]]:
     for r in rows:
         if r.partitioner != "dawnpiper":
             continue
-        peers = {p.partitioner: p.max_microbatch for p in rows
-                 if (p.model, p.stages, p.schedule, p.memopt) == (r.model, r.stages, r.schedule, r.memopt)}
-        result.append({"model": r.model, "stages": r.stages, "schedule": r.schedule, "memopt": r.memopt,
+        peers = {p.partitioner: p.max_microbatch for p in rows if (p.model, p.precision, p.stages, p.schedule, p.memopt)
+                 == (r.model, r.precision, r.stages, r.schedule, r.memopt)}
+        result.append({"model": r.model, "precision": r.precision, "stages": r.stages, "schedule": r.schedule,
+                       "memopt": r.memopt,
                        **{f"vs_{name}": r.max_microbatch / n if n else None
                           for name, n in peers.items() if name != "dawnpiper"}})
     return result
@@ -385,13 +425,14 @@ def merged(earlier: dict[str, Any] | None, run: dict[str, Any], device: DeviceSp
            rows: Sequence[Row]) -> dict[str, Any]:
     """The results file after ``run``: its ``rows`` replace the earlier rows of the same
     configuration and the others stay, so that the grid can be filled one part at a time (on
-    one device only: an earlier file for another device is replaced). Each run is listed."""
+    one device only: an earlier file for another device is replaced). Each run is listed.
+    Rows of a file from before rows had a precision are ``32-true``'s."""
     if earlier is not None and earlier.get("device", {}).get("name") != device.name:
         earlier = None
     earlier = earlier or {"runs": [], "labels": {}, "rows": []}
     new = [asdict(r) for r in rows]
     ran = {_key(r) for r in new}
-    kept = [r for r in earlier["rows"] if _key(r) not in ran]
+    kept = [asdict(Row(**r)) for r in earlier["rows"] if _key(r) not in ran]
     every = sorted(kept + new, key=_order)
     runs = [r for r in earlier["runs"] if not _configurations(r["settings"]) <= ran]  # those with rows left
     return {"runs": [*runs, run], "device": asdict(device), "labels": {**earlier["labels"], **labels},
@@ -401,18 +442,20 @@ def merged(earlier: dict[str, Any] | None, run: dict[str, Any], device: DeviceSp
 def _configurations(settings: dict[str, Any]) -> set[tuple[Any, ...]]:
     """The configuration keys (:func:`_key`) a run of ``settings`` measures."""
     return set(itertools.product(settings["models"], settings["stages"], settings["schedules"], settings["memopt"],
-                                 settings["partitioners"]))
+                                 settings["partitioners"], [settings.get("precision", "32-true")]))
 
 
 def _key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return row["model"], row["stages"], row["schedule"], row["memopt"], row["partitioner"]
+    return (row["model"], row["stages"], row["schedule"], row["memopt"], row["partitioner"],
+            row.get("precision", "32-true"))
 
 
 def _order(row: dict[str, Any]) -> tuple[Any, ...]:
-    """Models as the paper's columns, then stages, schedule, memopt, partitioner."""
+    """Models as the paper's columns, each precision's rows together, then stages, schedule,
+    memopt, partitioner."""
     model = MODELS.index(row["model"]) if row["model"] in MODELS else len(MODELS)
-    return (model, row["model"], row["stages"], FULL.schedules.index(row["schedule"]), row["memopt"],
-            list(PARTITIONERS).index(row["partitioner"]))
+    return (model, row["model"], PAPER_PRECISIONS.index(row["precision"]), row["stages"],
+            FULL.schedules.index(row["schedule"]), row["memopt"], list(PARTITIONERS).index(row["partitioner"]))
 
 
 def _cpu_seconds(rows: Sequence[Row], workers: bool) -> float:
@@ -752,15 +795,19 @@ def main(
     parser.add_argument("--full", action="store_true", help="every schedule and partitioner (hours on 2 CPU cores)")
     parser.add_argument("--models", nargs="+", choices=MODELS, help="a subset of the models")
     parser.add_argument("--stages", nargs="+", type=int, help="stage counts (default 4 8)")
+    parser.add_argument("--precision", choices=PAPER_PRECISIONS, default="32-true",
+                        help="the Trainer's precision (bf16-mixed: autocast as on a GPU; default 32-true)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="(model, stage count) tasks run at once, each in its own process (default: one per CPU)")
     parser.add_argument("--out", type=Path, default=ROOT, help="root under which benchmarks/ and docs/ are written")
     args = parser.parse_args(argv)
     base = FULL if args.full else QUICK
-    settings = Settings(args.models or base.models, args.stages or base.stages, base.schedules, base.partitioners)
+    settings = Settings(args.models or base.models, args.stages or base.stages, base.schedules, base.partitioners,
+                        precision=args.precision)
     chosen = list(workloads) if workloads is not None else [paper_models()[n] for n in settings.models]
     start, ran_on = time.perf_counter(), machine()  # the commit that runs, should HEAD move meanwhile
-    command = "paper" + (" --full" if args.full else "") + "".join(
+    command = "paper" + (" --full" if args.full else "") + (
+        f" --precision {args.precision}" if args.precision != "32-true" else "") + "".join(
         f" --{name} {' '.join(map(str, given))}" for name, given in (("models", args.models), ("stages", args.stages))
         if given)
     path = args.out / "benchmarks" / "paper_results.json"
