@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -590,11 +590,13 @@ def markdown(results: dict[str, Any]) -> str:
 
 BF16 = """*bf16-mixed* columns: Lightning's `precision="bf16-mixed"` on an A100. Parameters, gradients and
 Adam's state stay fp32 (master weights); the training step, forward and loss, runs under autocast to
-bfloat16 with CUDA's policy (matrix products and attention in bf16; layer norm, softmax, `pow` and the
-loss in fp32) and its cache off, as Lightning runs it, so each micro-batch casts the weights again and
-keeps the bf16 copies its backward needs. The profile and the fake runs are on CPU tensors (fake where
-the runs are) under CPU autocast casting as CUDA's does (`lightning_pipe.autocast.cuda_policy`, held for
-the whole run: a recompute casts again in the backward); the paper's tables are fp32."""
+bfloat16 with CUDA's policy (matrix products in bf16; layer norm, softmax, `pow` and the loss in fp32)
+and its cache off, as Lightning runs it, so each micro-batch casts the weights again and keeps the bf16
+copies its backward needs. The profile and the fake runs are on CPU tensors (fake where the runs are)
+under CPU autocast casting as CUDA's does (`lightning_pipe.autocast.cuda_policy`, held for the whole
+run: a recompute casts again in the backward). Attention with dropout runs the math kernel there, which
+computes in fp32 ([what differs](#what-differs-from-the-paper)): bf16 saves no attention memory here.
+The paper's tables are fp32."""
 
 
 def _column(labels: dict[str, str], model: str, precision: str) -> str:
@@ -719,8 +721,20 @@ def _scope_section(results: dict[str, Any]) -> str:
         "step of GPT-2 large takes about 7 s (18 s with every kernel run). The full grid "
         "(`--full`: 1F1B and the params, uniform and capslog partitioners too) needs at least one fake run for "
         f"each of its {grid} configurations, more than an hour on two cores; the default run keeps the two "
-        "schedules the paper's tables use and the two partitioners its headline ratio compares."
+        "schedules the paper's tables use and the two partitioners its headline ratio compares." + _bf16_cost(rows)
     )
+
+
+def _bf16_cost(rows: Sequence[Row]) -> str:
+    """What the bf16-mixed rows cost against the same configurations in fp32: why the default
+    run leaves them out."""
+    bf16 = [r for r in rows if r.precision == "bf16-mixed"]
+    same = {_key(asdict(replace(r, precision="32-true"))) for r in bf16}
+    fp32 = sum(r.seconds for r in rows if _key(asdict(r)) in same)
+    return (f" The {len(bf16)} bf16-mixed configurations took {sum(r.seconds for r in bf16) / 60:.0f} minutes, the "
+            f"same configurations in fp32 {fp32 / 60:.0f}: their fake runs are on fake CPU tensors, which autocast "
+            "casts, each operator through the fake tensor mode and CUDA's policy's Python kernels; the default run "
+            "is fp32 only (`--precision bf16-mixed` runs them)." if bf16 else "")
 
 
 def _cpu_time(seconds: float | None) -> str:
@@ -775,7 +789,10 @@ DIFFERENCES = """## What differs from the paper
   bandwidth. They steer the partitioners that balance time and price swap and recompute; no figure
   on this page is a time.
 - **Models**: Hugging Face's implementations at the paper's sizes, with its default scaled-dot-product
-  attention, which keeps no attention matrix for backward. AmoebaNet-D is our own build of its
+  attention. Under the configs' attention dropout (0.1), meta and CPU tensors run its math kernel,
+  which keeps three fp32 attention-sized tensors (probabilities, dropout mask, dropped probabilities)
+  per layer for backward, where an A100 runs a fused kernel keeping none of them: BERT's and GPT-2's
+  rows, fp32 and bf16-mixed, count memory a GPU would not hold. AmoebaNet-D is our own build of its
   genotype as GPipe's implementation has it (`benchmarks/amoebanet.py`; at GPipe's sizes it has GPipe's
   parameter counts), at the paper's 28M parameters: the paper gives no cell count or filters, we take
   GPipe's 6 normal cells per stack and 120 filters. A U-Net (25M) adds a CNN with long skips, which
