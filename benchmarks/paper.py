@@ -5,6 +5,7 @@ on 4 and 8 A100-40GB, by fake execution on this CPU.
     python -m benchmarks.paper --full    # also 1F1B and the params, uniform and capslog partitioners (hours)
     python -m benchmarks.paper --models bert unet    # a part of the grid (minutes; the default run: 19)
     python -m benchmarks.paper --models amoebanet    # the paper's CNN, AmoebaNet-D (about 9 minutes)
+    python -m benchmarks.paper --precision bf16-mixed --models bert gpt2    # Lightning's bf16-mixed (48 minutes)
 
 BERT-large (seq 512), GPT-2 large (seq 1024) and T5-large (seq 512) are built from their
 ``transformers`` configs, AmoebaNet-D at the paper's 28M parameters from ``benchmarks.amoebanet``
@@ -16,6 +17,8 @@ largest micro-batch its plan fits in (91% of 40 GiB per stage, Adam in fp32, one
 per stage as the paper's synchronous runs); a fake execution of that plan under the meter's
 40 GiB cap per stage (:mod:`lightning_pipe.runtime.fake`) confirms it, and where the meter
 refuses, smaller sizes are tried until one trains. The size above is refused by the planner.
+``--precision bf16-mixed`` profiles and runs the training step under CUDA's autocast to
+bfloat16 (on the CPU, :mod:`lightning_pipe.autocast`), parameters, gradients and Adam in fp32.
 Writes ``benchmarks/paper_results.json`` and ``docs/paper-scale.md``.
 """
 
@@ -31,7 +34,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,9 @@ import lightning_pipe
 from benchmarks.amoebanet import AmoebaNetD
 from benchmarks.run import quiet
 from examples.models import UNet
+from lightning_pipe.cli import PRECISIONS
 from lightning_pipe.graph.capture import Captured, capture
+from lightning_pipe.internals import tree_map
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec
 from lightning_pipe.plan.partitioners import PARTITIONERS
@@ -160,6 +165,7 @@ class Settings:
     schedules: list[str]
     partitioners: list[str]
     memopt: list[bool] = field(default_factory=lambda: [False, True])
+    precision: str = "32-true"
 
 
 QUICK = Settings(["bert", "gpt2", "t5", "unet"], [4, 8], ["gpipe", "2bw"], ["time", "dawnpiper"])
@@ -187,27 +193,42 @@ class Row:
     exact: bool = True  # max_microbatch + 1 did not train (else PROBES ran out first)
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # CPU time of the process measuring it
+    precision: str = "32-true"  # the Trainer's: "32-true" or "bf16-mixed"
 
 
-# (name, label, device): a workload's model, graph and profile, made once per process (a run
-# over several stage counts, or several runs, measure one profile; a fake run copies the model)
-_PROFILED: dict[tuple[str, str, str], tuple[nn.Module, Captured, Profile]] = {}
+PAPER_PRECISIONS = ("32-true", "bf16-mixed")
+
+# (name, label, device, precision): a workload's model, graph and profile, made once per process
+# (a run over several stage counts, or several runs, measure one profile; a fake run copies the model)
+_PROFILED: dict[tuple[str, str, str, str], tuple[nn.Module, Captured, Profile]] = {}
 
 
 class Bench:
-    """One workload, captured and profiled once, measured in many configurations."""
+    """One workload at one precision, captured and profiled once, measured in many configurations.
 
-    def __init__(self, workload: Workload, device: DeviceSpec) -> None:
+    Under ``bf16-mixed`` the profile and every fake run are under CUDA's autocast policy on the
+    CPU (a recompute casts again in the backward), the training step under CPU autocast: it
+    casts tensors on the CPU, never meta ones. So the profiled model's parameters and inputs
+    stand on the CPU, uninitialised (a fake profile reads no page), and fake runs use fake CPU
+    tensors."""
+
+    def __init__(self, workload: Workload, device: DeviceSpec, precision: str = "32-true") -> None:
         self.workload = workload
         self.device = device
-        key = (workload.name, workload.label, repr(device))
+        self.precision = PRECISIONS[precision]
+        key = (workload.name, workload.label, repr(device), precision)
         if key not in _PROFILED:
             model = workload.build().train()
-            args, kwargs = workload.inputs(workload.batch(PROFILED))
+            inputs = workload.inputs(workload.batch(PROFILED))
             with quiet():
-                captured = capture(model, example_inputs=(args, kwargs))
-                profile = profile_graph(captured, args, kwargs, optimizer=self._optimizer(model), fake=True,
-                                        device=device)
+                captured = capture(model, example_inputs=inputs)
+                if self.precision.autocast is not None:
+                    _on_cpu(model)
+                    inputs = tree_map(lambda t: torch.empty_like(t, device="cpu") if isinstance(t, Tensor) else t,
+                                      inputs)
+                with self.precision.policy(), self.precision.step():
+                    profile = profile_graph(captured, *inputs, optimizer=self._optimizer(model), fake=True,
+                                            device=device)
             _PROFILED[key] = model, captured, profile
         self.model, self.captured, self.profile = _PROFILED[key]
         self._runs: dict[tuple[Any, ...], list[int]] = {}
@@ -218,6 +239,12 @@ class Bench:
         the meta device, where it steps parameter by parameter), whose temporaries are a
         stage's square roots."""
         return torch.optim.Adam(model.parameters(), foreach=True)
+
+    def _step(self, forward: Callable[..., Any], batch: dict[str, Tensor]) -> Tensor:
+        """The workload's training step (forward and loss) in the precision's context, as
+        Lightning's precision plugin runs it."""
+        with self.precision.step():
+            return self.workload.step(forward, batch)
 
     def plan(self, stages: int, schedule: str, memopt: bool, partitioner: str, microbatch: int) -> Plan | None:
         """The strategy's plan at ``microbatch``, or ``None`` where the planner refuses."""
@@ -242,8 +269,10 @@ class Bench:
             policies = {n.name: p for n, p in zip(self.captured.nodes, plan.policies) if p != "keep"}
             batch = self.workload.batch(plan.microbatch_size * plan.chunks)
             model, graph = meta_copy(self.model, self.captured)  # a model runs fake once
-            meter = fake_training(model, graph, batch, self.workload.step, self._optimizer(model), plan.balance,
-                                  policies, schedule=schedule, chunks=plan.chunks)
+            with self.precision.policy():
+                meter = fake_training(model, graph, batch, self._step, self._optimizer(model), plan.balance,
+                                      policies, schedule=schedule, chunks=plan.chunks,
+                                      tensors="meta" if self.precision.autocast is None else "cpu")
             self._runs[key] = meter.peaks()
         return self._runs[key]
 
@@ -262,7 +291,8 @@ class Bench:
         runs_before = len(self._runs)
         largest = self.largest(stages, schedule, memopt, partitioner, at_least)
         predicted = largest.microbatch_size if largest else 0
-        row = Row(self.workload.name, stages, schedule, memopt, partitioner, stages, 0, predicted)
+        row = Row(self.workload.name, stages, schedule, memopt, partitioner, stages, 0, predicted,
+                  precision=self.precision.name)
         low, high = 0, predicted + 1  # low trains (0: none yet), high does not (the planner refuses it)
         peaks: dict[int, int] = {}  # size -> the fullest stage's metered peak
         size = predicted
@@ -282,6 +312,15 @@ class Bench:
         row.fake_runs = len(self._runs) - runs_before
         row.seconds, row.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
         return row
+
+
+def _on_cpu(model: nn.Module) -> None:
+    """``model``'s meta parameters and buffers made uninitialised CPU tensors in place: the
+    same objects, so the captured graph holds them and tied weights stay tied (``to_empty``
+    makes new parameters, one per module holding it)."""
+    for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values():
+        empty = torch.empty_like(t, device="cpu")
+        torch.utils.swap_tensors(t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty)
 
 
 def _next_size(low: int, high: int, peaks: dict[int, int], memory: int) -> int:
@@ -311,7 +350,7 @@ def measure_group(bench: Bench, stages: int, schedule: str, memopt: bool, partit
 
 def measure_stages(workload: Workload, stages: int, settings: Settings, device: DeviceSpec) -> list[Row]:
     """Every configuration of one workload over ``stages`` stages."""
-    bench = Bench(workload, device)
+    bench = Bench(workload, device, settings.precision)
     return [r for schedule in settings.schedules for memopt in settings.memopt
             for r in measure_group(bench, stages, schedule, memopt, settings.partitioners)]
 
@@ -334,7 +373,7 @@ def run(workloads: Sequence[Workload], settings: Settings, device: DeviceSpec = 
     group, or inline a model and stage count) ends: a run cut short keeps what it measured."""
     pool = None
     if jobs > 1:
-        _BENCHES.update((w.name, Bench(w, device)) for w in workloads)
+        _BENCHES.update((w.name, Bench(w, device, settings.precision)) for w in workloads)
         groups = [(w.name, s, schedule, memopt, settings.partitioners) for w in workloads for s in settings.stages
                   for schedule in settings.schedules for memopt in settings.memopt]
         groups.sort(key=lambda g: (not g[3], -g[1], ("t5", "gpt2", "amoebanet", "bert", "unet").index(g[0]),
@@ -352,9 +391,9 @@ def run(workloads: Sequence[Workload], settings: Settings, device: DeviceSpec = 
             for part in finished:
                 rows += part
                 for r in part:
-                    bar.console.print(f"{r.model} x{r.stages} {r.schedule:<5} {_mo(r.memopt):<4} {r.partitioner:<9} "
-                                      f"max {r.max_microbatch}{'' if r.exact else '+'} predicted {r.predicted} "
-                                      f"({r.fake_runs} fake runs, {r.seconds:.0f} s)")
+                    bar.console.print(f"{r.model} {r.precision} x{r.stages} {r.schedule:<5} {_mo(r.memopt):<4} "
+                                      f"{r.partitioner:<9} max {r.max_microbatch}{'' if r.exact else '+'} "
+                                      f"predicted {r.predicted} ({r.fake_runs} fake runs, {r.seconds:.0f} s)")
                 bar.advance(progress, len(part))
                 finished_task(list(rows))
     finally:
@@ -373,9 +412,10 @@ def ratios(rows: Sequence[Row]) -> list[dict[str, Any]]:
     for r in rows:
         if r.partitioner != "dawnpiper":
             continue
-        peers = {p.partitioner: p.max_microbatch for p in rows
-                 if (p.model, p.stages, p.schedule, p.memopt) == (r.model, r.stages, r.schedule, r.memopt)}
-        result.append({"model": r.model, "stages": r.stages, "schedule": r.schedule, "memopt": r.memopt,
+        peers = {p.partitioner: p.max_microbatch for p in rows if (p.model, p.precision, p.stages, p.schedule, p.memopt)
+                 == (r.model, r.precision, r.stages, r.schedule, r.memopt)}
+        result.append({"model": r.model, "precision": r.precision, "stages": r.stages, "schedule": r.schedule,
+                       "memopt": r.memopt,
                        **{f"vs_{name}": r.max_microbatch / n if n else None
                           for name, n in peers.items() if name != "dawnpiper"}})
     return result
@@ -385,13 +425,14 @@ def merged(earlier: dict[str, Any] | None, run: dict[str, Any], device: DeviceSp
            rows: Sequence[Row]) -> dict[str, Any]:
     """The results file after ``run``: its ``rows`` replace the earlier rows of the same
     configuration and the others stay, so that the grid can be filled one part at a time (on
-    one device only: an earlier file for another device is replaced). Each run is listed."""
+    one device only: an earlier file for another device is replaced). Each run is listed.
+    Rows of a file from before rows had a precision are ``32-true``'s."""
     if earlier is not None and earlier.get("device", {}).get("name") != device.name:
         earlier = None
     earlier = earlier or {"runs": [], "labels": {}, "rows": []}
     new = [asdict(r) for r in rows]
     ran = {_key(r) for r in new}
-    kept = [r for r in earlier["rows"] if _key(r) not in ran]
+    kept = [asdict(Row(**r)) for r in earlier["rows"] if _key(r) not in ran]
     every = sorted(kept + new, key=_order)
     runs = [r for r in earlier["runs"] if not _configurations(r["settings"]) <= ran]  # those with rows left
     return {"runs": [*runs, run], "device": asdict(device), "labels": {**earlier["labels"], **labels},
@@ -401,18 +442,20 @@ def merged(earlier: dict[str, Any] | None, run: dict[str, Any], device: DeviceSp
 def _configurations(settings: dict[str, Any]) -> set[tuple[Any, ...]]:
     """The configuration keys (:func:`_key`) a run of ``settings`` measures."""
     return set(itertools.product(settings["models"], settings["stages"], settings["schedules"], settings["memopt"],
-                                 settings["partitioners"]))
+                                 settings["partitioners"], [settings.get("precision", "32-true")]))
 
 
 def _key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return row["model"], row["stages"], row["schedule"], row["memopt"], row["partitioner"]
+    return (row["model"], row["stages"], row["schedule"], row["memopt"], row["partitioner"],
+            row.get("precision", "32-true"))
 
 
 def _order(row: dict[str, Any]) -> tuple[Any, ...]:
-    """Models as the paper's columns, then stages, schedule, memopt, partitioner."""
+    """Models as the paper's columns, each precision's rows together, then stages, schedule,
+    memopt, partitioner."""
     model = MODELS.index(row["model"]) if row["model"] in MODELS else len(MODELS)
-    return (model, row["model"], row["stages"], FULL.schedules.index(row["schedule"]), row["memopt"],
-            list(PARTITIONERS).index(row["partitioner"]))
+    return (model, row["model"], PAPER_PRECISIONS.index(row["precision"]), row["stages"],
+            FULL.schedules.index(row["schedule"]), row["memopt"], list(PARTITIONERS).index(row["partitioner"]))
 
 
 def _cpu_seconds(rows: Sequence[Row], workers: bool) -> float:
@@ -483,6 +526,8 @@ def markdown(results: dict[str, Any]) -> str:
     labels, device, runs = results["labels"], results["device"], results["runs"]
     m = runs[-1]["machine"]
     models = [name for name in MODELS if name in labels]
+    columns = [(name, precision) for name in models for precision in PAPER_PRECISIONS
+               if any((r.model, r.precision) == (name, precision) for r in rows)]
     parts = [
         "# Paper-scale evaluation",
         "Generated by `python -m benchmarks.paper` (do not edit by hand); each run replaces its configurations' "
@@ -494,8 +539,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"Machine: {m['platform']}, {m['processor']}, {m['cpu_count']} CPUs; Python {m['python']}, torch "
         f"{m['torch']}, transformers {m['transformers']}.",
         "DawnPiper's memory-efficiency experiment (its Tables 1 and 2: the largest batch that trains on 4 and 8 "
-        f"A100-40GB) repeated without a GPU. Models: {', '.join(labels[n] for n in models)}; Adam, fp32, one "
-        "micro-batch per stage per batch (as the paper's synchronous runs), so *batch* = micro-batch x stages. "
+        f"A100-40GB) repeated without a GPU. Models: {', '.join(labels[n] for n in models)}; Adam, fp32 unless "
+        "marked bf16-mixed, one micro-batch per stage per batch (as the paper's synchronous runs), so *batch* = "
+        "micro-batch x stages. "
         f"Device: {device['name']} ({device['memory'] / 2**30:g} GiB, host link "
         f"{device['host_bandwidth'] / 1e9:g} GB/s, stage link {device['link_bandwidth'] / 1e9:g} GB/s; "
         "see [the device table](#devices)).",
@@ -511,18 +557,20 @@ def markdown(results: dict[str, Any]) -> str:
         "(memopt on); *none*: every activation kept. Partitioners: `time` (torchgpipe's balance by time, our "
         "stand-in for GPipe's and PipeDream's splits), `params` (DeepSpeed's), `uniform`, `capslog`, `dawnpiper`.",
     ]
+    if any(r.precision == "bf16-mixed" for r in rows):
+        parts.append(BF16)
     for schedule in [s for s in TITLES if any(r.schedule == s for r in rows)]:
         parts.append(f"## {TITLES[schedule]}")
         parts.append("Max micro-batch that trains by fake execution (the planner's prediction); batch = micro-batch "
                      "x stages.")
-        found = {(r.model, r.stages, r.memopt, r.partitioner): r for r in rows if r.schedule == schedule}
+        found = {(r.model, r.precision, r.stages, r.memopt, r.partitioner): r for r in rows if r.schedule == schedule}
         table = []
-        for stages, memopt, partitioner in sorted({k[1:] for k in found},
+        for stages, memopt, partitioner in sorted({k[2:] for k in found},
                                                   key=lambda k: (k[0], k[1], list(PARTITIONERS).index(k[2]))):
             cells = [f"{r.max_microbatch}{'' if r.exact else '+'} ({r.predicted})"
-                     if (r := found.get((name, stages, memopt, partitioner))) else None for name in models]
+                     if (r := found.get((*column, stages, memopt, partitioner))) else None for column in columns]
             table.append([stages, _mo(memopt), partitioner, *cells])
-        parts.append(_table(["stages", "memopt", "partitioner", *(labels[n] for n in models)], table))
+        parts.append(_table(["stages", "memopt", "partitioner", *(_column(labels, *c) for c in columns)], table))
         if schedule in PAPER_PEER:
             paper, peer, _ = PAPER_PEER[schedule]
             paper_rows = [[stages, "R" if memopt and method == "GPipe" else _mo(memopt), method, *values]
@@ -540,6 +588,21 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+BF16 = """*bf16-mixed* columns: Lightning's `precision="bf16-mixed"` on an A100. Parameters, gradients and
+Adam's state stay fp32 (master weights); the training step, forward and loss, runs under autocast to
+bfloat16 with CUDA's policy (matrix products in bf16; layer norm, softmax, `pow` and the loss in fp32)
+and its cache off, as Lightning runs it, so each micro-batch casts the weights again and keeps the bf16
+copies its backward needs. The profile and the fake runs are on CPU tensors (fake where the runs are)
+under CPU autocast casting as CUDA's does (`lightning_pipe.autocast.cuda_policy`, held for the whole
+run: a recompute casts again in the backward). Attention with dropout runs the math kernel there, which
+computes in fp32 ([what differs](#what-differs-from-the-paper)): bf16 saves no attention memory here.
+The paper's tables are fp32."""
+
+
+def _column(labels: dict[str, str], model: str, precision: str) -> str:
+    return labels[model] + ("" if precision == "32-true" else f", {precision}")
+
+
 def _paper_ratio(schedule: str, stages: int, memopt: bool, model: str) -> float | None:
     """DawnPiper over the method our ``time`` stands in for, in the paper's table."""
     if schedule not in PAPER_PEER or model not in PAPER_MODELS:
@@ -553,14 +616,17 @@ def _paper_ratio(schedule: str, stages: int, memopt: bool, model: str) -> float 
 
 
 def _ratio_section(results: dict[str, Any], models: list[str]) -> str:
-    ratios = results["ratios"]
-    peers = sorted({k[3:] for r in ratios for k in r if k.startswith("vs_")}, key=list(PARTITIONERS).index)
+    every = results["ratios"]
+    peers = sorted({k[3:] for r in every for k in r if k.startswith("vs_")}, key=list(PARTITIONERS).index)
     rows = []
-    for r in ratios:
-        rows.append([r["model"], r["stages"], r["schedule"], _mo(r["memopt"]), *(r.get(f"vs_{p}") for p in peers),
-                     _paper_ratio(r["schedule"], r["stages"], r["memopt"], r["model"])])
-    text = [_table(["model", "stages", "schedule", "memopt", *(f"÷ {p}" for p in peers),
+    for r in every:
+        fp32 = r["precision"] == "32-true"
+        paper = _paper_ratio(r["schedule"], r["stages"], r["memopt"], r["model"]) if fp32 else None
+        rows.append([r["model"], r["precision"], r["stages"], r["schedule"], _mo(r["memopt"]),
+                     *(r.get(f"vs_{p}") for p in peers), paper])
+    text = [_table(["model", "precision", "stages", "schedule", "memopt", *(f"÷ {p}" for p in peers),
                     "paper: DawnPiper ÷ GPipe (Table 1) / PipeDream (Table 2)"], rows)]
+    ratios = _fp32(every)
     ours = [r["vs_time"] for r in ratios if r.get("vs_time")]
     theirs = [x for x in (_paper_ratio(r["schedule"], r["stages"], r["memopt"], r["model"]) for r in ratios) if x]
     if ours:
@@ -570,13 +636,22 @@ def _ratio_section(results: dict[str, Any], models: list[str]) -> str:
                     f"same cells; its text reports 1.29x over GPipe and 1.71x over vPipe on average, and 2.14x "
                     f"and 2.73x over vPipe without memory optimisation in asynchronous mode (4 and 8 stages). "
                     f"vPipe has no counterpart here." if theirs else "")
+    if bf16 := [r["vs_time"] for r in every if r["precision"] == "bf16-mixed" and r.get("vs_time")]:
+        text.append(f"Those means are fp32's, as the paper's tables; over the {len(bf16)} bf16-mixed configurations "
+                    f"dawnpiper ÷ time is **{statistics.fmean(bf16):.2f}x**.")
     return "\n\n".join(text)
+
+
+def _fp32(ratios: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ratios at the paper's precision, which its tables and the issue's targets are in."""
+    return [r for r in ratios if r.get("precision", "32-true") == "32-true"]
 
 
 def _targets_section(results: dict[str, Any]) -> str:
     """The issue's targets against our ratios, each beside the paper's own tables in the same
     cells (where they hold DawnPiper's baseline): the targets come from the paper's averages."""
-    compared = [r for r in results["ratios"] if any(k.startswith("vs_") for k in r)]
+    fp32 = _fp32(results["ratios"])
+    compared = [r for r in fp32 if any(k.startswith("vs_") for k in r)]
     beaten = [f"{r['model']} x{r['stages']} {r['schedule']} {_mo(r['memopt'])} ({', '.join(lost)})" for r in compared
               if (lost := [k[3:] for k, v in r.items() if k.startswith("vs_") and v is not None and v < 1])]
     lines = [f"- dawnpiper at least every other partitioner in every group: {len(compared) - len(beaten)} of "
@@ -586,7 +661,7 @@ def _targets_section(results: dict[str, Any]) -> str:
         ("2BW", 2.0, lambda r: r["schedule"] == "2bw"),
         ("the CNN (AmoebaNet-D)", 2.0, lambda r: r["model"] == "amoebanet"),
     ):
-        ratios = [r for r in results["ratios"] if chosen(r) and r.get("vs_time")]
+        ratios = [r for r in fp32 if chosen(r) and r.get("vs_time")]
         if ratios:
             lines.append(f"- mean dawnpiper ÷ time on {label} (target {target:g}x): {_mean_ratio(ratios)}")
             lines += [f"  - memopt {_mo(memopt)}: {_mean_ratio(part)}" for memopt in (False, True)
@@ -613,13 +688,20 @@ def _scope_section(results: dict[str, Any]) -> str:
     configurations = _configurations(asdict(full))
     grid = len(configurations)
     rows = [Row(**r) for r in results["rows"]]
-    if {_key(r) for r in results["rows"]} >= configurations:
-        held = "Every model, stage count, schedule and partitioner of the full grid ran."
-    else:
-        held = f"{len(rows)} of the full grid's {grid} configurations ran:\n\n" + "\n".join(
-            f"- {model} x{stages}: {', '.join(sorted({r.schedule for r in part}, key=full.schedules.index))}; "
+    fp32 = [r for r in rows if r.precision == "32-true"]
+    everything = {_key(asdict(r)) for r in fp32} >= configurations
+    listed = [r for r in rows if r.precision != "32-true" or not everything]
+    bf16 = f", and {len(rows) - len(fp32)} in bf16-mixed" if len(rows) > len(fp32) else ""
+    held = ("Every model, stage count, schedule and partitioner of the full grid ran in fp32" if everything else
+            f"{len(fp32)} of the full grid's {grid} configurations ran in fp32") + bf16
+    if listed:
+        held += ":\n\n" + "\n".join(
+            f"- {_column({model: model}, model, precision)} x{stages}: "
+            f"{', '.join(sorted({r.schedule for r in part}, key=full.schedules.index))}; "
             f"{', '.join(sorted({r.partitioner for r in part}, key=list[str](PARTITIONERS).index))}"
-            for (model, stages), part in _groups(rows))
+            for (model, precision, stages), part in _groups(listed))
+    else:
+        held += "."
     slowest = max(rows, key=lambda r: r.seconds)
     seconds = sum(r["seconds"] for r in results["runs"])
     cpu = sum(r["cpu_seconds"] or 0 for r in results["runs"])
@@ -629,7 +711,8 @@ def _scope_section(results: dict[str, Any]) -> str:
     return (
         f"## Scope\n\n{held}\n\n"
         f"The runs took {seconds / 60:.0f} minutes with {counted}{cpu / 60:.0f} minutes of CPU time in all. "
-        f"The slowest configuration, {slowest.model} x{slowest.stages} {slowest.schedule} {_mo(slowest.memopt)} "
+        f"The slowest configuration, {_column({slowest.model: slowest.model}, slowest.model, slowest.precision)} "
+        f"x{slowest.stages} {slowest.schedule} {_mo(slowest.memopt)} "
         f"{slowest.partitioner}, took {slowest.seconds:.0f} s. Of the configurations' {total / 60:.0f} "
         f"minutes, dawnpiper's with memory optimisation (its search over sizes, plan and fake run) took "
         f"{searched / 60:.0f}, all others {(total - searched) / 60:.0f}. A fake run, on meta tensors, costs "
@@ -638,8 +721,20 @@ def _scope_section(results: dict[str, Any]) -> str:
         "step of GPT-2 large takes about 7 s (18 s with every kernel run). The full grid "
         "(`--full`: 1F1B and the params, uniform and capslog partitioners too) needs at least one fake run for "
         f"each of its {grid} configurations, more than an hour on two cores; the default run keeps the two "
-        "schedules the paper's tables use and the two partitioners its headline ratio compares."
+        "schedules the paper's tables use and the two partitioners its headline ratio compares." + _bf16_cost(rows)
     )
+
+
+def _bf16_cost(rows: Sequence[Row]) -> str:
+    """What the bf16-mixed rows cost against the same configurations in fp32, in CPU time (the
+    wall time of a run on a shared machine says little): why the default run leaves them out."""
+    bf16 = [r for r in rows if r.precision == "bf16-mixed"]
+    same = {_key(asdict(replace(r, precision="32-true"))) for r in bf16}
+    fp32 = sum(r.cpu_seconds for r in rows if _key(asdict(r)) in same)
+    return (f" The {len(bf16)} bf16-mixed configurations took {sum(r.cpu_seconds for r in bf16) / 60:.0f} minutes "
+            f"of CPU time, the same configurations in fp32 {fp32 / 60:.0f}: their fake runs are on fake CPU tensors, "
+            "which autocast casts, each operator through the fake tensor mode and CUDA's policy's Python kernels; the "
+            "default run is fp32 only (`--precision bf16-mixed` runs them)." if bf16 else "")
 
 
 def _cpu_time(seconds: float | None) -> str:
@@ -648,9 +743,9 @@ def _cpu_time(seconds: float | None) -> str:
     return "its workers' CPU time not counted" if seconds is None else f"{seconds:.0f} s of CPU time"
 
 
-def _groups(rows: Sequence[Row]) -> list[tuple[tuple[str, int], list[Row]]]:
-    keys = list(dict.fromkeys((r.model, r.stages) for r in rows))
-    return [(k, [r for r in rows if (r.model, r.stages) == k]) for k in keys]
+def _groups(rows: Sequence[Row]) -> list[tuple[tuple[str, str, int], list[Row]]]:
+    keys = list(dict.fromkeys((r.model, r.precision, r.stages) for r in rows))
+    return [(k, [r for r in rows if (r.model, r.precision, r.stages) == k]) for k in keys]
 
 
 def _accuracy_section(rows: Sequence[Row], memory: int) -> str:
@@ -662,10 +757,11 @@ def _accuracy_section(rows: Sequence[Row], memory: int) -> str:
         f"{len(refused)} a stage went over {memory / 2**30:g} GiB at the predicted size: the plan's memory "
         f"model under-predicted, and only a smaller size trained. At the size that trained, the fullest stage's "
         f"metered peak against the plan's prediction for it:",
-        _table(["model", "stages", "schedule", "memopt", "partitioner", "max", "metered GiB", "predicted GiB",
-                "refused sizes", "fake runs", "s"],
-               [[r.model, r.stages, r.schedule, _mo(r.memopt), r.partitioner, r.max_microbatch, r.fake_peak_gib,
-                 r.predicted_peak_gib, ", ".join(map(str, r.refused)) or None, r.fake_runs, f"{r.seconds:.0f}"]
+        _table(["model", "precision", "stages", "schedule", "memopt", "partitioner", "max", "metered GiB",
+                "predicted GiB", "refused sizes", "fake runs", "s"],
+               [[r.model, r.precision, r.stages, r.schedule, _mo(r.memopt), r.partitioner, r.max_microbatch,
+                 r.fake_peak_gib, r.predicted_peak_gib, ", ".join(map(str, r.refused)) or None, r.fake_runs,
+                 f"{r.seconds:.0f}"]
                 for r in rows]),
     ]
     return "\n\n".join(lines)
@@ -693,7 +789,10 @@ DIFFERENCES = """## What differs from the paper
   bandwidth. They steer the partitioners that balance time and price swap and recompute; no figure
   on this page is a time.
 - **Models**: Hugging Face's implementations at the paper's sizes, with its default scaled-dot-product
-  attention, which keeps no attention matrix for backward. AmoebaNet-D is our own build of its
+  attention. Under the configs' attention dropout (0.1), meta and CPU tensors run its math kernel,
+  which keeps three fp32 attention-sized tensors (probabilities, dropout mask, dropped probabilities)
+  per layer for backward, where an A100 runs a fused kernel keeping none of them: BERT's and GPT-2's
+  rows, fp32 and bf16-mixed, count memory a GPU would not hold. AmoebaNet-D is our own build of its
   genotype as GPipe's implementation has it (`benchmarks/amoebanet.py`; at GPipe's sizes it has GPipe's
   parameter counts), at the paper's 28M parameters: the paper gives no cell count or filters, we take
   GPipe's 6 normal cells per stack and 120 filters. A U-Net (25M) adds a CNN with long skips, which
@@ -741,7 +840,8 @@ def summary(results: dict[str, Any]) -> str:
              f"{len(results['rows'])} in the results file"]
     for r in results["ratios"]:
         vs = ", ".join(f"/ {k[3:]} {_cell(v)}" for k, v in r.items() if k.startswith("vs_"))
-        lines.append(f"  {r['model']:<5} x{r['stages']} {r['schedule']:<5} memopt {_mo(r['memopt']):<4} dawnpiper {vs}")
+        lines.append(f"  {r['model']:<5} {r['precision']:<10} x{r['stages']} {r['schedule']:<5} "
+                     f"memopt {_mo(r['memopt']):<4} dawnpiper {vs}")
     return "\n".join(lines)
 
 
@@ -752,15 +852,19 @@ def main(
     parser.add_argument("--full", action="store_true", help="every schedule and partitioner (hours on 2 CPU cores)")
     parser.add_argument("--models", nargs="+", choices=MODELS, help="a subset of the models")
     parser.add_argument("--stages", nargs="+", type=int, help="stage counts (default 4 8)")
+    parser.add_argument("--precision", choices=PAPER_PRECISIONS, default="32-true",
+                        help="the Trainer's precision (bf16-mixed: autocast as on a GPU; default 32-true)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="(model, stage count) tasks run at once, each in its own process (default: one per CPU)")
     parser.add_argument("--out", type=Path, default=ROOT, help="root under which benchmarks/ and docs/ are written")
     args = parser.parse_args(argv)
     base = FULL if args.full else QUICK
-    settings = Settings(args.models or base.models, args.stages or base.stages, base.schedules, base.partitioners)
+    settings = Settings(args.models or base.models, args.stages or base.stages, base.schedules, base.partitioners,
+                        precision=args.precision)
     chosen = list(workloads) if workloads is not None else [paper_models()[n] for n in settings.models]
     start, ran_on = time.perf_counter(), machine()  # the commit that runs, should HEAD move meanwhile
-    command = "paper" + (" --full" if args.full else "") + "".join(
+    command = "paper" + (" --full" if args.full else "") + (
+        f" --precision {args.precision}" if args.precision != "32-true" else "") + "".join(
         f" --{name} {' '.join(map(str, given))}" for name, given in (("models", args.models), ("stages", args.stages))
         if given)
     path = args.out / "benchmarks" / "paper_results.json"

@@ -73,6 +73,9 @@ def test_hugging_face_capture_benchmark_runs_on_a_tiny_gpt2():
 
 @pytest.mark.slow
 def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(tmp_path, monkeypatch):
+    """fp32, then bf16-mixed rows beside them: autocast saves activations in bf16 (a profile
+    on CPU tensors, since autocast casts no meta tensor), so no configuration trains a smaller
+    micro-batch than in fp32."""
     paper, tiny, small = _tiny_gpt2_on_a_small_gpu()
     results = paper.main(["--stages", "2", "--out", str(tmp_path)], workloads=[tiny], device=small)
 
@@ -92,6 +95,18 @@ def test_paper_benchmark_confirms_each_prediction_by_a_fake_run_on_a_tiny_gpt2(t
     page = (tmp_path / "docs" / "paper-scale.md").read_text()
     assert "## Table 1: synchronous" in page and "## Table 2: asynchronous" in page and "| tiny GPT-2 |" in page
     assert json.loads((tmp_path / "benchmarks" / "paper_results.json").read_text())["rows"] == rows
+
+    merged = paper.main(["--stages", "2", "--precision", "bf16-mixed", "--out", str(tmp_path)], workloads=[tiny],
+                        device=small)["rows"]
+    bf16 = [r for r in merged if r["precision"] == "bf16-mixed"]
+    assert [r for r in merged if r["precision"] == "32-true"] == rows
+    assert [paper._key(r)[:-1] for r in bf16] == [paper._key(r)[:-1] for r in rows]
+    assert all(f["max_microbatch"] <= b["max_microbatch"] <= b["predicted"] for f, b in zip(rows, bf16))
+    activations = {p: sum(n.saved_bytes - n.cast_bytes for n in paper.Bench(tiny, small, p).profile.nodes)
+                   for p in paper.PAPER_PRECISIONS}
+    assert activations["bf16-mixed"] < 0.9 * activations["32-true"]
+    page = (tmp_path / "docs" / "paper-scale.md").read_text()
+    assert "| tiny GPT-2 | tiny GPT-2, bf16-mixed |" in page and paper.BF16 in page
 
 
 @pytest.mark.slow
