@@ -690,10 +690,11 @@ class DistributedEngine(Engine):
         gradients overflowed, as one device's scaler would: each rank's scaler sees only its
         own stages' gradients, so a rank whose are finite is handed an infinite entry."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        finite = all(bool(torch.isfinite(g).all()) for g in grads)
-        overflow = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
+        # one device-side reduction: no host sync per gradient
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        overflow = (~finite).to(self.root_device, torch.float32).reshape(1)
         dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
-        if overflow.item() and finite and grads:
+        if overflow.item() and bool(finite) and grads:
             grads[0].view(-1)[0] = float("inf")
 
     def _running(self) -> AbstractContextManager[None]:
