@@ -47,6 +47,7 @@ def test_unet_config_runs_and_ends_with_its_outcome(cli_main, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_example_cli_keeps_its_config_out_of_the_working_directory_and_runs_twice(cli_main, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for _ in range(2):
@@ -345,6 +346,7 @@ def _spied_profiles(monkeypatch) -> list:
     return profiles
 
 
+@pytest.mark.slow
 def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_least_as_large(capsys, monkeypatch,
                                                                                              tmp_path):
     import lightning_pipe.cli as cli
@@ -367,6 +369,7 @@ def test_a_bf16_mixed_dry_run_plans_smaller_activations_and_a_micro_batch_at_lea
     assert largest["bf16-mixed"] >= largest["32-true"]
 
 
+@pytest.mark.slow
 def test_a_mixed_dry_run_casts_as_cudas_autocast_unless_the_config_trains_on_the_cpu(capsys, monkeypatch, tmp_path):
     import lightning_pipe.cli as cli
 

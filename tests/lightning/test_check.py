@@ -1,7 +1,7 @@
 """The strategy checks a plan near the memory limit by a fake training step of the module."""
 
 import warnings
-from functools import partial
+from functools import cache, partial
 
 import pytest
 import torch
@@ -160,6 +160,7 @@ class _CudaAutocast(MixedPrecision):
         return cuda_autocast(torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_for_cuda_stages_the_check_casts_as_cudas_autocast():
     # the check of a plan for CUDA stages under bf16-mixed ran on meta tensors, which autocast
     # leaves in fp32; now on fake CPU tensors under CUDA's policy, as a GPU's step would cast
@@ -292,12 +293,18 @@ def _checked_fit(make, limits=None, model=WithOptimizer):
     return checks, strategy, [str(w.message) for w in caught if "cannot check its plan" in str(w.message)]
 
 
+@cache
+def _limits_at_the_predictions(name: str) -> list[int]:
+    """Per stage, a limit just above the prediction of the plan made without one (outside the
+    flat headroom, so the plan made to them is checked)."""
+    _, ample, _ = _checked_fit(OPTIMIZERS[name])
+    return [int(s.peak.total / 0.97) for s in ample.plan.stages]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_every_optimizer_and_a_metric_in_the_step_are_checked(name):
-    _, ample, _ = _checked_fit(OPTIMIZERS[name])
-    # limits at the predictions: outside the flat headroom, so the plan is checked
-    limits = [int(s.peak.total / 0.97) for s in ample.plan.stages]
+    limits = _limits_at_the_predictions(name)
     checks, strategy, unchecked = _checked_fit(OPTIMIZERS[name], limits)
     assert not unchecked and checks  # checked, not planned by the flat margin
     # the check ran this optimizer's step: its state to the byte, but for the metric's few bytes of state
@@ -326,8 +333,7 @@ class DrawsOnTheCPU(WithOptimizer):
 
 @pytest.mark.slow
 def test_a_step_that_makes_tensors_on_a_fixed_device_is_named_once_and_planned_by_the_flat_margin():
-    _, ample, _ = _checked_fit(OPTIMIZERS["adamw"])
-    limits = [int(s.peak.total / 0.97) for s in ample.plan.stages]
+    limits = _limits_at_the_predictions("adamw")
     checks, strategy, unchecked = _checked_fit(OPTIMIZERS["adamw"], limits, model=DrawsOnTheCPU)
     assert not checks and len(unchecked) == 1
     assert "training_step makes tensors on a fixed device" in unchecked[0]
@@ -336,8 +342,7 @@ def test_a_step_that_makes_tensors_on_a_fixed_device_is_named_once_and_planned_b
 
 @pytest.mark.slow
 def test_a_step_that_reads_a_value_is_named_once_and_planned_by_the_flat_margin():
-    _, ample, _ = _checked_fit(OPTIMIZERS["adamw"])
-    limits = [int(s.peak.total / 0.97) for s in ample.plan.stages]
+    limits = _limits_at_the_predictions("adamw")
     checks, strategy, unchecked = _checked_fit(OPTIMIZERS["adamw"], limits, model=ReadsItsLoss)
     assert not checks and len(unchecked) == 1
     assert "training_step reads a tensor's value" in unchecked[0]

@@ -17,7 +17,7 @@ from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
 from tests.helpers import trainer
 
-CASES, CHUNKS, STEPS = 50, 4, 2  # the second step is the steady one: gradients and optimizer state exist
+CASES, CHUNKS, STEPS = 32, 4, 2  # the second step is the steady one: gradients and optimizer state exist
 
 
 def _seeded(name: str, build, data) -> Bench:
@@ -28,7 +28,7 @@ def _seeded(name: str, build, data) -> Bench:
     return Bench(name, model, data)
 
 
-# The benchmark suite's four families, at sizes that train 50 cases in about a minute on 2 cores.
+# The benchmark suite's four families, at sizes that train the cases in well under a minute on 2 cores.
 BENCHES = {
     "bert": _seeded("bert", lambda: BERT(dim=32, layers=1, context=16), lambda n: MaskedTokenDataset(n, context=16)),
     "gpt": _seeded("gpt", lambda: GPT(dim=32, layers=1, context=16), lambda n: TokenDataset(n, context=16)),

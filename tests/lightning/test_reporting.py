@@ -76,6 +76,7 @@ def test_plan_report_written_to_the_log_dir(tmp_path, capsys):
     assert saved["partitioner"] == "dawnpiper"
 
 
+@pytest.mark.slow
 def test_after_training_the_plot_shows_each_stages_metered_peak_beside_its_prediction(tmp_path):
     model, data = make("gpt")
     strategy = MemoryPipeStrategy(chunks=2, schedule="1f1b", measure_memory=True)

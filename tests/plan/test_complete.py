@@ -285,6 +285,7 @@ def test_a_split_only_filling_from_the_last_stage_finds_near_fitting_is_searched
     assert stages.fits(split("dawnpiper", stages))
 
 
+@pytest.mark.slow
 def test_reachable_asks_for_searched_lowest_peaks_only_where_the_stages_own_optima_reach_nowhere():
     # a stage's optimum without the further search is never lower, so a split within reach of
     # it is within reach: reachable takes it without the further search (on T5-large 0.3 s
