@@ -18,6 +18,8 @@ device-host link (``None``: no swapping).
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from lightning_pipe.plan.memory import CostModel, StagePeak, Waiting
 from lightning_pipe.plan.policy import CodedPolicies, Policy
 
@@ -138,8 +140,7 @@ def _greedy(stage: "PricedStage", base: StageOptimum) -> StageOptimum:
         )
     # (ms per byte freed, node), highest MSPS first. A node keeps its inputs (it saves them
     # first) or what it made: inside a recomputed region with their producers, both go.
-    recomputes = _steady_order([(model.forward_ms[i] / model.saved[i], i) for i in range(lo, hi) if model.saved[i] > 0],
-                               model.saved)
+    recomputes = _steady_order(model, lo, hi)
 
     policies: dict[int, Policy] = {}
     late = link = 0.0
@@ -314,18 +315,22 @@ def _join_swaps(model: CostModel, lo: int, hi: int, i: int, policies: dict[int, 
             policies.update(dict.fromkeys(gap, "swap"))
 
 
-def _steady_order(costs: list[tuple[float, int]], saved: Sequence[int]) -> list[tuple[float, int]]:
-    """``(cost, node)`` cheapest first, where costs within :data:`TIME_NOISE` of a run's cheapest
-    count as equal and the node keeping more bytes goes first: measured times vary from one
-    profile to the next, bytes do not, so the same model gets the same choices."""
-    ordered = sorted(costs)
-    runs: list[list[tuple[float, int]]] = []
+def _steady_order(model: CostModel, lo: int, hi: int) -> list[tuple[float, int]]:
+    """``(ms per byte freed, node)`` of the nodes of ``[lo, hi)`` saving bytes, cheapest first,
+    where costs within :data:`TIME_NOISE` of a run's cheapest count as equal and the node
+    keeping more bytes goes first: measured times vary from one profile to the next, bytes do
+    not, so the same model gets the same choices. (Sorted by NumPy: a split search orders
+    thousands of stages.)"""
+    nodes, costs, saved = model.recompute_costs(lo, hi)
+    order = np.lexsort((nodes, costs))  # by (cost, node)
+    ordered = costs[order].tolist()
+    runs, first, run = [], 0.0, -1
     for cost in ordered:
-        if runs and cost[0] <= runs[-1][0][0] * (1 + TIME_NOISE):
-            runs[-1].append(cost)
-        else:
-            runs.append([cost])
-    return [c for run in runs for c in sorted(run, key=lambda c: (-saved[c[1]], c[1]))]
+        if run < 0 or cost > first * (1 + TIME_NOISE):
+            first, run = cost, run + 1
+        runs.append(run)
+    order = order[np.lexsort((nodes[order], -saved[order], np.asarray(runs)))]  # within a run, by (-bytes, node)
+    return list(zip(costs[order].tolist(), nodes[order].tolist()))
 
 
 def _better(a: StageOptimum, b: StageOptimum) -> bool:
