@@ -60,7 +60,7 @@ __all__ = ["CostModel", "StagePeak", "predict_peaks", "stage_ranges"]
 Waiting: TypeAlias = tuple[int, Sequence[tuple[float, int]]]
 
 
-@dataclass
+@dataclass(slots=True)
 class StagePeak:
     """A stage's predicted peak, split by kind (bytes)."""
 
@@ -152,6 +152,7 @@ class CostModel:
         self._received: dict[int, Array] = {}
         self._range_gradients: tuple[tuple[int, int], Array] = ((0, 0), np.zeros(0, dtype=np.int64))
         self._kept_bounds: _KeptBounds | None = None  # made when first asked (capslog's search)
+        self._gradient_bytes: tuple[tuple[int, ...], list[list[int]]] = ((), [])  # the last split's
         self.forward_ms, self.backward_ms = pooled_times(profile)
         a, n, column, index = self._arrays, self.n, self._arrays.columns, np.arange(self.n)
         self.saved: list[int] = a.saved.tolist()
@@ -308,7 +309,10 @@ class CostModel:
         there for the next earlier reader's backward (the producer's, after the earliest); a
         reader whose backward hands out slices of one buffer (``cat``) keeps that buffer, once,
         for the earliest stage taking a slice (it waits longest). A value read only on its own
-        stage waits for nothing, so only the values crossing a cut are visited."""
+        stage waits for nothing, so only the values crossing a cut are visited. Kept for the
+        last split asked: pricing a split asks it up to four times."""
+        if self._gradient_bytes[0] == tuple(balance):
+            return self._gradient_bytes[1]
         sent = [[0] * len(balance) for _ in balance]
         cuts = list(itertools.accumulate(balance))[:-1]
         slicers: set[int] = set()
@@ -328,6 +332,7 @@ class CostModel:
                 readers = sorted({bisect.bisect_right(cuts, u if u >= 0 else self.n) for u in self.users[i]} - {p})
                 for taker, holder in zip([p, *readers], readers):
                     sent[taker][holder] += first if holder == readers[-1] else self.output[i]
+        self._gradient_bytes = tuple(balance), sent
         return sent
 
     def waiting(
@@ -383,7 +388,9 @@ class CostModel:
         (stages as processes), the buffers of carried values (allocated once, kept across
         steps), the state of the borrowed copies (each process steps its own) and the batch
         (each process loads it; the first also gathers the forward's arguments from it)."""
-        held = weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo] + self.borrowed(lo, hi)
+        held = weight_versions * (self._params[hi] - self._params[lo]) + self._state[hi] - self._state[lo]
+        if self.profile.shared:
+            held += self.borrowed(lo, hi)
         if not self.carry:
             return held
         batch = self.batch + (self.chunks * self.profile.input_bytes if lo == 0 else 0)
@@ -493,7 +500,9 @@ class CostModel:
         step = [StagePeak(static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0)]
         if self.replicas > 1:  # before it, the gradients' reduction over the replicas: a bucket copied flat
             step.append(StagePeak(static, 0, min(self._step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
-        return max([p.waiting(waiting[0]) for p in forward] + backward + step, key=lambda p: p.total)
+        if waiting[0]:
+            forward = [p.waiting(waiting[0]) for p in forward]
+        return _highest([*forward, *backward, *step])
 
     def backward_peak_runs(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> list[int]:
         """The nodes of ``[lo, hi)`` in the runs of one policy (kept runs aside) holding a node
@@ -696,6 +705,16 @@ _PRICED_BYTES = 1 << 26
 # The most node positions priced in one pass (:class:`Layout`): past some 16k, arrays outgrow
 # the CPU's caches and a row costs more.
 _BATCH_POSITIONS = 1 << 14
+
+
+def _highest(peaks: Sequence[StagePeak]) -> StagePeak:
+    """The first of ``peaks`` with the largest total (``max`` by total, without a key function:
+    a search composes thousands of peaks)."""
+    highest, most = peaks[0], peaks[0].total
+    for peak in peaks[1:]:
+        if (total := peak.total) > most:
+            highest, most = peak, total
+    return highest
 
 
 def _range_max(table: list[list[int]], lo: int, hi: int) -> int:

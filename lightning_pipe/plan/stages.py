@@ -209,8 +209,11 @@ class Stages:
     def overfull(self, lo: int, hi: int, s: int) -> bool:
         """Whether stage ``s`` on ``[lo, hi)`` goes over its capacity with what no memory
         optimisation takes off (parameters, their state, the largest workspace): a bound that
-        costs no optimisation."""
-        return self.model.static(lo, hi, self.weight_versions) + self.model.transient(lo, hi) > self.capacities[s]
+        costs no optimisation (cached: a search moving one cut asks the other stages again)."""
+        if (over := self.cache.overfull.get((lo, hi, s))) is None:
+            over = self.cache.overfull[lo, hi, s] = (
+                self.model.static(lo, hi, self.weight_versions) + self.model.transient(lo, hi) > self.capacities[s])
+        return over
 
     def times(self, balance: Sequence[int]) -> list[StageTime]:
         """Per stage of ``balance``, placed, its times per micro-batch (cached: a search asks
@@ -244,9 +247,11 @@ class Stages:
 
     def least_step_ms(self, balance: Sequence[int]) -> float:
         """A lower bound of :meth:`step_ms` known before any stage is optimised: the step with
-        no recompute or swap (a simulated step never shortens as a stage's time grows)."""
-        times = [StageTime(forward, backward, send=send) for forward, backward, send in self._compute_times(balance)]
-        return self._replayed(times)
+        no recompute or swap (a simulated step never shortens as a stage's time grows; cached)."""
+        if (step := self.cache.least_steps.get(key := tuple(balance))) is None:
+            step = self.cache.least_steps[key] = self._replayed(
+                [StageTime(forward, backward, send=send) for forward, backward, send in self._compute_times(balance)])
+        return step
 
     def _replayed(self, times: Sequence[StageTime]) -> float:
         """The simulated step of stages taking ``times``; the slowest stage's time without an ``order``."""
@@ -338,6 +343,8 @@ class Found:
     steps: dict[tuple[int, ...], float] = field(default_factory=dict)
     times: dict[tuple[int, ...], list[StageTime]] = field(default_factory=dict)  # Stages.times
     compute_times: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
+    least_steps: dict[tuple[int, ...], float] = field(default_factory=dict)  # Stages.least_step_ms
+    overfull: dict[tuple[int, int, int], bool] = field(default_factory=dict)  # Stages.overfull
     # a stage's peak under a whole split's policies, by the policies it reads (Stages._peak)
     peaks: dict[tuple[object, ...], StagePeak] = field(default_factory=dict)
     kept_peaks: dict[tuple[int, int, int], int] = field(default_factory=dict)  # Stages.kept_peak
