@@ -33,7 +33,8 @@ class NodeArrays:
     def __init__(self, profile: Profile) -> None:
         nodes = profile.nodes
         n = self.n = len(nodes)
-        table = np.array(list(map(attrgetter(*_FIELDS), nodes)), dtype=np.int64).reshape(n, len(_FIELDS)).T.copy()
+        fields = itertools.chain.from_iterable(map(attrgetter(*_FIELDS), nodes))
+        table = np.fromiter(fields, dtype=np.int64, count=n * len(_FIELDS)).reshape(n, len(_FIELDS)).T.copy()
         column = dict(zip(_FIELDS, table))
         index = np.arange(n)
         self.saved = column["saved_bytes"]
