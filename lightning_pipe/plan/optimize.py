@@ -294,11 +294,30 @@ def _pruned(stage: "PricedStage", found: StageOptimum) -> StageOptimum:
     policies = dict(found.policies)  # in the order chosen
     coded = CodedPolicies.of({**stage.earlier, **policies}, stage.model.n)
     order = sorted(found.policies, key=lambda i: (found.policies[i] == "swap", stage.model.saved[i], i))
-    while first := _first_drop(stage, coded, order, stage.capacity):
-        i = order[first[0]]
+    run = 4  # how many drops in a row to price at once
+    while order:
+        # The drops next in order, each with those before it, priced at once: one at a time, the
+        # search drops each of a leading run that fits (it fits when it is the next one asked).
+        ahead = order[:run]
+        dropped = [coded]
+        for i in ahead:
+            dropped.append(dropped[-1].without(i))
+        fitting = next((k for k, total in enumerate(stage.totals_of(dropped[1:])) if total > stage.capacity),
+                       len(ahead))
+        for i in ahead[:fitting]:
+            del policies[i]
+        coded, order = dropped[fitting], order[fitting:]
+        if fitting == len(ahead):
+            run = min(2 * run, 64)
+            continue
+        run = 4
+        # the next one does not fit dropped: the first after it that does
+        if not (first := _first_drop(stage, coded, order[1:], stage.capacity)):
+            break
+        i = order[1 + first[0]]
         coded = coded.without(i)
         del policies[i]
-        order = order[first[0] + 1 :]
+        order = order[first[0] + 2 :]
     return stage.priced(policies) if len(policies) < len(found.policies) else found
 
 
@@ -365,7 +384,10 @@ class PricedStage:
 
     def totals(self, coded: CodedPolicies, drops: Sequence[int]) -> list[int]:
         """The stage's peak total with each of ``drops`` kept in turn, priced at once."""
-        variants = [coded.without(i) for i in drops]
+        return self.totals_of([coded.without(i) for i in drops])
+
+    def totals_of(self, variants: Sequence[CodedPolicies]) -> list[int]:
+        """The stage's peak total under each of ``variants`` (every node's policy), priced at once."""
         peaks = self.model.peaks(self.lo, self.hi, self.in_flight, variants, self.weight_versions, self.waiting)
         return [p.total for p in peaks]
 
