@@ -145,10 +145,10 @@ def grid_section(timings: list[Timing], note: str) -> str:
     def exponent(a: float, b: float, x: float, y: float) -> float:
         return math.log(b / a) / math.log(y / x)
 
-    growth = "; ".join(
-        f"{s} stages: x{exponent(by[nodes[0], s], by[nodes[-1], s], nodes[0], nodes[-1]):.2f}" for s in stages)
-    spread = "; ".join(
-        f"{n:,} nodes: x{exponent(by[n, stages[0]], by[n, stages[-1]], stages[0], stages[-1]):.2f}" for n in nodes)
+    growth = ", ".join(
+        f"{exponent(by[nodes[0], s], by[nodes[-1], s], nodes[0], nodes[-1]):.2f} at {s} stages" for s in stages)
+    spread = ", ".join(
+        f"{exponent(by[n, stages[0]], by[n, stages[-1]], stages[0], stages[-1]):.2f} at {n:,} nodes" for n in nodes)
     return "\n\n".join([
         "## Planner time vs graph size",
         "`python -m benchmarks.planner_speed --grid`: dawnpiper with memory optimisation (`partition`, the cost "
@@ -157,8 +157,8 @@ def grid_section(timings: list[Timing], note: str) -> str:
         "(`time.process_time`), best of 3 (of 2 from 10,000 nodes); *pricings*: stage peaks composed, exact or "
         f"bounds, which load does not move. {note}",
         "\n".join(rows),
-        f"Time grows as nodes^k from {nodes[0]:,} to {nodes[-1]:,} nodes ({growth}) and as stages^k from "
-        f"{stages[0]} to {stages[-1]} stages ({spread}).",
+        f"Time grows as nodes^k from {nodes[0]:,} to {nodes[-1]:,} nodes, k = {growth}; and as stages^k from "
+        f"{stages[0]} to {stages[-1]} stages, k = {spread} (k through the two ends of each row or column).",
     ]) + "\n\n"
 
 
