@@ -139,16 +139,21 @@ def grid_section(timings: list[Timing], note: str) -> str:
     for t in timings:
         target = f"{t.target_ms:.0f}" if t.target_ms else ""
         rows.append(f"| {t.nodes:,} | {t.stages} | {t.ms:.0f} | {target} | {t.pricings:,} | {t.recompute} |")
-    by = {(t.nodes, t.stages): t.ms for t in timings}
     nodes, stages = sorted({t.nodes for t in timings}), sorted({t.stages for t in timings})
 
-    def exponent(a: float, b: float, x: float, y: float) -> float:
-        return math.log(b / a) / math.log(y / x)
+    def growth(value: Callable[[Timing], float]) -> str:
+        """The exponents k of value ~ nodes^k per stage count and value ~ stages^k per node count."""
+        by = {(t.nodes, t.stages): value(t) for t in timings}
 
-    growth = ", ".join(
-        f"{exponent(by[nodes[0], s], by[nodes[-1], s], nodes[0], nodes[-1]):.2f} at {s} stages" for s in stages)
-    spread = ", ".join(
-        f"{exponent(by[n, stages[0]], by[n, stages[-1]], stages[0], stages[-1]):.2f} at {n:,} nodes" for n in nodes)
+        def k(a: float, b: float, x: float, y: float) -> float:
+            return math.log(b / a) / math.log(y / x)
+
+        return (f"nodes^k from {nodes[0]:,} to {nodes[-1]:,} nodes, k = "
+                + ", ".join(f"{k(by[nodes[0], s], by[nodes[-1], s], nodes[0], nodes[-1]):.2f} at {s} stages"
+                            for s in stages)
+                + f"; stages^k from {stages[0]} to {stages[-1]} stages, k = "
+                + ", ".join(f"{k(by[n, stages[0]], by[n, stages[-1]], stages[0], stages[-1]):.2f} at {n:,} nodes"
+                            for n in nodes))
     return "\n\n".join([
         "## Planner time vs graph size",
         "`python -m benchmarks.planner_speed --grid`: dawnpiper with memory optimisation (`partition`, the cost "
@@ -157,8 +162,8 @@ def grid_section(timings: list[Timing], note: str) -> str:
         "(`time.process_time`), best of 3 (of 2 from 10,000 nodes); *pricings*: stage peaks composed, exact or "
         f"bounds, which load does not move. {note}",
         "\n".join(rows),
-        f"Time grows as nodes^k from {nodes[0]:,} to {nodes[-1]:,} nodes, k = {growth}; and as stages^k from "
-        f"{stages[0]} to {stages[-1]} stages, k = {spread} (k through the two ends of each row or column).",
+        f"Pricings grow as {growth(lambda t: t.pricings)}; CPU time as {growth(lambda t: t.ms)} (k through the two "
+        "ends of each row or column; the times move with the machine's load, the pricings do not).",
     ]) + "\n\n"
 
 

@@ -373,7 +373,9 @@ def test_planner_speed_grid_goes_in_place_of_the_docs_planner_time_section_with_
     section = planner_speed.grid_section(timings, "MACHINE")
     assert "| 1,000 | 8 | 80 | 20 | 10,000 | 1 |" in section  # issue #47's target beside the figure
     assert "| 10,000 | 32 | 3200 | 500 | 100,000 | 1 |" in section and "| 1,000 | 32 | 320 |  |" in section
-    assert "k = 1.00 at 8 stages, 1.00 at 32 stages" in section and "k = 1.00 at 1,000 nodes" in section
+    assert ("Pricings grow as nodes^k from 1,000 to 10,000 nodes, k = 1.00 at 8 stages, 1.00 at 32 stages; "
+            "stages^k from 8 to 32 stages, k = 0.00 at 1,000 nodes" in section)
+    assert "CPU time as nodes^k from 1,000 to 10,000 nodes, k = 1.00 at 8 stages" in section
     assert "MACHINE" in section
     page = tmp_path / "benchmarks.md"
     page.write_text("# B\n\n## Planner time vs graph size\n\nold\n\n## Runtime overhead\n\nkept\n")
