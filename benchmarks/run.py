@@ -44,17 +44,14 @@ from benchmarks.peers import (
     sequential_data,
     torchgpipe_steps,
 )
-from benchmarks.planner_speed import transformer_like
 from examples.models import loader
 from lightning_pipe.lightning.strategy import MemoryPipeStrategy
 from lightning_pipe.measure.meter import StageOutOfMemoryError
 from lightning_pipe.plan.headroom import checked, checked_largest_plan
-from lightning_pipe.plan.memory import CostModel, stage_ranges
-from lightning_pipe.plan.partitioners import BASELINES, PARTITIONERS, partition
+from lightning_pipe.plan.partitioners import BASELINES, PARTITIONERS
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, InfeasiblePlanError, make_plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.schedule import in_flight
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 4
@@ -80,7 +77,6 @@ QUICK = Settings([(m, 4) for m in MODELS], ["gpipe", "1f1b"], ["gpipe", "1f1b"],
 FULL = Settings([(m, s) for m in MODELS for s in (4, 8)], ["gpipe", "1f1b"], ["gpipe", "1f1b"], 8, 20)
 # Both modes. The cost model follows a stage node by node, so planning grows faster than
 # linearly with the nodes per stage: 20,000 nodes over 4 stages takes minutes.
-GRAPH_SIZES = [(n, s) for n in (1_000, 5_000) for s in (4, 16, 64)]
 
 
 # --- running one fit ----------------------------------------------------------------------
@@ -348,31 +344,6 @@ def simulated(profiles: dict[str, Profile], configs: list[Config]) -> list[dict[
     return rows
 
 
-# --- planner time vs graph size -------------------------------------------------------------
-
-
-def planner_time(sizes: list[tuple[int, int]]) -> list[dict[str, Any]]:
-    """``make_plan`` with dawnpiper on synthetic transformer-like graphs, capacity set so
-    memory binds (85% of the compute-balanced split's fullest stage, as planner_speed)."""
-    rows = []
-    for nodes, stages in sizes:
-        profile = transformer_like(nodes)
-        chunks = 2 * stages
-        flight = in_flight("1f1b", chunks, stages)
-        model = CostModel(profile)
-        timed = partition("time", profile, [1 << 60] * stages, flight)
-        worst = max(model.peak(r.start, r.stop, flight[s]).total for s, r in enumerate(stage_ranges(timed)))
-        start = time.perf_counter()
-        try:
-            make_plan(profile, PlanRequest([int(0.85 * worst)] * stages, "dawnpiper", "1f1b", chunks))
-            feasible = True
-        except InfeasiblePlanError:
-            feasible = False
-        rows.append({"nodes": nodes, "stages": stages, "seconds": time.perf_counter() - start, "feasible": feasible})
-        print(f"  planner {nodes} nodes x {stages} stages: {rows[-1]['seconds']:.3f} s", flush=True)
-    return rows
-
-
 # --- runtime overhead -----------------------------------------------------------------------
 
 
@@ -565,11 +536,6 @@ def markdown(results: dict[str, Any]) -> str:
         table(["model", "stages", "schedule", "micro-batch", "planner", "simulated step ms", "simulated bubble"],
               [[r["model"], r["stages"], r["schedule"], r["microbatch"], r["planner"], r["step_ms"],
                 None if r["bubble"] is None else f"{r['bubble']:.1%}"] for r in results["simulated"]]),
-        "## Planner time vs graph size",
-        "`make_plan` with dawnpiper, 1F1B, 2 x stages micro-batches, on `benchmarks.planner_speed.transformer_like` "
-        "profiles with capacity at 85% of the compute-balanced split's fullest stage. One timing each.",
-        table(["nodes", "stages", "seconds", "feasible"],
-              [[r["nodes"], r["stages"], f"{r['seconds']:.3f}", r["feasible"]] for r in results["planner_time"]]),
         _overhead_section(results["overhead"]),
         _peer_section(results["peers"]),
     ]
@@ -685,7 +651,7 @@ def measure(full: bool = False) -> dict[str, Any]:
     results: dict[str, Any] = {
         "mode": "full" if full else "quick", "machine": machine(), "settings": asdict(settings),
         "memory": [asdict(c) for c in configs], "ratios": ratios(configs), "accuracy": accuracy(configs),
-        "simulated": simulated(profiles, configs), "planner_time": planner_time(GRAPH_SIZES),
+        "simulated": simulated(profiles, configs),
         "overhead": overhead(benches["gpt"], settings), "peers": peers(settings),
     }
     results["seconds"] = time.perf_counter() - start

@@ -313,7 +313,6 @@ def _tiny_results() -> dict:
         "accuracy": run.accuracy([run.Config(**{**config, "probes": [run.Probe(**probe)]})]),
         "simulated": [{"model": "gpt", "stages": 2, "schedule": "1f1b", "microbatch": 2, "planner": "dawnpiper",
                        "step_ms": 1.0, "bubble": 0.25}],
-        "planner_time": [{"nodes": 10, "stages": 2, "seconds": 0.01, "feasible": True}],
         "overhead": {"model": "gpt", "batch": 8, "timed_steps": 1, "plain_ms": 1.0, "pipe1_ms": 1.1,
                      "pipe4_ms": 2.0, "pipe4_stage_sum_ms": 1.5},
         "peers": {"batch": 8, "chunks": 4, "stages": 2, "torch": torch.__version__, "ours_ms": 1.0,
@@ -329,10 +328,11 @@ def test_benchmark_run_writes_a_folder_of_its_own_and_the_docs_only_when_asked(t
     quieted = logging.getLogger("lightning.pytorch")  # main() quiets Lightning for the whole process
     request.addfinalizer(functools.partial(quieted.setLevel, quieted.level))
 
-    faults = "## Fault injection (measured)\n\nkept\n"  # a section another benchmark writes
+    faults = "## Fault injection (measured)\n\nkept\n"  # sections other benchmarks write
+    planner = "## Planner time vs graph size\n\nkept too\n"  # (benchmarks.planner_speed --grid --update-docs)
     tracked = {tmp_path / "docs" / "benchmarks.md": (
         f"# Benchmarks\n\nOLD-PAGE-TEXT\n\n## Simulated step time at equal batch (simulated, not measured)\n\n"
-        f"OLD-PAGE-TEXT\n\n{faults}\n## Planner time vs graph size\n\nOLD-PAGE-TEXT\n"),
+        f"OLD-PAGE-TEXT\n\n{faults}\n{planner}"),
                tmp_path / "benchmarks" / "results.json": "{}"}
     for path, text in tracked.items():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -352,8 +352,9 @@ def test_benchmark_run_writes_a_folder_of_its_own_and_the_docs_only_when_asked(t
 
     run.main(["--quick", "--out", str(tmp_path / "mine"), "--update-docs"])
     docs = (tmp_path / "docs" / "benchmarks.md").read_text()
-    assert docs.replace(faults + "\n", "") == (tmp_path / "mine" / "benchmarks.md").read_text()
-    assert "OLD-PAGE-TEXT" not in docs and faults in docs
+    mine = (tmp_path / "mine" / "benchmarks.md").read_text()
+    assert docs.replace(faults + "\n", "").replace(planner + "\n", "") == mine
+    assert "OLD-PAGE-TEXT" not in docs and faults in docs and planner in docs
     assert docs.index("## Simulated step time") < docs.index("## Fault injection") < docs.index("## Planner time")
     assert json.loads((tmp_path / "benchmarks" / "results.json").read_text())["mode"] == "quick"
 
@@ -363,3 +364,20 @@ def test_benchmark_commit_without_git_is_unknown(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no git to run
     assert run.commit() == "unknown"
+
+
+def test_planner_speed_grid_goes_in_place_of_the_docs_planner_time_section_with_targets_and_growth(tmp_path):
+    from benchmarks import planner_speed
+
+    timings = [planner_speed.Timing(n, s, n * s / 100, 10 * n, 1, 1.0) for n in (1_000, 10_000) for s in (8, 32)]
+    section = planner_speed.grid_section(timings, "MACHINE")
+    assert "| 1,000 | 8 | 80 | 20 | 10,000 | 1 |" in section  # issue #47's target beside the figure
+    assert "| 10,000 | 32 | 3200 | 500 | 100,000 | 1 |" in section and "| 1,000 | 32 | 320 |  |" in section
+    assert ("Pricings grow as nodes^k from 1,000 to 10,000 nodes, k = 1.00 at 8 stages, 1.00 at 32 stages; "
+            "stages^k from 8 to 32 stages, k = 0.00 at 1,000 nodes" in section)
+    assert "CPU time as nodes^k from 1,000 to 10,000 nodes, k = 1.00 at 8 stages" in section
+    assert "MACHINE" in section
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# B\n\n## Planner time vs graph size\n\nold\n\n## Runtime overhead\n\nkept\n")
+    planner_speed.update_docs(section, page)
+    assert page.read_text() == "# B\n\n" + section + "## Runtime overhead\n\nkept\n"

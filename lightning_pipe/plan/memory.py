@@ -60,7 +60,7 @@ __all__ = ["CostModel", "StagePeak", "predict_peaks", "stage_ranges"]
 Waiting: TypeAlias = tuple[int, Sequence[tuple[float, int]]]
 
 
-@dataclass
+@dataclass(slots=True)
 class StagePeak:
     """A stage's predicted peak, split by kind (bytes)."""
 
@@ -152,45 +152,56 @@ class CostModel:
         self._received: dict[int, Array] = {}
         self._range_gradients: tuple[tuple[int, int], Array] = ((0, 0), np.zeros(0, dtype=np.int64))
         self._kept_bounds: _KeptBounds | None = None  # made when first asked (capslog's search)
+        self._gradient_bytes: tuple[tuple[int, ...], list[list[int]]] = ((), [])  # the last split's
         self.forward_ms, self.backward_ms = pooled_times(profile)
-        self.saved = [n.saved_bytes for n in nodes]
-        self.last_saver = [n.last_saver for n in nodes]
-        self.output = [n.output_bytes for n in nodes]
-        self.users = [n.users for n in nodes]
-        self._params = _prefix([n.param_bytes for n in nodes])
-        self._state = _prefix([n.grad_bytes + n.optimizer_bytes for n in nodes])
-        self._grads = _prefix([n.grad_bytes for n in nodes])
+        a, n, column, index = self._arrays, self.n, self._arrays.columns, np.arange(self.n)
+        self.saved: list[int] = a.saved.tolist()
+        self._saved_array, self._forward_array = a.saved, np.asarray(self.forward_ms, dtype=np.float64)
+        self.last_saver: list[int] = column["last_saver"].tolist()
+        self.output: list[int] = a.output.tolist()
+        self.users = [node.users for node in nodes]
+        self._params: list[int] = _prefix(column["param_bytes"].tolist())
+        self._state: list[int] = _prefix((a.grads + column["optimizer_bytes"]).tolist())
+        self._grads: list[int] = _prefix(a.grads.tolist())
         # gradient and optimizer-state bytes per parameter byte (tied copies have the same)
         self._state_per_param = self._state[-1] / self._params[-1] if self._params[-1] else 0.0
         self._grads_per_param = self._grads[-1] / self._params[-1] if self._params[-1] else 0.0
-        self._saved = _prefix(self.saved)
-        self._to_graph_output = _prefix([n.output_bytes if -1 in n.users else 0 for n in nodes])
+        self._saved: list[int] = _prefix(self.saved)
+        in_output = np.zeros(n, dtype=bool)  # read by the graph's output
+        in_output[a.user_of[a.user == -1]] = True
+        self._to_graph_output: list[int] = _prefix(np.where(in_output, a.output, 0).tolist())
         # storages a node makes that end up in the graph's output and no later node keeps:
         # under GPipe they wait on its stage for the merge, every micro-batch's
-        self._to_output = _prefix([n.held_bytes if n.held_until >= self.n and n.held_by < 0 else 0 for n in nodes])
+        to_output = (column["held_until"] >= n) & (a.held_by < 0)
+        self._to_output: list[int] = _prefix(np.where(to_output, a.held, 0).tolist())
         self._forward = _prefix(self.forward_ms)
         self._compute = _prefix([f + b for f, b in zip(self.forward_ms, self.backward_ms)])
-        self._transient = _sparse_max([max(n.transient_bytes, n.backward_bytes - n.grad_bytes) for n in nodes])
-        self._step_sum = _prefix([n.step_bytes for n in nodes])
-        self._step_max = _sparse_max([n.step_bytes for n in nodes])
+        self._transient = _sparse_max(np.maximum(a.workspace, column["backward_bytes"] - a.grads))
+        self._step_sum: list[int] = _prefix(column["step_bytes"].tolist())
+        self._step_max = _sparse_max(column["step_bytes"])
         self.reads_input = set(profile.input_users)
         # Values leaving a range [lo, hi): node i < hi whose last reader is at or after hi
         # (or the graph output). _leaving[hi] lists those (i, bytes), i descending.
-        last = [max(n.users) if n.users and min(n.users) >= 0 else (self.n if n.users else -1) for n in nodes]
-        self._last_reader = [i if r < 0 else r for i, r in enumerate(last)]  # n: the graph output
-        self._leaving: list[list[tuple[int, int]]] = [[] for _ in range(self.n + 1)]
-        crossing = [0] * (self.n + 2)  # the changes of crossing below, cut by cut
-        for i, n in enumerate(nodes):
-            sent, stop = max(0, n.output_bytes - n.saved_bytes), min(last[i], self.n) + 1
-            for cut in range(i + 1, stop):
-                self._leaving[cut].append((i, sent))
-            if stop > i + 1:
-                crossing[i + 1] += n.output_bytes
-                crossing[stop] -= n.output_bytes
-        for entry in self._leaving:
-            entry.reverse()
+        lowest, highest = np.full(n, n, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+        np.minimum.at(lowest, a.user_of, a.user)
+        np.maximum.at(highest, a.user_of, a.user)
+        read = np.bincount(a.user_of, minlength=n) > 0
+        last = np.where(read, np.where(lowest >= 0, highest, n), -1)
+        self._last_reader: list[int] = np.where(last < 0, index, last).tolist()  # n: the graph output
+        stop = np.minimum(last, n) + 1
+        span = np.maximum(0, stop - (index + 1))  # the cuts each value crosses: from after its maker to its last reader
+        maker = np.repeat(index, span)
+        cut = maker + 1 + np.arange(maker.size) - np.repeat(np.cumsum(span) - span, span)
+        order = np.lexsort((-maker, cut))
+        maker, cut = maker[order], cut[order]
+        leaving = list(zip(maker.tolist(), np.maximum(0, a.output - a.saved)[maker].tolist()))
+        bounds = np.searchsorted(cut, np.arange(n + 2)).tolist()
+        self._leaving: list[list[tuple[int, int]]] = [leaving[bounds[c] : bounds[c + 1]] for c in range(n + 1)]
         # crossing[c]: bytes of the values made before node c and read from it on
-        self.crossing = list(itertools.accumulate(crossing[: self.n + 1]))
+        crossing = np.zeros(n + 2, dtype=np.int64)  # its changes, cut by cut
+        np.add.at(crossing, index[span > 0] + 1, a.output[span > 0])
+        np.add.at(crossing, stop[span > 0], -a.output[span > 0])
+        self.crossing: list[int] = np.cumsum(crossing[: n + 1]).tolist()
         # per cut, of the values leaving it, latest first: their makers (negated, ascending) and
         # their bytes summed so far, so that send_ms finds what a range sends by bisection
         self._senders = [[-i for i, _ in entry] for entry in self._leaving] if link_bandwidth else []
@@ -207,6 +218,13 @@ class CostModel:
     def compute_ms(self, lo: int, hi: int) -> float:
         """Forward plus backward time of one micro-batch."""
         return self._compute[hi] - self._compute[lo]
+
+    def recompute_costs(self, lo: int, hi: int) -> tuple[Array, "np.ndarray[tuple[int], np.dtype[np.float64]]", Array]:
+        """The nodes of ``[lo, hi)`` that save bytes, each one's forward milliseconds per byte
+        saved (what recomputing it costs per byte it frees) and its saved bytes."""
+        nodes = lo + np.flatnonzero(self._saved_array[lo:hi] > 0)
+        saved = self._saved_array[nodes]
+        return nodes, self._forward_array[nodes] / saved, saved
 
     def forward_time(self, lo: int, hi: int) -> float:
         return self._forward[hi] - self._forward[lo]
@@ -291,7 +309,10 @@ class CostModel:
         there for the next earlier reader's backward (the producer's, after the earliest); a
         reader whose backward hands out slices of one buffer (``cat``) keeps that buffer, once,
         for the earliest stage taking a slice (it waits longest). A value read only on its own
-        stage waits for nothing, so only the values crossing a cut are visited."""
+        stage waits for nothing, so only the values crossing a cut are visited. Kept for the
+        last split asked: pricing a split asks it up to four times."""
+        if self._gradient_bytes[0] == tuple(balance):
+            return self._gradient_bytes[1]
         sent = [[0] * len(balance) for _ in balance]
         cuts = list(itertools.accumulate(balance))[:-1]
         slicers: set[int] = set()
@@ -311,6 +332,7 @@ class CostModel:
                 readers = sorted({bisect.bisect_right(cuts, u if u >= 0 else self.n) for u in self.users[i]} - {p})
                 for taker, holder in zip([p, *readers], readers):
                     sent[taker][holder] += first if holder == readers[-1] else self.output[i]
+        self._gradient_bytes = tuple(balance), sent
         return sent
 
     def waiting(
@@ -366,7 +388,9 @@ class CostModel:
         (stages as processes), the buffers of carried values (allocated once, kept across
         steps), the state of the borrowed copies (each process steps its own) and the batch
         (each process loads it; the first also gathers the forward's arguments from it)."""
-        held = weight_versions * self.params(lo, hi) + self._state[hi] - self._state[lo] + self.borrowed(lo, hi)
+        held = weight_versions * (self._params[hi] - self._params[lo]) + self._state[hi] - self._state[lo]
+        if self.profile.shared:
+            held += self.borrowed(lo, hi)
         if not self.carry:
             return held
         batch = self.batch + (self.chunks * self.profile.input_bytes if lo == 0 else 0)
@@ -476,7 +500,9 @@ class CostModel:
         step = [StagePeak(static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0)]
         if self.replicas > 1:  # before it, the gradients' reduction over the replicas: a bucket copied flat
             step.append(StagePeak(static, 0, min(self._step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
-        return max([p.waiting(waiting[0]) for p in forward] + backward + step, key=lambda p: p.total)
+        if waiting[0]:
+            forward = [p.waiting(waiting[0]) for p in forward]
+        return _highest([*forward, *backward, *step])
 
     def backward_peak_runs(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> list[int]:
         """The nodes of ``[lo, hi)`` in the runs of one policy (kept runs aside) holding a node
@@ -679,6 +705,16 @@ _PRICED_BYTES = 1 << 26
 # The most node positions priced in one pass (:class:`Layout`): past some 16k, arrays outgrow
 # the CPU's caches and a row costs more.
 _BATCH_POSITIONS = 1 << 14
+
+
+def _highest(peaks: Sequence[StagePeak]) -> StagePeak:
+    """The first of ``peaks`` with the largest total (``max`` by total, without a key function:
+    a search composes thousands of peaks)."""
+    highest, most = peaks[0], peaks[0].total
+    for peak in peaks[1:]:
+        if (total := peak.total) > most:
+            highest, most = peak, total
+    return highest
 
 
 def _range_max(table: list[list[int]], lo: int, hi: int) -> int:

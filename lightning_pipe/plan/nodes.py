@@ -5,7 +5,9 @@ the nodes (and over every read and every gradient edge, by reader) let it price 
 under hundreds of variants in one vectorised pass (:mod:`lightning_pipe.plan.layout`).
 """
 
+import itertools
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TypeAlias
 
 import numpy as np
@@ -17,68 +19,90 @@ __all__ = ["Array", "NodeArrays"]
 Array: TypeAlias = "np.ndarray[tuple[int], np.dtype[np.int64]]"
 
 
+# NodeProfile's integer fields NodeArrays reads, taken from every node in one pass
+_FIELDS = ("saved_bytes", "saved_inputs_bytes", "saved_inputs_from", "made_bytes", "held_bytes", "held_until",
+           "held_by", "output_bytes", "transient_bytes", "backward_bytes", "grad_bytes", "last_saver",
+           "output_grad_bytes", "param_bytes", "optimizer_bytes", "step_bytes")
+
+
 class NodeArrays:
-    """The profile's per-node bytes as arrays, and its dataflow edges by consumer."""
+    """The profile's per-node bytes as arrays, and its dataflow edges by consumer. Built with
+    NumPy from one pass over the nodes: a planner makes one for every profile it plans (a
+    search over micro-batch sizes, one per size)."""
 
     def __init__(self, profile: Profile) -> None:
         nodes = profile.nodes
-        self.n = len(nodes)
-
-        def array(values: Sequence[int]) -> Array:
-            return np.asarray(values, dtype=np.int64)
-
-        self.saved = array([n.saved_bytes for n in nodes])
-        self.saved_inputs = array([n.saved_inputs_bytes for n in nodes])
-        self.saved_inputs_from = array([n.saved_inputs_from for n in nodes])
-        self.made = array([n.made_bytes for n in nodes])
-        self.held = array([n.held_bytes for n in nodes])
-        self.held_until = array([max(k, n.held_until) for k, n in enumerate(nodes)])
-        self.held_by = array([n.held_by for n in nodes])
-        self.held_end = np.where(self.held_by >= 0, np.maximum(self.held_by, np.arange(len(nodes))), self.held_until)
+        n = self.n = len(nodes)
+        fields = itertools.chain.from_iterable(map(attrgetter(*_FIELDS), nodes))
+        table = np.fromiter(fields, dtype=np.int64, count=n * len(_FIELDS)).reshape(n, len(_FIELDS)).T.copy()
+        column = dict(zip(_FIELDS, table))
+        index = np.arange(n)
+        self.saved = column["saved_bytes"]
+        self.saved_inputs = column["saved_inputs_bytes"]
+        self.saved_inputs_from = column["saved_inputs_from"]
+        self.made = column["made_bytes"]
+        self.held = column["held_bytes"]
+        self.held_until = np.maximum(index, column["held_until"])
+        self.held_by = column["held_by"]
+        self.held_end = np.where(self.held_by >= 0, np.maximum(self.held_by, index), self.held_until)
+        self.output = column["output_bytes"]
         # the part of a node's output it keeps itself, and the last node reading its output
-        self.own_output = array([max(0, min(n.output_bytes, n.made_bytes) - n.held_bytes) for n in nodes])
-        self.last_reader = array([len(nodes) if n.users and min(n.users) < 0 else max(k, max(n.users, default=k))
-                                  for k, n in enumerate(nodes)])
-        self.workspace = array([n.transient_bytes for n in nodes])
+        self.own_output = np.maximum(0, np.minimum(self.output, self.made) - self.held)
+        users = [node.users for node in nodes]
+        self.user = np.fromiter(itertools.chain.from_iterable(users), dtype=np.int64)  # every user, by node
+        self.user_of = np.repeat(index, np.fromiter(map(len, users), dtype=np.int64, count=n))  # the node used
+        lowest, highest = np.zeros(n, dtype=np.int64), index.copy()
+        np.minimum.at(lowest, self.user_of, self.user)
+        np.maximum.at(highest, self.user_of, self.user)
+        self.last_reader = np.where(lowest < 0, n, highest)
+        self.workspace = column["transient_bytes"]
         self.allocated = self.made + self.workspace  # what a node's forward allocates, at its peak
-        self.backward = array([max(n.backward_bytes - n.grad_bytes, 0) for n in nodes])
-        self.grads = array([n.grad_bytes for n in nodes])
+        self.backward = np.maximum(column["backward_bytes"] - column["grad_bytes"], 0)
+        self.grads = column["grad_bytes"]
         self.grads_before = np.concatenate(([0], np.cumsum(self.grads)))  # [i]: of the nodes before i
-        self.last_saver = array([max(k, n.last_saver) for k, n in enumerate(nodes)])
-        self.output = array([n.output_bytes for n in nodes])
+        self.last_saver = np.maximum(index, column["last_saver"])
+        self.columns = column  # the rest, for the cost model's prefix sums
+        # every read (reader, node read, that node's storage), by reader, each once
+        read = self.user >= 0
+        pairs = np.unique(self.user[read] * max(n, 1) + self.user_of[read])
+        self.reader, self.read = np.divmod(pairs, max(n, 1))
         # the node whose storage a node's value lives on: itself, or for a view its largest input's
-        base = list(range(len(nodes)))
-        producers: list[list[int]] = [[] for _ in nodes]  # per node, the nodes it reads, in order
-        for j, n in enumerate(nodes):
-            for u in set(n.users):
-                if u >= 0:
-                    producers[u].append(j)
-        reads = [(u, j) for u, read in enumerate(producers) for j in read]  # by reader
-        outputs = [n.output_bytes for n in nodes]
-        for j, n in enumerate(nodes):
-            if n.made_bytes == 0 and n.output_bytes and producers[j]:
-                base[j] = base[max(producers[j], key=outputs.__getitem__)]
-        # every read (reader, node read, that node's storage), by reader
-        self.reader = array([u for u, _ in reads])
-        self.read = array([j for _, j in reads])
-        self.read_base = array([base[j] for _, j in reads])
+        largest = np.lexsort((self.read, -self.output[self.read], self.reader))  # per reader, its largest read first
+        first = largest[np.flatnonzero(np.diff(self.reader[largest], prepend=-1))]
+        widest = dict(zip(self.reader[first].tolist(), self.read[first].tolist()))
+        base = list(range(n))
+        views = np.flatnonzero((self.made == 0) & (self.output != 0)).tolist()
+        for j in views:
+            if j in widest:
+                base[j] = base[widest[j]]
+        self.read_base = np.asarray(base, dtype=np.int64)[self.read]
         # a reader whose value takes no gradient (a shape) gives its inputs none
-        edges = sorted((u, j) for j, n in enumerate(nodes) for u in n.users if u >= 0 and nodes[u].output_grad_bytes)
-        self.consumer = array([u for u, _ in edges])
-        self.producer = array([j for _, j in edges])
-        self.gradient = array([_edge_gradient(nodes, u, j) for u, j in edges])
-        self.forwarded = np.asarray([j in nodes[u].forwarded_grads for u, j in edges], dtype=bool)
-        first_reader = [len(nodes)] * len(nodes)
-        for u, j in reversed(reads):
-            first_reader[j] = u
-        self.first_reader = array(first_reader)
+        output_grad = column["output_grad_bytes"]
+        taking = read.copy()
+        taking[read] = output_grad[self.user[read]] != 0
+        order = np.lexsort((self.user_of[taking], self.user[taking]))
+        self.consumer, self.producer = self.user[taking][order], self.user_of[taking][order]
+        self.gradient = output_grad[self.producer]
+        self.forwarded = np.zeros(self.consumer.size, dtype=bool)
+        for k in np.flatnonzero(np.isin(self.consumer, [u for u, node in enumerate(nodes) if node.forwarded_grads])):
+            u, j = int(self.consumer[k]), int(self.producer[k])
+            self.forwarded[k] = j in nodes[u].forwarded_grads
+            self.gradient[k] = _edge_gradient(nodes, u, j)
+        self.first_reader = np.full(n, n, dtype=np.int64)
+        np.minimum.at(self.first_reader, self.read, self.reader)
         # (not counting the graph's output, gathered in a container: its values take no gradient)
-        summing = [(u, j, f or nodes[u].made_bytes == 0) for (u, j), f in zip(edges, self.forwarded)
-                   if nodes[u].made_bytes or any(x >= 0 for x in nodes[u].users)]
+        edges = list(zip(self.consumer.tolist(), self.producer.tolist()))
+        read_by_node = np.zeros(n, dtype=bool)  # whether a node's value is read by a node
+        read_by_node[self.read] = True
+        made_by = (self.made != 0)[self.consumer]
+        hands = made_by | read_by_node[self.consumer]
+        summing = [(u, j, f or not m) for (u, j), f, m, h in
+                   zip(edges, self.forwarded.tolist(), made_by.tolist(), hands.tolist()) if h]
         summed = _summed_with(summing, edges)
-        self.summed_at, self.summed_with = array([x for x, _ in summed]), array([y for _, y in summed])
+        self.summed_at, self.summed_with = (np.array([x for x, _ in summed], dtype=np.int64),
+                                            np.array([y for _, y in summed], dtype=np.int64))
         # per node, the gradients its backward hands the values it reads
-        self.handed = np.bincount(self.consumer, weights=self.gradient, minlength=len(nodes)).astype(np.int64)
+        self.handed = np.bincount(self.consumer, weights=self.gradient, minlength=n).astype(np.int64)
 
 
 def _summed_with(

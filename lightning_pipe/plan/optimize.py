@@ -18,6 +18,8 @@ device-host link (``None``: no swapping).
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from lightning_pipe.plan.memory import CostModel, StagePeak, Waiting
 from lightning_pipe.plan.policy import CodedPolicies, Policy
 
@@ -138,8 +140,7 @@ def _greedy(stage: "PricedStage", base: StageOptimum) -> StageOptimum:
         )
     # (ms per byte freed, node), highest MSPS first. A node keeps its inputs (it saves them
     # first) or what it made: inside a recomputed region with their producers, both go.
-    recomputes = _steady_order([(model.forward_ms[i] / model.saved[i], i) for i in range(lo, hi) if model.saved[i] > 0],
-                               model.saved)
+    recomputes = _steady_order(model, lo, hi)
 
     policies: dict[int, Policy] = {}
     late = link = 0.0
@@ -293,11 +294,30 @@ def _pruned(stage: "PricedStage", found: StageOptimum) -> StageOptimum:
     policies = dict(found.policies)  # in the order chosen
     coded = CodedPolicies.of({**stage.earlier, **policies}, stage.model.n)
     order = sorted(found.policies, key=lambda i: (found.policies[i] == "swap", stage.model.saved[i], i))
-    while first := _first_drop(stage, coded, order, stage.capacity):
-        i = order[first[0]]
+    run = 4  # how many drops in a row to price at once
+    while order:
+        # The drops next in order, each with those before it, priced at once: one at a time, the
+        # search drops each of a leading run that fits (it fits when it is the next one asked).
+        ahead = order[:run]
+        dropped = [coded]
+        for i in ahead:
+            dropped.append(dropped[-1].without(i))
+        fitting = next((k for k, total in enumerate(stage.totals_of(dropped[1:])) if total > stage.capacity),
+                       len(ahead))
+        for i in ahead[:fitting]:
+            del policies[i]
+        coded, order = dropped[fitting], order[fitting:]
+        if fitting == len(ahead):
+            run = min(2 * run, 64)
+            continue
+        run = 4
+        # the next one does not fit dropped: the first after it that does
+        if not (first := _first_drop(stage, coded, order[1:], stage.capacity)):
+            break
+        i = order[1 + first[0]]
         coded = coded.without(i)
         del policies[i]
-        order = order[first[0] + 1 :]
+        order = order[first[0] + 2 :]
     return stage.priced(policies) if len(policies) < len(found.policies) else found
 
 
@@ -314,18 +334,22 @@ def _join_swaps(model: CostModel, lo: int, hi: int, i: int, policies: dict[int, 
             policies.update(dict.fromkeys(gap, "swap"))
 
 
-def _steady_order(costs: list[tuple[float, int]], saved: Sequence[int]) -> list[tuple[float, int]]:
-    """``(cost, node)`` cheapest first, where costs within :data:`TIME_NOISE` of a run's cheapest
-    count as equal and the node keeping more bytes goes first: measured times vary from one
-    profile to the next, bytes do not, so the same model gets the same choices."""
-    ordered = sorted(costs)
-    runs: list[list[tuple[float, int]]] = []
+def _steady_order(model: CostModel, lo: int, hi: int) -> list[tuple[float, int]]:
+    """``(ms per byte freed, node)`` of the nodes of ``[lo, hi)`` saving bytes, cheapest first,
+    where costs within :data:`TIME_NOISE` of a run's cheapest count as equal and the node
+    keeping more bytes goes first: measured times vary from one profile to the next, bytes do
+    not, so the same model gets the same choices. (Sorted by NumPy: a split search orders
+    thousands of stages.)"""
+    nodes, costs, saved = model.recompute_costs(lo, hi)
+    order = np.lexsort((nodes, costs))  # by (cost, node)
+    ordered = costs[order].tolist()
+    runs, first, run = [], 0.0, -1
     for cost in ordered:
-        if runs and cost[0] <= runs[-1][0][0] * (1 + TIME_NOISE):
-            runs[-1].append(cost)
-        else:
-            runs.append([cost])
-    return [c for run in runs for c in sorted(run, key=lambda c: (-saved[c[1]], c[1]))]
+        if run < 0 or cost > first * (1 + TIME_NOISE):
+            first, run = cost, run + 1
+        runs.append(run)
+    order = order[np.lexsort((nodes[order], -saved[order], np.asarray(runs)))]  # within a run, by (-bytes, node)
+    return list(zip(costs[order].tolist(), nodes[order].tolist()))
 
 
 def _better(a: StageOptimum, b: StageOptimum) -> bool:
@@ -360,7 +384,10 @@ class PricedStage:
 
     def totals(self, coded: CodedPolicies, drops: Sequence[int]) -> list[int]:
         """The stage's peak total with each of ``drops`` kept in turn, priced at once."""
-        variants = [coded.without(i) for i in drops]
+        return self.totals_of([coded.without(i) for i in drops])
+
+    def totals_of(self, variants: Sequence[CodedPolicies]) -> list[int]:
+        """The stage's peak total under each of ``variants`` (every node's policy), priced at once."""
         peaks = self.model.peaks(self.lo, self.hi, self.in_flight, variants, self.weight_versions, self.waiting)
         return [p.total for p in peaks]
 

@@ -238,11 +238,13 @@ class _Trace:
     range asked, its stage and the value that decided it (its cost, or a bound that told
     already: an upper one under the limit, a lower one over it). At another threshold where
     each value compares as before, the search would ask the same ranges and answer alike:
-    fill-first is a function of its comparisons."""
+    fill-first is a function of its comparisons. Kept per stage as the largest value within
+    its limit and the smallest over it, which decide whether all compare alike."""
 
     def __init__(self, scales: Sequence[float], cost: Cost, bound: Cost | None, upper: Cost | None) -> None:
         self.scales, self.cost, self.bound, self.upper = scales, cost, bound, upper
-        self.compared: list[tuple[int, float, bool]] = []  # (stage, deciding value, within)
+        self.within_at_most: dict[int, float] = {}  # per stage, the largest value found within its limit
+        self.over_at_least: dict[int, float] = {}  # per stage, the smallest value found over it
         self.found: list[int] | None = None
 
     def within(self, lo: int, hi: int, s: int, limit: float) -> bool:
@@ -250,13 +252,17 @@ class _Trace:
         if value <= limit:
             upper = self.upper(lo, hi, s) if self.upper else math.inf
             value = upper if upper <= limit else max(value, self.cost(lo, hi, s))
-        self.compared.append((s, value, value <= limit))
+        if value <= limit:
+            self.within_at_most[s] = max(value, self.within_at_most.get(s, -math.inf))
+        else:
+            self.over_at_least[s] = min(value, self.over_at_least.get(s, math.inf))
         return value <= limit
 
     def holds(self, threshold: float) -> bool:
         """Whether fill-first at ``threshold`` compares every range asked as this search did
         (limits computed as :func:`_min_max` computes them, so exactly alike)."""
-        return all((value <= threshold * self.scales[s]) == fits for s, value, fits in self.compared)
+        return (all(value <= threshold * self.scales[s] for s, value in self.within_at_most.items())
+                and all(value > threshold * self.scales[s] for s, value in self.over_at_least.items()))
 
 
 def _crossing(left: Callable[[int], float], right: Callable[[int], float], a: int, b: int) -> int:
@@ -284,12 +290,21 @@ def fitting_split(name: Partitioner, stages: Stages) -> list[int] | None:
 
 def _dawnpiper(stages: Stages) -> list[int]:
     """The fastest split that fits (up to :data:`TIE`: :func:`_steadiest`) of
-    :func:`_dawnpiper_fitting`'s; when none fits, the bisection's split."""
-    fitting = list(_dawnpiper_fitting(stages))
+    :func:`_dawnpiper_fitting`'s; when none fits, the bisection's split. A candidate whose
+    step before any recompute or swap (:meth:`~lightning_pipe.plan.stages.Stages.least_step_ms`)
+    is over :data:`TIE` slower than a fitting one's is not priced: :func:`_steadiest` would
+    leave it out whether it fits or not."""
+    fitting: list[list[int]] = []
+
+    def chosen_if_fits(balance: Sequence[int]) -> bool:
+        return not fitting or stages.least_step_ms(balance) <= min(map(stages.step_ms, fitting)) * (1 + TIE)
+
+    fitting.extend(_dawnpiper_fitting(stages, chosen_if_fits))
     return _steadiest(stages, fitting) if fitting else bisected(stages)
 
 
-def _dawnpiper_fitting(stages: Stages) -> Iterator[list[int]]:
+def _dawnpiper_fitting(stages: Stages, priced: Callable[[Sequence[int]], bool] = lambda _: True
+                       ) -> Iterator[list[int]]:
     """Dawnpiper's candidates that fit, each priced only when the one before is taken: the
     bisection's split and every baseline's, so dawnpiper is never worse than another
     partitioner; the bisection also runs without memory optimisation, so optimising never
@@ -297,13 +312,14 @@ def _dawnpiper_fitting(stages: Stages) -> Iterator[list[int]]:
     (:func:`reachable`), a search for any split that fits, then the split with the
     lowest peak (:func:`floor`, the split
     :class:`~lightning_pipe.plan.plan.InfeasiblePlanError` reports: so a plan is refused only
-    when that split does not fit either)."""
+    when that split does not fit either). ``priced``: whether a candidate is worth pricing
+    (one that is not is passed over)."""
     searches = [stages, stages.kept()] if stages.optimise_memory else [stages]
     # each split made only once the ones before are priced: a search over sizes stops at the first that fits
     candidates = itertools.chain((bisected(m) for m in searches), (split(name, stages) for name in BASELINES))
     found, seen = False, set()
     for balance in map(tuple, candidates):
-        if balance not in seen and stages.fits(balance):
+        if balance not in seen and priced(balance) and stages.fits(balance):
             found = True
             yield list(balance)
         seen.add(balance)

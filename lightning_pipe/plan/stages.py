@@ -209,46 +209,57 @@ class Stages:
     def overfull(self, lo: int, hi: int, s: int) -> bool:
         """Whether stage ``s`` on ``[lo, hi)`` goes over its capacity with what no memory
         optimisation takes off (parameters, their state, the largest workspace): a bound that
-        costs no optimisation."""
-        return self.model.static(lo, hi, self.weight_versions) + self.model.transient(lo, hi) > self.capacities[s]
+        costs no optimisation (cached: a search moving one cut asks the other stages again)."""
+        if (over := self.cache.overfull.get((lo, hi, s))) is None:
+            over = self.cache.overfull[lo, hi, s] = (
+                self.model.static(lo, hi, self.weight_versions) + self.model.transient(lo, hi) > self.capacities[s])
+        return over
 
     def times(self, balance: Sequence[int]) -> list[StageTime]:
         """Per stage of ``balance``, placed, its times per micro-batch (cached: a search asks
         a split's step and its idle stages)."""
         if (times := self.cache.times.get(tuple(balance))) is None:
-            model, times = self.model, []
-            for r, o in zip(stage_ranges(balance), self.placed(balance)):
-                forward = model.forward_time(r.start, r.stop)
-                backward = model.compute_ms(r.start, r.stop) - forward
-                times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, model.send_ms(r.start, r.stop)))
+            times = [StageTime(forward, backward, o.recompute_ms, o.swap_ms, send)
+                     for (forward, backward, send), o in zip(self._compute_times(balance), self.placed(balance))]
             self.cache.times[tuple(balance)] = times
         return times
+
+    def _compute_times(self, balance: Sequence[int]) -> list[tuple[float, float, float]]:
+        """Per stage of ``balance``, its forward, backward and send milliseconds per micro-batch
+        (cached by range: a search moving one cut asks the other stages' again)."""
+        found, computed, lo = [], self.cache.compute_times, 0
+        for count in balance:
+            hi = lo + count
+            if (times := computed.get((lo, hi))) is None:
+                forward = self.model.forward_time(lo, hi)
+                times = computed[lo, hi] = (forward, self.model.compute_ms(lo, hi) - forward,
+                                            self.model.send_ms(lo, hi))
+            found.append(times)
+            lo = hi
+        return found
 
     def step_ms(self, balance: Sequence[int]) -> float:
         """Simulated step time of ``balance``, placed; its slowest stage without an ``order`` (cached)."""
         key = tuple(balance)
         if key not in self.cache.steps:
-            times = self.times(balance)
-            if self.order and self.cache.replay is None:
-                self.cache.replay = Replay(self.order)
-            self.cache.steps[key] = (
-                self.cache.replay.run(times).step_ms if self.cache.replay
-                else max(t.forward + t.backward + t.recompute + t.swap + t.send for t in times)
-            )
+            self.cache.steps[key] = self._replayed(self.times(balance))
         return self.cache.steps[key]
 
     def least_step_ms(self, balance: Sequence[int]) -> float:
         """A lower bound of :meth:`step_ms` known before any stage is optimised: the step with
-        no recompute or swap (a simulated step never shortens as a stage's time grows)."""
-        model, times = self.model, []
-        for r in stage_ranges(balance):
-            forward = model.forward_time(r.start, r.stop)
-            times.append(StageTime(forward, model.compute_ms(r.start, r.stop) - forward,
-                                   send=model.send_ms(r.start, r.stop)))
+        no recompute or swap (a simulated step never shortens as a stage's time grows; cached)."""
+        if (step := self.cache.least_steps.get(key := tuple(balance))) is None:
+            step = self.cache.least_steps[key] = self._replayed(
+                [StageTime(forward, backward, send=send) for forward, backward, send in self._compute_times(balance)])
+        return step
+
+    def _replayed(self, times: Sequence[StageTime]) -> float:
+        """The simulated step of stages taking ``times``; the slowest stage's time without an ``order``."""
         if self.order and self.cache.replay is None:
             self.cache.replay = Replay(self.order)
-        return (self.cache.replay.run(times).step_ms if self.cache.replay
-                else max(t.forward + t.backward + t.send for t in times))
+        if self.cache.replay:
+            return self.cache.replay.run(times).step_ms
+        return max(t.forward + t.backward + t.recompute + t.swap + t.send for t in times)
 
     def kept_peak(self, lo: int, hi: int, s: int) -> int:
         """The peak of stage ``s`` on ``[lo, hi)`` keeping every activation, with nothing
@@ -331,6 +342,9 @@ class Found:
     prunes: dict[tuple[object, ...], StageOptimum | None] = field(default_factory=dict)  # None: nothing to drop
     steps: dict[tuple[int, ...], float] = field(default_factory=dict)
     times: dict[tuple[int, ...], list[StageTime]] = field(default_factory=dict)  # Stages.times
+    compute_times: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
+    least_steps: dict[tuple[int, ...], float] = field(default_factory=dict)  # Stages.least_step_ms
+    overfull: dict[tuple[int, int, int], bool] = field(default_factory=dict)  # Stages.overfull
     # a stage's peak under a whole split's policies, by the policies it reads (Stages._peak)
     peaks: dict[tuple[object, ...], StagePeak] = field(default_factory=dict)
     kept_peaks: dict[tuple[int, int, int], int] = field(default_factory=dict)  # Stages.kept_peak

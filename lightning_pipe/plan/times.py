@@ -2,6 +2,9 @@
 
 import re
 import statistics
+from operator import attrgetter
+
+import numpy as np
 
 from lightning_pipe.plan.profile import Profile
 
@@ -18,21 +21,32 @@ def pooled_times(profile: Profile) -> tuple[list[float], list[float]]:
     and the same byte counts, i.e. the same operation on the same shapes. Repeated blocks then
     cost exactly the same, so splits that differ only in which copy they cut tie exactly rather
     than by timing noise, and a pooled time is less noisy than one measurement."""
+    nodes = profile.nodes
+    # (one substitution over every name: node names hold no line breaks)
+    names = _NUMBERS.sub("#", "\n".join(n.name for n in nodes)).split("\n") if nodes else []
     groups: dict[tuple[object, ...], list[int]] = {}
-    for i, n in enumerate(profile.nodes):
-        work = (
-            _NUMBERS.sub("#", n.name), n.output_bytes, n.saved_bytes, n.transient_bytes, n.param_bytes,
-            n.backward_bytes, n.output_grad_bytes,
-        )
+    for i, work in enumerate(zip(names, map(_WORK_BYTES, nodes))):
         groups.setdefault(work, []).append(i)
-    forward = [0.0] * len(profile.nodes)
-    backward = [0.0] * len(profile.nodes)
+    forward = [n.forward_ms for n in nodes]
+    backward = [n.backward_ms for n in nodes]
     for members in groups.values():
-        f = on_grid(_median([profile.nodes[i].forward_ms for i in members]))
-        b = on_grid(_median([profile.nodes[i].backward_ms for i in members]))
-        for i in members:
-            forward[i], backward[i] = f, b
-    return forward, backward
+        if len(members) > 1:
+            f = _median([forward[i] for i in members])
+            b = _median([backward[i] for i in members])
+            for i in members:
+                forward[i], backward[i] = f, b
+    return _on_grid(forward), _on_grid(backward)
+
+
+# The byte counts of a node's work: with its name but for numbers, what makes two nodes' work the same.
+_WORK_BYTES = attrgetter("output_bytes", "saved_bytes", "transient_bytes", "param_bytes", "backward_bytes",
+                         "output_grad_bytes")
+
+
+def _on_grid(ms: list[float]) -> list[float]:
+    """:func:`on_grid` of each of ``ms`` (rounded half to even, as :func:`round` does)."""
+    grid: list[float] = (np.round(np.asarray(ms, dtype=np.float64) / TICK_MS) * TICK_MS).tolist()
+    return grid
 
 
 def _median(values: list[float]) -> float:
