@@ -316,8 +316,11 @@ class _TimedStage(PipelineStage):
                 with module.clock.backward(0, self.device) if module.clock else nullcontext():
                     super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
                 return
-            except OUT_OF_MEMORY as error:
-                module.failure.fail(error)
+            except RuntimeError as error:  # (pipelining raises its own, from the backward's)
+                cause = error if isinstance(error, OUT_OF_MEMORY) else error.__cause__
+                if not isinstance(cause, OUT_OF_MEMORY):
+                    raise
+                module.failure.fail(cause)
         self.fwd_cache.pop(bwd_chunk_id, None)  # (its activations, freed)
         # pipelining sends zeros for a gradient that is None
         self.bwd_cache[bwd_chunk_id] = (None,) * len(module.inputs.examples(False))

@@ -122,13 +122,16 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     scenarios = [str(STEPS), *PP2, SAVED, BF16, FP16, "2", "hf:1f1b:2:metered", str(STEPS), *DENOISER_PP2,
-                 str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded", "empty", "exported"]
+                 str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded", "empty", str(STEPS), RECOVER,
+                 "shrink", "replans", f"faults:{FAULTS}", "exported"]
     out = tmp_path_factory.mktemp("two_ranks")
     (out / "saved-plan.json").write_text(_saved_plan().to_json())
     return _launch(out, 2, *scenarios)
 
 
 SAVED = "gpt:1f1b:2:saved"  # the plan _saved_plan writes, followed as is
+RECOVER = "recover:gpt:1f1b:1:1:0.1"  # the last rank's meter cut to 90% of its peak at batch 1: out mid-step
+FAULTS = 2  # the first cases of python -m benchmarks.faults --runtime distributed
 BF16 = "gpt:1f1b:2:metered:bf16"  # Trainer(precision="bf16-mixed")
 FP16 = "gpt:1f1b:2:fp16"  # 16-mixed, with the grad scaler a GPU has
 
@@ -147,7 +150,7 @@ def _saved_plan() -> Plan:
                 nodes=names)
 
 
-def _reference(family: str, replicas: int, features: bool = False, precision: str = "32-true"
+def _reference(family: str, replicas: int, features: bool = False, precision: str = "32-true", steps: int = STEPS
                ) -> dict[str, torch.Tensor]:
     """Single-device training on the global batches the replicas see together: Lightning's
     distributed sampler shuffles training data (seed 0) and deals it out by replica.
@@ -163,7 +166,7 @@ def _reference(family: str, replicas: int, features: bool = False, precision: st
         overflow_at_second_step(model, lambda: k)
     share = BATCH // replicas
     orders = [list(DistributedSampler(data, replicas, r, shuffle=True, seed=0)) for r in range(replicas)]
-    for k in range(STEPS * accumulate):
+    for k in range(steps * accumulate):
         batch = default_collate([data[i] for order in orders for i in order[k * share : (k + 1) * share]])
         if k % accumulate == 0:
             optimizer.zero_grad()
@@ -648,3 +651,59 @@ def test_hooks_run_in_lightnings_order_with_its_values_on_every_rank(two_ranks):
     expected = [list(call) for call in _hooks()]
     for rank in range(2):
         assert json.loads(two_ranks.path(f"hooks-rank{rank}.json").read_text()) == expected, rank
+
+
+def _equal_single_device(state: dict[str, torch.Tensor], steps: int = STEPS) -> None:
+    for key, value in _reference("gpt", 1, steps=steps).items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_a_rank_out_of_memory_mid_step_is_planned_again_on_every_rank_and_trains_as_one_device(two_ranks):
+    """The last rank's meter refuses in the middle of step 1's schedule: it goes on without
+    computing, both ranks learn of it after the schedule, plan again below what the rank has
+    left, move parameters and optimizer state (SGD's momentum) to their new ranks and run the
+    step again: the weights are single-device training's."""
+    name = "recover-gpt-1f1b-1-1"
+    _equal_single_device(torch.load(two_ranks.path(f"{name}.ckpt"), weights_only=False)["state_dict"])
+    ranks = [json.loads(two_ranks.path(f"{name}-rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["splits"] == ranks[1]["splits"] and len(ranks[0]["splits"]) == STEPS
+    (before, *_), (after, *_) = ranks[0]["splits"][0], ranks[0]["splits"][1]
+    assert before != after  # parameters moved between the ranks
+    (warned,) = ranks[0]["warned"]
+    assert re.match(rf"Planned again \(1 of at most 3\): Stage 1 is out of memory.*Balance "
+                    rf"{re.escape(str(before))} -> {re.escape(str(after))}", warned.replace("\n", " ")), warned
+    assert ranks[1]["capacity"] is not None and ranks[1]["peak"] <= ranks[1]["capacity"]  # under the cut since
+
+
+@pytest.mark.slow
+def test_a_memory_limit_lowered_mid_run_is_planned_for_on_every_rank_and_training_goes_on_unchanged(two_ranks):
+    """At batch 2 of 5 every stage's limit drops to 70% of what the plan's fuller stage needs:
+    the next step runs on a new plan for it, no rank goes over it, and the weights are
+    single-device training's."""
+    _equal_single_device(torch.load(two_ranks.path("shrink.ckpt"), weights_only=False)["state_dict"], steps=5)
+    ranks = [json.loads(two_ranks.path(f"shrink-rank{r}.json").read_text()) for r in range(2)]
+    limit = int(0.7 * ranks[0]["needed"])
+    for rank in ranks:
+        assert rank["lowered"] == [limit] and rank["capacity"] == limit
+        assert rank["splits"][1] != rank["splits"][2] and rank["splits"][2][2] == [limit, limit]  # planned again
+        assert rank["peak"] <= limit  # metered from the new plan on
+    assert ranks[0]["splits"] == ranks[1]["splits"]
+
+
+@pytest.mark.slow
+def test_more_re_plans_than_allowed_is_a_clear_error_on_every_rank(two_ranks):
+    for rank in range(2):
+        error = two_ranks.path(f"replans-rank{rank}.txt").read_text()
+        assert error.startswith("RecoveryError: Stage 0 is out of memory"), error
+        assert "planned again 1 times already (max_replans=1)" in error, error
+
+
+@pytest.mark.slow
+def test_fault_injection_under_the_distributed_runtime_loses_no_run(two_ranks):
+    """The first cases of the fault benchmark's distributed runs (a random family, schedule,
+    rank and step, at which that rank loses 5-40% of the memory it used): none lost."""
+    outcomes = [json.loads(two_ranks.path(f"faults-rank{r}.json").read_text()) for r in range(2)]
+    assert all(len(o) == FAULTS for o in outcomes)
+    assert not [detail for o in outcomes for outcome, detail in o if outcome == "lost"], outcomes
+    assert any(outcome == "recovered" for outcome, _ in outcomes[0]), outcomes
