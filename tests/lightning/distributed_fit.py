@@ -8,10 +8,11 @@ A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16|:fp16]`` 
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut``
-(:func:`recover`), ``shrink`` (:func:`shrink`), ``replans`` (:func:`replans`), ``faults:N`` (:func:`faults`),
-``hooks``, ``features``, ``sharded``, ``refused``, ``exported``, ``indivisible``, ``raise`` or ``hang``
+(:func:`recover`), ``shrink:family:limit`` (:func:`shrink`), ``replans`` (:func:`replans`), ``faults:N``
+(:func:`faults`), ``hooks``, ``features``, ``sharded``, ``refused``, ``exported``, ``indivisible``, ``raise`` or ``hang``
 (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
-``raise`` and ``hang``: each comes last. Every object collective fails on a tensor that is not a CPU copy.
+``raise`` and ``hang``: each comes last (``replans`` ends with an error every rank raises together: the
+processes go on). Every object collective fails on a tensor that is not a CPU copy.
 """
 
 import functools
@@ -141,45 +142,44 @@ def recover(out: Path, devices: int, steps: int, family: str, schedule: str, sta
 
 
 class _Splits(Callback):
-    """The plan's balance and policies at each training batch."""
+    """The plan's balance, recomputed or swapped nodes and targets at each training batch."""
 
     def __init__(self, strategy: MemoryPipeStrategy) -> None:
         self.strategy, self.seen = strategy, []
 
     def on_train_batch_end(self, trainer, *args) -> None:
         plan = self.strategy.plan
-        self.seen.append([plan.balance, plan.policies, plan.targets])
+        self.seen.append([plan.balance, [k for k, p in enumerate(plan.policies) if p != "keep"], plan.targets])
 
 
-def shrink(out: Path, devices: int) -> None:
-    """The GPT planned at pp=``devices`` with no memory limit; at batch 2 of 5 a callback gives
-    every stage 70% of the fuller stage's prediction (:class:`_Lower`), on every rank. Every
-    rank saves the split at each batch, the limit, and its metered peak from the re-plan on."""
-    model, data = make("gpt")
+def shrink(out: Path, devices: int, family: str, limit: int) -> None:
+    """``family`` planned at pp=``devices`` under ``memory_limit=limit``; at batch 2 of 5 a
+    callback lowers every stage's limit by 30% (:class:`_Lower`), on every rank. Every rank
+    saves the split at each batch, the limits, and its metered peak from the re-plan on."""
+    model, data = make(family)
     strategy = MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner="dawnpiper",
-                                  measure_memory=True, timeout=timedelta(minutes=1))
-    splits, lowered = _Splits(strategy), _Lower(strategy, 2, 0.7)
+                                  measure_memory=True, memory_limit=limit, timeout=timedelta(minutes=1))
+    splits = _Splits(strategy)
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=5, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[lowered, splits])
+                      callbacks=[_Lower(strategy, 2, 0.7), splits])
     trainer.fit(model, loader(data, BATCH))
-    trainer.save_checkpoint(out / "shrink.ckpt")
-    result = {"splits": splits.seen, "needed": lowered.needed, "lowered": strategy.memory_limit,
-              "peak": strategy.meter.stages[0].peak, "capacity": strategy.meter.capacities[0]}
-    (out / f"shrink-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    trainer.save_checkpoint(out / f"shrink-{family}.ckpt")
+    result = {"splits": splits.seen, "lowered": strategy.memory_limit, "peak": strategy.meter.stages[0].peak,
+              "capacity": strategy.meter.capacities[0]}
+    (out / f"shrink-{family}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 class _Lower(Callback):
-    """At training batch ``step`` every stage's limit becomes ``share`` of what the plan's
-    fuller stage needs (``needed``), as when another job takes memory."""
+    """At training batch ``step`` every stage's limit becomes ``share`` of what it was, as when
+    another job takes memory."""
 
     def __init__(self, strategy: MemoryPipeStrategy, step: int, share: float) -> None:
-        self.strategy, self.step, self.share, self.needed = strategy, step, share, 0
+        self.strategy, self.step, self.share = strategy, step, share
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if batch_idx == self.step:
-            self.needed = max(s.peak.total for s in self.strategy.plan.stages)
-            self.strategy.memory_limit = int(self.share * self.needed)
+            self.strategy.memory_limit = [int(self.share * limit) for limit in self.strategy.memory_limit]
 
 
 def replans(out: Path, devices: int) -> None:
@@ -491,7 +491,7 @@ def refused(out: Path, devices: int) -> None:
 
 
 SCENARIOS = {"hooks": hooks, "refused": refused, "indivisible": indivisible, "features": features, "sharded": sharded,
-             "empty": empty, "exported": exported, "shrink": shrink, "replans": replans,
+             "empty": empty, "exported": exported, "replans": replans,
              "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
 
@@ -509,6 +509,9 @@ if __name__ == "__main__":
         elif scenario.startswith("recover:"):
             _, family, schedule, stage, step, cut = scenario.split(":")
             recover(out, devices, steps, family, schedule, int(stage), int(step), float(cut))
+        elif scenario.startswith("shrink:"):
+            _, family, limit = scenario.split(":")
+            shrink(out, devices, family, int(limit))
         elif scenario.startswith("faults:"):
             faults(out, devices, int(scenario.split(":")[1]))
         elif scenario.startswith("metrics:"):

@@ -123,13 +123,16 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     scenarios = [str(STEPS), *PP2, SAVED, BF16, FP16, "2", "hf:1f1b:2:metered", str(STEPS), *DENOISER_PP2,
                  str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded", "empty", str(STEPS), RECOVER,
-                 "shrink", "replans", f"faults:{FAULTS}", "exported"]
+                 f"shrink:gpt:{SHRINK_LIMIT}", "replans", f"faults:{FAULTS}", "exported"]
     out = tmp_path_factory.mktemp("two_ranks")
     (out / "saved-plan.json").write_text(_saved_plan().to_json())
     return _launch(out, 2, *scenarios)
 
 
 SAVED = "gpt:1f1b:2:saved"  # the plan _saved_plan writes, followed as is
+# the GPT's fuller stage at pp=2 under 1F1B needs 707,456 B unconstrained, no plan less than 512,896 B:
+# lowered by 30%, the limit binds and a plan fits
+SHRINK_LIMIT = 900_000
 RECOVER = "recover:gpt:1f1b:1:1:0.1"  # the last rank's meter cut to 90% of its peak at batch 1: out mid-step
 FAULTS = 2  # the first cases of python -m benchmarks.faults --runtime distributed
 BF16 = "gpt:1f1b:2:metered:bf16"  # Trainer(precision="bf16-mixed")
@@ -678,15 +681,16 @@ def test_a_rank_out_of_memory_mid_step_is_planned_again_on_every_rank_and_trains
 
 @pytest.mark.slow
 def test_a_memory_limit_lowered_mid_run_is_planned_for_on_every_rank_and_training_goes_on_unchanged(two_ranks):
-    """At batch 2 of 5 every stage's limit drops to 70% of what the plan's fuller stage needs:
-    the next step runs on a new plan for it, no rank goes over it, and the weights are
-    single-device training's."""
-    _equal_single_device(torch.load(two_ranks.path("shrink.ckpt"), weights_only=False)["state_dict"], steps=5)
-    ranks = [json.loads(two_ranks.path(f"shrink-rank{r}.json").read_text()) for r in range(2)]
-    limit = int(0.7 * ranks[0]["needed"])
+    """At batch 2 of 5 a callback lowers every stage's limit by 30%, below what the plan's
+    fuller stage needs: the next step runs on a new plan for it, no rank goes over it, and the
+    weights are single-device training's."""
+    _equal_single_device(torch.load(two_ranks.path("shrink-gpt.ckpt"), weights_only=False)["state_dict"], steps=5)
+    ranks = [json.loads(two_ranks.path(f"shrink-gpt-rank{r}.json").read_text()) for r in range(2)]
+    limit = int(0.7 * SHRINK_LIMIT)
     for rank in ranks:
-        assert rank["lowered"] == [limit] and rank["capacity"] == limit
-        assert rank["splits"][1] != rank["splits"][2] and rank["splits"][2][2] == [limit, limit]  # planned again
+        assert rank["lowered"] == [limit, limit] and rank["capacity"] == limit
+        assert [targets for *_, targets in rank["splits"]] == [[SHRINK_LIMIT] * 2] * 2 + [[limit] * 2] * 3
+        assert rank["splits"][1][:2] != rank["splits"][2][:2]  # planned again: recomputing to fit
         assert rank["peak"] <= limit  # metered from the new plan on
     assert ranks[0]["splits"] == ranks[1]["splits"]
 
