@@ -9,8 +9,8 @@ A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16|:fp16]`` 
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut``
 (:func:`recover`), ``shrink:family:limit`` (:func:`shrink`), ``replans`` (:func:`replans`), ``faults:N``
-(:func:`faults`), ``hooks``, ``features``, ``sharded``, ``refused``, ``exported``, ``indivisible``, ``raise`` or ``hang``
-(:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
+(:func:`faults`), ``hooks``, ``features``, ``sharded``, ``refused``, ``exported``, ``indivisible``, ``raise``
+or ``hang`` (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
 ``raise`` and ``hang``: each comes last (``replans`` ends with an error every rank raises together: the
 processes go on). Every object collective fails on a tensor that is not a CPU copy.
 """
