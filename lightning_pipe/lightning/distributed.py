@@ -111,6 +111,7 @@ __all__ = ["DistributedEngine"]
 
 Logged = list[tuple[str, Any, dict[str, Any]]]
 _E = TypeVar("_E", bound=BaseException)
+_T = TypeVar("_T")
 
 
 class DistributedEngine(Engine):
@@ -936,17 +937,13 @@ class DistributedEngine(Engine):
 
             self._step_loss = loss_fn
             bound = self._step_inputs("training_step", microbatches, batch_idx, turn)
-            with self._running():  # a copy: the first rank holds it beside the batch
-                inputs = gather(bound, self.root_device) if pipe.is_first else None
+            # a copy: the first rank holds it beside the batch
+            inputs = self._unrefused(lambda: gather(bound, self.root_device) if pipe.is_first else None)
             _before_step(module, optimizer, batch_idx)
             self.clock.reset()
             with self._running():
                 pipe.rank.train_step(inputs)
-            try:
-                self._agree(pipe.failure.clear())
-            except OUT_OF_MEMORY:
-                self._calls = turn  # the step runs again under the same random states
-                raise
+            self._agree_on_step(turn)
             logged: Logged = []
             if pipe.is_last:
                 with _recording(module, logged):
@@ -958,13 +955,47 @@ class DistributedEngine(Engine):
         call_callback_hooks(module.trainer, "on_before_backward", loss / accumulate)
         call_module_hook(module.trainer, "on_before_backward", loss / accumulate)
         if self.stepping:
-            with self._running():
-                pipe.sync_gradients()
+            self._unrefused(pipe.sync_gradients)
+            self._agree_on_step(turn)
             if scaler is not None:
                 self._overflow_everywhere()
         call_callback_hooks(module.trainer, "on_after_backward")
         call_module_hook(module.trainer, "on_after_backward")
         return cast(Tensor, loss).to(self.root_device)
+
+    def _unrefused(self, run: Callable[[], _T]) -> _T:
+        """``run()`` as this rank's, the meter refusing nothing inside (a collective in it must
+        meet its peers'); where the rank went past its limit in it, the step has failed (every
+        rank learns of it at :meth:`_agree_on_step`)."""
+        assert self.pipe is not None
+        meter = self.meter
+        capacity = meter.capacities[0] if meter is not None else None
+        if meter is None or capacity is None:
+            with self._running():
+                return run()
+        memory = meter.stages[0]
+        held, peak, kinds = memory.total, memory.peak, memory.peak_by_kind
+        memory.peak, meter.capacities[0] = held, None
+        try:
+            with self._running():
+                result = run()
+        finally:
+            during, meter.capacities[0] = memory.peak, capacity
+            if during <= peak:  # (the step's own peak stands)
+                memory.peak, memory.peak_by_kind = peak, kinds
+        if during > capacity:
+            self.pipe.failure.fail(StageOutOfMemoryError(0, capacity, during - held, held))
+        return result
+
+    def _agree_on_step(self, turn: int) -> None:
+        """:meth:`_agree` on whether the step ran out of memory on a rank; if so, the step
+        (call ``turn`` of the user's) runs again under the same random states."""
+        assert self.pipe is not None
+        try:
+            self._agree(self.pipe.failure.clear())
+        except OUT_OF_MEMORY:
+            self._calls = turn
+            raise
 
     def _overflow_everywhere(self) -> None:
         """Under 16-mixed, every rank skips the step (and lowers its scale) when any rank's

@@ -8,7 +8,7 @@ A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16|:fp16]`` 
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut``
-(:func:`recover`), ``shrink:family:limit`` (:func:`shrink`), ``replans`` (:func:`replans`), ``faults:N``
+(:func:`recover`), ``shrink:family:limit`` (:func:`shrink`), ``drift``, ``replans`` (:func:`replans`), ``faults:N``
 (:func:`faults`), ``hooks``, ``features``, ``sharded``, ``refused``, ``exported``, ``indivisible``, ``raise``
 or ``hang`` (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
 ``raise`` and ``hang``: each comes last (``replans`` ends with an error every rank raises together: the
@@ -44,6 +44,9 @@ from lightning_pipe import MemoryPipeStrategy
 from tests.models import Denoiser, HookRecorder, MetricUNet, WritesInForward, make
 
 BATCH, CHUNKS = 8, 4
+# the GPT's fuller stage at pp=2 under 1F1B needs 707,456 B unconstrained, no plan less than 512,896 B:
+# a limit with room, which lowered by 30% binds and still fits
+SHRINK_LIMIT = 900_000
 METRIC_STEPS = 4  # the metrics scenario validates every two steps
 ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping by norm, a step-wise LR decay
 
@@ -180,6 +183,40 @@ class _Lower(Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if batch_idx == self.step:
             self.strategy.memory_limit = [int(self.share * limit) for limit in self.strategy.memory_limit]
+
+
+def drift(out: Path, devices: int, steps: int) -> None:
+    """The GPT planned at pp=``devices`` under ``memory_limit=SHRINK_LIMIT``; from batch 1 on,
+    the last rank keeps a tensor the profile never saw, a third of the limit, and no meter
+    refuses (:class:`_Hoard`): its peak drifts past its prediction and its target, and every
+    rank plans again before the next step. Every rank saves the splits and the re-plans warned."""
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner="dawnpiper",
+                                  measure_memory=True, memory_limit=SHRINK_LIMIT, timeout=timedelta(minutes=1))
+    splits = _Splits(strategy)
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[_Hoard(strategy, devices - 1, SHRINK_LIMIT // 3), splits])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(data, BATCH))
+    trainer.save_checkpoint(out / "drift.ckpt")
+    result = {"splits": splits.seen, "warned": [str(w.message) for w in caught if "Planned again" in str(w.message)]}
+    (out / f"drift-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+class _Hoard(Callback):
+    """From training batch 1 on, pipeline rank ``stage`` keeps ``nbytes`` the profile never
+    saw (a cache the user's code fills), and no meter refuses."""
+
+    def __init__(self, strategy: MemoryPipeStrategy, stage: int, nbytes: int) -> None:
+        self.strategy, self.stage, self.nbytes = strategy, stage, nbytes
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        meter = self.strategy.meter
+        meter.capacities[0] = None
+        if batch_idx == 1 and module.device_mesh["pp"].get_local_rank() == self.stage:
+            meter.run_as(0, lambda: setattr(module, "hoard", torch.zeros(self.nbytes // 4)))
 
 
 def replans(out: Path, devices: int) -> None:
@@ -509,6 +546,8 @@ if __name__ == "__main__":
         elif scenario.startswith("recover:"):
             _, family, schedule, stage, step, cut = scenario.split(":")
             recover(out, devices, steps, family, schedule, int(stage), int(step), float(cut))
+        elif scenario == "drift":
+            drift(out, devices, steps)
         elif scenario.startswith("shrink:"):
             _, family, limit = scenario.split(":")
             shrink(out, devices, family, int(limit))
