@@ -344,9 +344,9 @@ class DistributedEngine(Engine):
                     root, graph = meta_replica(module, captured, old.shapes)
             device = torch.device("meta") if self._empty or old is not None else self.root_device
             program = build(graph, root, balance, [device] * stages, policies, place=False)
-            box = [(balance, policies, cuts(program, root, *sample), plan, torch.initial_seed())]
+            box = [(balance, policies, cuts(program, root, *sample), plan, torch.initial_seed(), self._checked_peaks)]
         dist.broadcast_object_list(box, src=0)
-        balance, policies, boundaries, self.plan, self._seed = box[0]
+        balance, policies, boundaries, self.plan, self._seed, self._checked_peaks = box[0]
         program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
         with self._initialising():
             self.pipe = DistributedPipeline(

@@ -187,7 +187,7 @@ class _Lower(Callback):
 
 def drift(out: Path, devices: int, steps: int) -> None:
     """The GPT planned at pp=``devices`` under ``memory_limit=SHRINK_LIMIT``; from batch 1 on,
-    the last rank keeps a tensor the profile never saw, a third of the limit, and no meter
+    the last rank keeps a tensor the profile never saw, half the limit, and no meter
     refuses (:class:`_Hoard`): its peak drifts past its prediction and its target, and every
     rank plans again before the next step. Every rank saves the splits and the re-plans warned."""
     model, data = make("gpt")
@@ -196,7 +196,7 @@ def drift(out: Path, devices: int, steps: int) -> None:
     splits = _Splits(strategy)
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[_Hoard(strategy, devices - 1, SHRINK_LIMIT // 3), splits])
+                      callbacks=[_Hoard(strategy, devices - 1, SHRINK_LIMIT // 2), splits])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, loader(data, BATCH))
@@ -214,6 +214,8 @@ class _Hoard(Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         meter = self.strategy.meter
+        if meter is None:  # (the first batch builds the stages)
+            return
         meter.capacities[0] = None
         if batch_idx == 1 and module.device_mesh["pp"].get_local_rank() == self.stage:
             meter.run_as(0, lambda: setattr(module, "hoard", torch.zeros(self.nbytes // 4)))
