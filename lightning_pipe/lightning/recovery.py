@@ -6,7 +6,10 @@ step again on a new plan: the failed attempt is undone (:class:`UndoPoint`: the 
 metric and logged states, buffers the step writes; gradients are zeroed by the step itself),
 the stages are planned again below their limits by the error the failure showed
 (:class:`Corrections`), rebuilt with parameters and optimizer state moved, and the batch runs
-again. The optimizer steps once, after an attempt that succeeded.
+again. The optimizer steps once, after an attempt that succeeded. Both engines use these
+pieces; under ``runtime="distributed"`` every rank learns of a failure after the schedule,
+and all plan again and rebuild together (:mod:`.distributed`), a stage there being a
+pipeline rank.
 """
 
 import re

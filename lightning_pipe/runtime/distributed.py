@@ -15,7 +15,7 @@ values as objects, micro-batch by micro-batch.
 
 A rank that runs out of memory in a training step cannot stop there: its peers would wait
 forever on the sends and receives it owes them. It goes on through the schedule without
-computing (:class:`StepFailure`: zeros where it sends, no backward), and after the step every
+computing (:class:`StageFailure`: zeros where it sends, no backward), and after the step every
 rank learns of the failure together.
 """
 
