@@ -626,7 +626,8 @@ class DistributedEngine(Engine):
             torch.OutOfMemoryError: a rank's device ran out.
         """
         assert self.pipe is not None
-        flags = torch.tensor([0.0 if error is None else 1.0, 1.0 if limits and self._limit_changed else 0.0])
+        flags = torch.tensor([0.0 if error is None else 1.0, 1.0 if limits and self._limit_changed else 0.0],
+                             device=self.root_device)  # (NCCL reduces only device tensors)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         failed, changed = flags.tolist()
         if failed:
@@ -688,7 +689,7 @@ class DistributedEngine(Engine):
         predicted = sum(s.peak.total for s in plan.stages[p :: self.num_stages])
         target = sum(plan.targets[p :: self.num_stages])
         mine = peak > (1 + DRIFT) * predicted and peak > target and peak > corrections.factors[p] * checked_peaks[p]
-        drifting = torch.tensor([1.0 if mine else 0.0])
+        drifting = torch.tensor([1.0 if mine else 0.0], device=self.root_device)
         dist.all_reduce(drifting, op=dist.ReduceOp.MAX)
         if not drifting.item() or corrections.replans >= self.options.max_replans:
             return
