@@ -36,7 +36,8 @@ from lightning_pipe.runtime.distributed import DistributedSchedule
 from lightning_pipe.runtime.fake import fake_rank_training, fake_training, meta_copy
 
 __all__ = [
-    "UncheckableStepError", "device_peaks", "fake_meter", "fake_peaks", "fake_rank_peak", "picks_kernel_by_device",
+    "UncheckableStepError", "device_peaks", "fake_meter", "fake_peaks", "fake_rank_peak", "meta_replica",
+    "picks_kernel_by_device",
     "unchecked_warning",
 ]
 
@@ -123,7 +124,7 @@ def fake_meter(
 ) -> MemoryMeter:
     """The meter of :func:`fake_peaks`' fake training step (``trace``: with its trace, for
     :meth:`~lightning_pipe.measure.meter.MemoryMeter.allocator_peaks`)."""
-    replica, graph = _replica(module, captured)
+    replica, graph = meta_replica(module, captured)
     params = list(replica.parameters())
     twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(params, lr=0.0)
     _inert_metrics(replica)
@@ -153,12 +154,14 @@ def fake_rank_peak(
     precision: Precision,
     plan: Plan,
     mesh: DeviceMesh,
+    shapes: Mapping[int, torch.Size] | None = None,
 ) -> int:
     """This rank's metered peak when ``plan`` trains ``module`` under ``runtime="distributed"``
     on batches shaped as ``batch`` (``arguments``: the forward's, for the whole batch), on
     ``mesh`` (a :func:`~lightning_pipe.runtime.distributed.silent_mesh`): the user's step runs
-    on the last rank per micro-batch, as in training."""
-    replica, graph = _replica(module, captured)
+    on the last rank per micro-batch, as in training. ``shapes``: each tensor's shape by
+    ``id``, where the rank released some (:func:`meta_replica`)."""
+    replica, graph = meta_replica(module, captured, shapes)
     twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(replica.parameters(), lr=0.0)
     _inert_metrics(replica)
     batch = _on_meta(batch)
@@ -222,13 +225,16 @@ def _step_context(precision: Precision) -> AbstractContextManager[Any]:
     return precision.train_step_context()
 
 
-def _replica(module: LightningModule, captured: Captured) -> tuple[LightningModule, Captured]:
+def meta_replica(
+    module: LightningModule, captured: Captured, shapes: Mapping[int, torch.Size] | None = None
+) -> tuple[LightningModule, Captured]:
     """:func:`~lightning_pipe.runtime.fake.meta_copy` of ``module``, sharing its Trainer; the
-    strategy's ``forward`` is not copied."""
+    strategy's ``forward`` is not copied. ``shapes``: each tensor's shape by ``id``, where
+    ``module`` holds some without storage (a distributed rank's released tensors)."""
     forward = vars(module).pop("forward", None)
     try:
         trainer = attached_trainer(module)
-        replica, graph = meta_copy(module, captured, [trainer] if trainer is not None else [])
+        replica, graph = meta_copy(module, captured, [trainer] if trainer is not None else [], shapes)
     finally:
         if forward is not None:
             module.forward = forward  # type: ignore[method-assign]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -47,7 +47,7 @@ from lightning_pipe.graph.microbatch import batch_size, gather, scatter
 from lightning_pipe.graph.shapes import batch_shapes
 from lightning_pipe.graph.variants import Inputs, Variants, follow_balance, in_mode
 from lightning_pipe.internals import default_store, module_apply, tree_flatten, tree_map
-from lightning_pipe.lightning.check import UncheckableStepError, fake_rank_peak, unchecked_warning
+from lightning_pipe.lightning.check import UncheckableStepError, fake_rank_peak, meta_replica, unchecked_warning
 from lightning_pipe.lightning.engine import (
     Engine,
     check_buffer_writes,
@@ -81,19 +81,21 @@ from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector, silenced
 from lightning_pipe.lightning.options import PipeOptions, check_balance_entries
 from lightning_pipe.lightning.probe import probe_step
+from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError, mid_window, replanned
 from lightning_pipe.lightning.sharded import is_sharded, load_meta, load_optimizer, load_tensors, save_sharded
 from lightning_pipe.lightning.steps import NO_FORWARD, _loss_of
 from lightning_pipe.measure.clock import StageClock
-from lightning_pipe.measure.meter import MemoryMeter, learn_workspaces, observed_workspaces
+from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError, learn_workspaces, observed_workspaces
 from lightning_pipe.measure.profiler import device_spec, profile_graph
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.headroom import checked, flat
-from lightning_pipe.plan.plan import Plan, make_plan
+from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import actions
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.distributed import (
+    OUT_OF_MEMORY,
     DistributedPipeline,
     StageRunner,
     constants,
@@ -108,6 +110,8 @@ from lightning_pipe.runtime.materialize import check_resettable, has_meta, mater
 __all__ = ["DistributedEngine"]
 
 Logged = list[tuple[str, Any, dict[str, Any]]]
+_E = TypeVar("_E", bound=BaseException)
+_T = TypeVar("_T")
 
 
 class DistributedEngine(Engine):
@@ -139,6 +143,11 @@ class DistributedEngine(Engine):
         self._silent: DeviceMesh | None = None  # the mesh of fake steps checking a plan (silent_mesh)
         self._warned_unchecked = False
         self._checked_peaks: list[int] | None = None  # per pipeline rank, of the plan's last check
+        self._batch: tuple[Any, int] | None = None  # this training batch and its index
+        self._corrections: Corrections | None = None  # per pipeline rank: what training showed the check misses
+        self._agreed: Failure | None = None  # the failure of the step just run, as every rank agreed on it
+        self._enforced: int | None = None  # the meter's capacity, while a failed step runs on without it
+        self._limit_changed = False  # memory_limit was assigned since the last training batch
         self._metering = ExitStack()  # the meter, entered while the pipeline it meters trains
 
     # --- ranks and processes, as Lightning's multi-process strategies ---------------------
@@ -310,36 +319,55 @@ class DistributedEngine(Engine):
         plan = self._plan(captured, batch, batch_idx, (args, kwargs)) if planning else saved
         if planning and plan is not None:
             plan.precision = self.precision_plugin.precision
-        box: list[Any] = [None]
-        if self.global_rank == 0:
-            sample = scatter((args, kwargs), self.options.chunks)[0]
-            if self._empty:  # shapes are all a model without storage can give
-                sample = tree_map(lambda x: x.to("meta") if isinstance(x, Tensor) else x, sample)
-            balance = plan.balance if plan else self.options.balance or balance_by_weight(captured.param_bytes(),
-                                                                                           stages)
-            policies = policies_of(captured, plan) if plan else {}
-            device = torch.device("meta") if self._empty else self.root_device
-            program = build(captured, module, balance, [device] * stages, policies, place=False)
-            box = [(balance, policies, cuts(program, module, *sample), plan, torch.initial_seed())]
-        dist.broadcast_object_list(box, src=0)
-        balance, policies, boundaries, self.plan, self._seed = box[0]
-        program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
         if final:  # the evaluation graph, while every rank holds every tensor (an exported one needs them)
             with in_mode(module, training=False):
                 self._graphs.get((args, kwargs))
-        previous = self.pipe.held_by_rank if self.pipe is not None and self.pipe.released else None
+        return self._build(captured, plan, (args, kwargs), final)
+
+    def _build(self, captured: Captured, plan: Plan | None, arguments: Inputs, final: bool) -> DistributedPipeline:
+        """Split ``captured`` by ``plan`` (global rank 0's; else the user's balance or an even
+        split) and build this rank's stages, each rank receiving the tensors it lacks from the
+        rank that held them (rank 0, or in the pipeline this one replaces)."""
+        module = self.module
+        stages = self.num_stages * self.options.virtual_stages
+        old = self.pipe if self.pipe is not None and self.pipe.released else None
+        box: list[Any] = [None]
+        if self.global_rank == 0:
+            sample = scatter(arguments, self.options.chunks)[0]
+            balance = plan.balance if plan else self.options.balance or balance_by_weight(captured.param_bytes(),
+                                                                                           stages)
+            policies = policies_of(captured, plan) if plan else {}
+            graph, root = captured, cast(nn.Module, module)
+            if self._empty or old is not None:  # shapes are all a model without (all its) storage can give
+                sample = tree_map(lambda x: x.to("meta") if isinstance(x, Tensor) else x, sample)
+                if old is not None:
+                    root, graph = meta_replica(module, captured, old.shapes)
+            device = torch.device("meta") if self._empty or old is not None else self.root_device
+            program = build(graph, root, balance, [device] * stages, policies, place=False)
+            box = [(balance, policies, cuts(program, root, *sample), plan, torch.initial_seed(), self._checked_peaks)]
+        dist.broadcast_object_list(box, src=0)
+        balance, policies, boundaries, self.plan, self._seed, self._checked_peaks = box[0]
+        program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
         with self._initialising():
             self.pipe = DistributedPipeline(
                 program, module, boundaries, self.device_mesh, self.options.schedule,  # type: ignore[arg-type]
                 self.options.chunks, self._loss, self.root_device, release=final, timeout=self.options.timeout,
-                previous=previous, init=partial(materialize_module, device=self.root_device),
+                previous=old.held_by_rank if old else None, init=partial(materialize_module, device=self.root_device),
+                shapes=old.shapes if old else None,
             )
+        self.pipe.failure.on_failure = self._stop_enforcing
         self._load_deferred(final)
         self._planned = final
         self._pipe_graph, self._runners = captured, {}
         self.clock = StageClock(1)  # this rank's stages as stage 0
-        self._metering.close()  # a provisional pipeline's
-        self.meter = MemoryMeter(1) if self.options.measure_memory else None
+        self._metering.close()  # a provisional pipeline's, or the one replaced
+        enforced = self.meter.capacities[0] if self.meter is not None else None  # (less: memory another job took)
+        if self.meter is not None:
+            self.meter.close()
+        capacity = self._rank_limit()
+        if enforced is not None:
+            capacity = enforced if capacity is None else min(capacity, enforced)
+        self.meter = MemoryMeter(1, [capacity]) if self.options.measure_memory else None
         for stage in self.pipe.modules:
             stage.clock, stage.meter = self.clock, self.meter
             stage.step_context = self.precision_plugin.train_step_context
@@ -381,23 +409,51 @@ class DistributedEngine(Engine):
                 optimizer.load_state_dict(saved)
             self._deferred = None
 
+    def _limits(self, limits: list[int] | None) -> list[int] | None:
+        """``memory_limit`` (``limits``) per stage.
+
+        Raises:
+            ValueError: neither one entry nor one per stage.
+        """
+        stages = self.num_stages * self.options.virtual_stages
+        if limits is not None and len(limits) not in (1, stages):
+            raise ValueError(f"memory_limit has {len(limits)} entries for {stages} stages; give one or one per stage.")
+        return None if limits is None else limits * stages if len(limits) == 1 else list(limits)
+
+    def _rank_limit(self) -> int | None:
+        """What ``memory_limit`` gives this rank's stages together (the meter enforces it)."""
+        limits = self._limits(self.options.memory_limit)
+        return None if limits is None else sum(limits[self._position() :: self.num_stages])
+
+    def _position(self) -> int:
+        coordinate = self.device_mesh.get_coordinate()
+        assert coordinate is not None, "this rank is in the mesh"
+        return coordinate[0]
+
     def _stage_capacities(self) -> list[int]:
         """Each stage's memory limit: ``memory_limit``, else the least memory any replica of
         the stage's process has (``device_memory``; the host's RAM shared by the processes on
-        it), shared by the process's stages."""
+        it), shared by the process's stages; less where a rank's meter enforces less (memory
+        another job took, :meth:`_build`). On every rank: a collective."""
         stages = self.num_stages * self.options.virtual_stages
-        limits = self.options.memory_limit
-        if limits is not None and len(limits) not in (1, stages):
-            raise ValueError(f"memory_limit has {len(limits)} entries for {stages} stages; give one or one per stage.")
-        if limits is not None:
-            return limits * stages if len(limits) == 1 else limits
+        limits = self._limits(self.options.memory_limit)
         device = self.root_device
-        mine = device_memory(device) // (1 if device.type == "cuda" else max(1, self.num_processes))
+        memory = device_memory(device) // (1 if device.type == "cuda" else max(1, self.num_processes))
+        enforced = self.meter.capacities[0] if self.meter is not None and self._planned else None
         every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, (memory, enforced))
         replicas = self.world_size // self.num_stages
-        process = [min(every[p * replicas : (p + 1) * replicas]) for p in range(self.num_stages)]
-        return [process[s % self.num_stages] // self.options.virtual_stages for s in range(stages)]
+        ranks = [every[p * replicas : (p + 1) * replicas] for p in range(self.num_stages)]
+        if limits is None:
+            process = [min(m for m, _ in rank) for rank in ranks]
+            limits = [process[s % self.num_stages] // self.options.virtual_stages for s in range(stages)]
+        for p, rank in enumerate(ranks):
+            least = min((e for _, e in rank if e is not None), default=None)
+            total = sum(limits[p :: self.num_stages])
+            if least is not None and least < total:  # shared by the rank's stages as the limits share it
+                for s in range(p, stages, self.num_stages):
+                    limits[s] = limits[s] * least // total
+        return limits
 
     def _plan(
         self, captured: Captured, batch: Any, batch_idx: int, arguments: Inputs
@@ -407,13 +463,18 @@ class DistributedEngine(Engine):
         and rank 0 plans again below the limits where a rank went over
         (:func:`~lightning_pipe.plan.headroom.checked`). The plan on rank 0, ``None`` elsewhere."""
         capacities = self._stage_capacities()
+        if self._corrections is not None:  # below what training showed each rank takes beyond its check
+            capacities = [int(c / self._corrections.factors[s % self.num_stages]) for s, c in enumerate(capacities)]
         self._silent = self._silent or silent_mesh(self.num_stages, self.world_size // self.num_stages)
-        check = partial(self._check_rank, captured, batch, batch_idx, arguments)
+        shapes = self.pipe.shapes if self.pipe is not None and self.pipe.released else None
+        check = partial(self._check_rank, captured, batch, batch_idx, arguments, shapes)
         if self.global_rank != 0:
             while True:
                 box: list[Any] = [None]
                 dist.broadcast_object_list(box, src=0)
                 kind, value, workspaces = box[0]
+                if kind == "infeasible":  # every rank raises what rank 0 does
+                    raise InfeasiblePlanError(*value)
                 if kind == "failed":
                     raise RuntimeError(f"Global rank 0 could not plan: {value}")
                 if kind == "done":
@@ -422,6 +483,9 @@ class DistributedEngine(Engine):
                 self._gather_checks(check(value))
         try:
             plan = self._plan_on_rank_zero(captured, batch, batch_idx, arguments, capacities, check)
+        except InfeasiblePlanError as error:
+            dist.broadcast_object_list([("infeasible", (str(error), error.min_peak, error.stage), None)], src=0)
+            raise
         except BaseException as error:
             dist.broadcast_object_list([("failed", f"{type(error).__name__}: {error}", None)], src=0)
             raise
@@ -432,6 +496,25 @@ class DistributedEngine(Engine):
         self, captured: Captured, batch: Any, batch_idx: int, arguments: Inputs, capacities: list[int],
         check: Callable[[Plan], int | str],
     ) -> Plan:
+        if self.profile is None or not self._planned:  # (planning again: the first profile; the rank holds
+            self._profile(captured, batch, batch_idx, arguments)  # only its stages now)
+        o = self.options
+        assert o.planner is not None and self.profile is not None
+        profile = self.profile
+
+        def checked_on_every_rank(plan: Plan) -> list[int]:
+            # with the workspaces of the operators rank 0 ran for real: the fake steps charge them
+            dist.broadcast_object_list([("check", plan, observed_workspaces())], src=0)
+            return self._stage_peaks(plan, self._gather_checks(check(plan)))
+
+        # a check is one fake step on each rank at once: every plan is checked
+        request = PlanRequest(capacities, o.planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth,
+                              carry=True, replicas=self.world_size // self.num_stages)
+        return checked(lambda targets: make_plan(profile, replace(request, capacities=targets)),
+                       capacities, checked_on_every_rank, always=True)
+
+    def _profile(self, captured: Captured, batch: Any, batch_idx: int, arguments: Inputs) -> None:
+        """Global rank 0 profiles one micro-batch (:attr:`profile`)."""
         optimizer = self.optimizers[0] if self.optimizers else None
         device = device_spec(self.root_device)
         if self._empty:  # no storage: the forward profiled on fake tensors (times from a roofline); the
@@ -458,31 +541,18 @@ class DistributedEngine(Engine):
                 self._mode, self._serve = None, None
             assert self.profile is not None, "the step called self(...) (_forward_calls)"
             step.record(self.profile)
-        o = self.options
-        assert o.planner is not None
-        profile = self.profile
-
-        def checked_on_every_rank(plan: Plan) -> list[int]:
-            # with the workspaces of the operators rank 0 ran for real: the fake steps charge them
-            dist.broadcast_object_list([("check", plan, observed_workspaces())], src=0)
-            return self._stage_peaks(plan, self._gather_checks(check(plan)))
-
-        # a check is one fake step on each rank at once: every plan is checked
-        request = PlanRequest(capacities, o.planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth,
-                              carry=True, replicas=self.world_size // self.num_stages)
-        return checked(lambda targets: make_plan(profile, replace(request, capacities=targets)),
-                       capacities, checked_on_every_rank, always=True)
 
     def _check_rank(
-        self, captured: Captured, batch: Any, batch_idx: int, arguments: Inputs, plan: Plan
+        self, captured: Captured, batch: Any, batch_idx: int, arguments: Inputs,
+        shapes: Mapping[int, torch.Size] | None, plan: Plan,
     ) -> int | str:
         """This rank's peak when ``plan`` trains, from a fake training step; a reason where
-        the user's step cannot run on fake tensors."""
+        the user's step cannot run on fake tensors. ``shapes``: of the tensors the rank released."""
         optimizer = self.optimizers[0] if self.optimizers else None
         assert self._silent is not None
         try:
             return fake_rank_peak(self.module, captured, batch, batch_idx, arguments, optimizer,
-                                  self.precision_plugin, plan, self._silent)
+                                  self.precision_plugin, plan, self._silent, shapes)
         except UncheckableStepError as error:
             return str(error)
 
@@ -515,13 +585,211 @@ class DistributedEngine(Engine):
         return peaks
 
     def set_memory_limit(self, limits: list[int] | None) -> None:
+        """Enforce ``limits`` on this rank from now on and, with a planner, plan for them at
+        the next training batch, every rank together (a rank told alone tells the others there)."""
         if self.pipe is not None:
-            raise RuntimeError(
-                "Under runtime='distributed' the memory limit is planned for once, at the first training batch, "
-                "every rank its own stages; assigning strategy.memory_limit after that is not supported. Pass "
-                "memory_limit to MemoryPipeStrategy, or use runtime='local', which plans again for a new limit."
-            )
+            self._limits(limits)  # (raises before anything changes)
         self.options.memory_limit = limits
+        if self.pipe is None or not self._planned:  # the first plan is for them
+            return
+        if self.meter is not None:
+            self.meter.capacities[0] = self._rank_limit()
+        self._limit_changed = True
+
+    # --- planning again while training --------------------------------------------------------
+
+    @property
+    def _planner_splits(self) -> bool:
+        """Whether the planner made the split and so may make it again (no user ``balance``)."""
+        o = self.options
+        return (self._planned and self.plan is not None and o.planner is not None and o.balance is None
+                and o.plan is None)
+
+    def replans(self) -> bool:
+        return self._planner_splits and self.options.max_replans > 0
+
+    def _stop_enforcing(self, error: BaseException) -> None:
+        """This rank ran out of memory mid-step: the rest of the step runs without computing,
+        and the meter no longer refuses (:class:`~lightning_pipe.runtime.distributed.StageFailure`)."""
+        if self.meter is not None:
+            self._enforced = self.meter.capacities[0]
+            self.meter.capacities[0] = None
+
+    def _agree(self, error: BaseException | None, limits: bool = False) -> None:
+        """On every rank, at the start of a training batch and after its schedule: whether any
+        rank ran out of memory (``error``: this rank's); if one did, every rank raises its error
+        (the step is undone and runs again, :meth:`recover`). ``limits``: else whether a rank
+        was given a new ``memory_limit``, then planned for on every rank (:meth:`_plan_for_limits`).
+
+        Raises:
+            StageOutOfMemoryError: a rank's meter refused (the stage named is its pipeline rank).
+            torch.OutOfMemoryError: a rank's device ran out.
+        """
+        assert self.pipe is not None
+        flags = torch.tensor([0.0 if error is None else 1.0, 1.0 if limits and self._limit_changed else 0.0],
+                             device=self.root_device)  # (NCCL reduces only device tensors)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        failed, changed = flags.tolist()
+        if failed:
+            self._fail_together(error)
+        if changed:
+            self._plan_for_limits()
+
+    def _fail_together(self, error: BaseException | None) -> None:
+        """Every rank raises the failure of the first rank that had one."""
+        assert self.pipe is not None
+        if self._enforced is not None and self.meter is not None:  # (the rest of the step ran without it)
+            self.meter.capacities[0], self._enforced = self._enforced, None
+        mine: tuple[int, int | None, int | None, int | None, str | None] | None = None
+        if isinstance(error, StageOutOfMemoryError):
+            mine = (self.pipe.position, error.capacity, error.request, error.in_use, None)
+        elif error is not None:
+            mine = (self.pipe.position, None, None, None, str(error).splitlines()[0] or type(error).__name__)
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        position, capacity, request, in_use, text = next(e for e in every if e is not None)
+        if text is None:
+            agreed: BaseException = StageOutOfMemoryError(position, capacity, request, in_use)
+            self._agreed = Failure(position, in_use, request, str(agreed))
+        else:
+            agreed = torch.OutOfMemoryError(f"Pipeline rank {position} ran out of device memory: {text}")
+            self._agreed = Failure(position, None, None, str(agreed))
+        raise _every_rank(agreed)
+
+    def failure_of(self, error: BaseException) -> Failure:
+        """The failure every rank agreed on (:meth:`_agree`): a stage is a pipeline rank."""
+        agreed, self._agreed = self._agreed, None
+        return agreed or super().failure_of(error)
+
+    def _rank_checked(self) -> list[int]:
+        """What the plan's check said each pipeline rank peaks at (its stages' predictions
+        where the step could not be checked)."""
+        assert self.plan is not None
+        if self._checked_peaks is not None:
+            return list(self._checked_peaks)
+        return [sum(s.peak.total for s in self.plan.stages[p :: self.num_stages]) for p in range(self.num_stages)]
+
+    def recover(self, failure: Failure) -> None:
+        """Plan again below the memory the failed step showed its rank takes, and rebuild; on
+        every rank together."""
+        assert self._batch is not None, "a training batch has started"
+        if self._batch[1] % self.module.trainer.accumulate_grad_batches:
+            raise _every_rank(mid_window(failure))
+        self._replan(lambda c: c.learn_failure(failure, self._rank_checked()), failure.message)
+
+    def after_step(self) -> None:
+        """Plan again before the next batch where a rank's metered peak drifted past its
+        prediction (:data:`~lightning_pipe.lightning.recovery.DRIFT`) and its target; every
+        rank decides alike (a collective)."""
+        plan, meter = self.plan, self.meter
+        if not self._planner_splits or plan is None or meter is None:
+            return
+        corrections = self._corrections or Corrections.none(self.num_stages)
+        p, peak, checked_peaks = self._position(), meter.stages[0].peak, self._rank_checked()
+        predicted = sum(s.peak.total for s in plan.stages[p :: self.num_stages])
+        target = sum(plan.targets[p :: self.num_stages])
+        mine = peak > (1 + DRIFT) * predicted and peak > target and peak > corrections.factors[p] * checked_peaks[p]
+        drifting = torch.tensor([1.0 if mine else 0.0], device=self.root_device)
+        dist.all_reduce(drifting, op=dist.ReduceOp.MAX)
+        if not drifting.item() or corrections.replans >= self.options.max_replans:
+            return
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, (p, peak, predicted, target, mine))
+        drifted: dict[int, tuple[int, int, int]] = {}  # the replica's that drifted most, per pipeline rank
+        for q, peak, predicted, target, drifts in every:
+            if drifts and peak > drifted.get(q, (0, 0, 0))[0]:
+                drifted[q] = peak, predicted, target
+        why = "; ".join(f"pipeline rank {q} peaked at {top:,} bytes, {top / expected - 1:.1%} over its prediction "
+                        f"and past its target of {aim:,}" for q, (top, expected, aim) in sorted(drifted.items()))
+
+        def learn(c: Corrections) -> None:
+            for q, (peak, _, _) in drifted.items():
+                c.learn(q, peak, checked_peaks[q])
+
+        self._replan(learn, why)
+
+    def _replan(self, learn: Callable[[Corrections], None], why: str) -> None:
+        """Plan again with what ``learn`` takes from training, rebuild, and say why.
+
+        Raises:
+            RecoveryError: ``max_replans`` were made already, or no plan fits; on every rank.
+        """
+        assert self.plan is not None
+        o = self.options
+        corrections = self._corrections or Corrections.none(self.num_stages)
+        try:
+            corrections.count(why, o.max_replans)
+        except RecoveryError as error:
+            raise _every_rank(error) from None
+        learn(corrections)
+        self._corrections = corrections
+        before = self.plan
+        try:
+            self._plan_again()
+        except InfeasiblePlanError as error:
+            raise _every_rank(RecoveryError(f"{why} No plan keeps every stage under its limit: {error}")) from error
+        rank_zero_warn(replanned(corrections, o.max_replans, why, before, self.plan))
+
+    def _plan_again(self) -> None:
+        """On every rank: plan for this batch again from the first profile and rebuild the
+        stages, parameters and optimizer state moving to their new ranks."""
+        assert self._batch is not None and self._pipe_graph is not None and self.plan is not None
+        batch, batch_idx = self._batch
+        captured, before = self._pipe_graph, self.plan
+        ((args, kwargs),) = self._forward_calls("training_step", [batch], batch_idx, self._calls)
+        states = self._optimizer_states()
+        plan = self._plan(captured, batch, batch_idx, (args, kwargs))
+        if plan is not None:
+            plan.precision, plan.input_shapes = before.precision, before.input_shapes
+        self._build(captured, plan, (args, kwargs), final=True)
+        self._restore_optimizer_states(states)
+
+    def _optimizer_states(self) -> list[dict[int, Any]]:
+        """Every optimizer's state of every parameter, by its place in the optimizer, from the
+        ranks holding them (host copies, on every rank)."""
+        mine = []
+        for optimizer in self.optimizers:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            mine.append({k: to_host(optimizer.state[p]) for k, p in enumerate(params) if p in optimizer.state})
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        merged: list[dict[int, Any]] = [{} for _ in self.optimizers]
+        for states in every:
+            for whole, part in zip(merged, states):
+                whole.update(part)
+        return merged
+
+    def _restore_optimizer_states(self, states: list[dict[int, Any]]) -> None:
+        """The state of each parameter this rank holds now, where it was taken from
+        (:meth:`_optimizer_states`); charged to the meter as the step will find it."""
+        for optimizer, state in zip(self.optimizers, states):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for k, param in enumerate(params):
+                if k in state and param.numel() > 0 and not param.is_meta and param not in optimizer.state:
+                    optimizer.state[param] = to_device(state[k], self.root_device)
+            state_to_param_devices(optimizer)
+            if self.meter is not None:
+                self.meter.own_optimizer_state(optimizer)
+
+    def _plan_for_limits(self) -> None:
+        """A rank was given a new ``memory_limit`` (:meth:`set_memory_limit`): every rank takes
+        the least each stage was given, and plans again."""
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, self._limits(self.options.memory_limit) if self._limit_changed else None)
+        told = [limits for limits in every if limits is not None]
+        limits = [min(stage) for stage in zip(*told)]
+        self._limit_changed = False
+        self.options.memory_limit = limits
+        if self.meter is not None:
+            self.meter.capacities[0] = self._rank_limit()
+        before = cast(Plan, self.plan)
+        rank_zero_info(f"memory_limit is now {limits}: planning again.")
+        try:
+            self._plan_again()
+        except InfeasiblePlanError as error:
+            raise _every_rank(RecoveryError(f"No plan keeps every stage under memory_limit={limits}: {error} Raise "
+                                            f"memory_limit, lower the micro-batch size or add stages.")) from error
+        rank_zero_info(f"The stages are split again: balance {before.balance} -> {cast(Plan, self.plan).balance}.")
 
     # --- the user's steps -------------------------------------------------------------------
 
@@ -621,9 +889,19 @@ class DistributedEngine(Engine):
                 f"on this replica (micro-batches {sizes}). Use a per-replica batch size divisible by chunks and "
                 f"drop_last=True in the DataLoader."
             )
+        planned = self._planned
+        self._batch = batch, batch_idx
         self._ensure_pipeline("training_step", batch, batch_idx, training=True)
+        error = None
         if self.meter is not None:  # every rank loads the batch
-            self.meter.charge_batch(0, [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)])
+            try:
+                self.meter.charge_batch(0, [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)])
+            except OUT_OF_MEMORY as oom:
+                if not planned:  # (the first batch: no rank has agreed on anything yet)
+                    raise
+                error = oom
+        if planned:
+            self._agree(error, limits=self._planner_splits)
 
     def training_step(self, step: Callable[[], Any], forwards_only: bool, *args: Any, **kwargs: Any) -> Any:
         return self._training_step(*args, **kwargs)
@@ -660,12 +938,13 @@ class DistributedEngine(Engine):
 
             self._step_loss = loss_fn
             bound = self._step_inputs("training_step", microbatches, batch_idx, turn)
-            with self._running():  # a copy: the first rank holds it beside the batch
-                inputs = gather(bound, self.root_device) if pipe.is_first else None
+            # a copy: the first rank holds it beside the batch
+            inputs = self._unrefused(lambda: gather(bound, self.root_device) if pipe.is_first else None)
             _before_step(module, optimizer, batch_idx)
             self.clock.reset()
             with self._running():
                 pipe.rank.train_step(inputs)
+            self._agree_on_step(turn)
             logged: Logged = []
             if pipe.is_last:
                 with _recording(module, logged):
@@ -677,13 +956,47 @@ class DistributedEngine(Engine):
         call_callback_hooks(module.trainer, "on_before_backward", loss / accumulate)
         call_module_hook(module.trainer, "on_before_backward", loss / accumulate)
         if self.stepping:
-            with self._running():
-                pipe.sync_gradients()
+            self._unrefused(pipe.sync_gradients)
+            self._agree_on_step(turn)
             if scaler is not None:
                 self._overflow_everywhere()
         call_callback_hooks(module.trainer, "on_after_backward")
         call_module_hook(module.trainer, "on_after_backward")
         return cast(Tensor, loss).to(self.root_device)
+
+    def _unrefused(self, run: Callable[[], _T]) -> _T:
+        """``run()`` as this rank's, the meter refusing nothing inside (a collective in it must
+        meet its peers'); where the rank went past its limit in it, the step has failed (every
+        rank learns of it at :meth:`_agree_on_step`)."""
+        assert self.pipe is not None
+        meter = self.meter
+        capacity = meter.capacities[0] if meter is not None else None
+        if meter is None or capacity is None:
+            with self._running():
+                return run()
+        memory = meter.stages[0]
+        held, peak, kinds = memory.total, memory.peak, memory.peak_by_kind
+        memory.peak, meter.capacities[0] = held, None
+        try:
+            with self._running():
+                result = run()
+        finally:
+            during, meter.capacities[0] = memory.peak, capacity
+            if during <= peak:  # (the step's own peak stands)
+                memory.peak, memory.peak_by_kind = peak, kinds
+        if during > capacity:
+            self.pipe.failure.fail(StageOutOfMemoryError(0, capacity, during - held, held))
+        return result
+
+    def _agree_on_step(self, turn: int) -> None:
+        """:meth:`_agree` on whether the step ran out of memory on a rank; if so, the step
+        (call ``turn`` of the user's) runs again under the same random states."""
+        assert self.pipe is not None
+        try:
+            self._agree(self.pipe.failure.clear())
+        except OUT_OF_MEMORY:
+            self._calls = turn
+            raise
 
     def _overflow_everywhere(self) -> None:
         """Under 16-mixed, every rank skips the step (and lowers its scale) when any rank's
@@ -922,7 +1235,10 @@ class DistributedEngine(Engine):
         """Name the rank that stopped first in every rank's error (its peers otherwise see only
         gloo's "Connection closed by peer"), and end the processes this one launched (for any
         Trainer's strategy: a later Trainer in the same script launches none): one may be
-        blocked on a rank that never answers."""
+        blocked on a rank that never answers. An error every rank raised together (they agreed
+        on it: running out of memory, a re-plan that failed) ends each rank by itself."""
+        if getattr(exception, _EVERY_RANK, False):
+            return
         waited = self._waited_for(exception)
         if waited is not None and isinstance(exception, RuntimeError):  # as add_note would, on Python 3.10
             exception.args = (f"{waited}\n{exception}",)
@@ -970,6 +1286,15 @@ class DistributedEngine(Engine):
 _LAUNCHERS: list[SubprocessScriptLauncher] = []  # every one this process made, with the processes it started
 _FAILURE = "lightning_pipe/first_failure"
 _START_UP = timedelta(minutes=5)  # the least global rank 0 waits for the ranks it launches to start
+
+
+_EVERY_RANK = "lightning_pipe_every_rank"  # an exception's attribute: every rank raised it at once
+
+
+def _every_rank(error: _E) -> _E:
+    """``error``, raised by every rank at once: no rank need end the others (:meth:`DistributedEngine.on_exception`)."""
+    setattr(error, _EVERY_RANK, True)
+    return error
 
 
 def _first_failure(rank: int, exception: BaseException) -> str | None:

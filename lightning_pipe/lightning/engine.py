@@ -161,13 +161,17 @@ class Engine:
             except (StageOutOfMemoryError, torch.OutOfMemoryError) as error:
                 if not self.replans():  # nothing plans again: the error as it is
                     raise
-                failure = failure_of(error, self.parallel_devices)
+                failure = self.failure_of(error)
             # Out of the handler the failed attempt's frames are unreachable, but cycles through
             # them (a traceback's frames, autograd's saved tensors) keep its tensors until collected.
             gc.collect()
             if point is not None:
                 point.restore()
             self.recover(failure)
+
+    def failure_of(self, error: BaseException) -> Failure:
+        """What a step's out-of-memory ``error`` says of the stage that ran out."""
+        return failure_of(error, self.parallel_devices)
 
     def written_buffers(self) -> list[Tensor]:
         """Buffers a training step writes in place (BatchNorm's statistics): an attempt that

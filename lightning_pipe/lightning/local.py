@@ -45,7 +45,7 @@ from lightning_pipe.lightning.internals import attached_trainer, set_device
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.probe import StepBytes, probe_step
-from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError
+from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError, mid_window, replanned
 from lightning_pipe.lightning.steps import NO_FORWARD, ScheduledStep
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, not_charged
@@ -460,11 +460,7 @@ class LocalEngine(Engine):
         """Plan again below the memory the failed step showed each stage takes, and rebuild."""
         assert self._batch is not None, "a training batch has started"
         if self._batch[1] % self.module.trainer.accumulate_grad_batches:
-            raise RecoveryError(
-                f"{failure.message} It ran out within a window of accumulate_grad_batches, after earlier batches' "
-                f"gradients were added: the failed step changed them, so it cannot run again. Lower the micro-batch "
-                f"size or memory_limit (the planner then leaves more room)."
-            )
+            raise mid_window(failure)
         self._replan(lambda c: c.learn_failure(failure, self._checked), failure.message)
 
     def after_step(self) -> None:
@@ -493,13 +489,8 @@ class LocalEngine(Engine):
         assert self.plan is not None and self._batch is not None and self.parallel_devices
         o = self.options
         corrections = self._corrections or Corrections.none(len(self.parallel_devices))
-        if corrections.replans >= o.max_replans:
-            raise RecoveryError(
-                f"{why} The stages were planned again {corrections.replans} times already (max_replans="
-                f"{o.max_replans}). Lower the micro-batch size, raise memory_limit or add stages; or raise max_replans."
-            )
+        corrections.count(why, o.max_replans)
         learn(corrections)
-        corrections.replans += 1
         self._corrections = corrections
         if self._scheduled is not None:
             self._scheduled.abandon()
@@ -512,10 +503,7 @@ class LocalEngine(Engine):
             self._plan(self._grown(batch, largest(planned, batch_shapes(batch))), batch_idx)
         except InfeasiblePlanError as error:
             raise RecoveryError(f"{why} No plan keeps every stage under its limit: {error}") from error
-        after = self.plan
-        rank_zero_warn(f"Planned again ({corrections.replans} of at most {o.max_replans}): {why.rstrip('.')}. Balance "
-                       f"{before.balance} -> {after.balance}; recomputed or swapped nodes {_optimised(before)} -> "
-                       f"{_optimised(after)}.")
+        rank_zero_warn(replanned(corrections, o.max_replans, why, before, self.plan))
 
     def _capacities(self) -> list[int] | None:
         assert self.parallel_devices
@@ -605,10 +593,6 @@ class LocalEngine(Engine):
 
 def _key(plan: Plan) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return tuple(plan.balance), tuple(plan.policies)
-
-
-def _optimised(plan: Plan) -> int:
-    return sum(p != "keep" for p in plan.policies)
 
 
 class _Probed(Exception):

@@ -6,7 +6,10 @@ step again on a new plan: the failed attempt is undone (:class:`UndoPoint`: the 
 metric and logged states, buffers the step writes; gradients are zeroed by the step itself),
 the stages are planned again below their limits by the error the failure showed
 (:class:`Corrections`), rebuilt with parameters and optimizer state moved, and the batch runs
-again. The optimizer steps once, after an attempt that succeeded.
+again. The optimizer steps once, after an attempt that succeeded. Both engines use these
+pieces; under ``runtime="distributed"`` every rank learns of a failure after the schedule,
+and all plan again and rebuild together (:mod:`.distributed`), a stage there being a
+pipeline rank.
 """
 
 import re
@@ -21,8 +24,9 @@ from torchmetrics import Metric
 
 from lightning_pipe.lightning.internals import attached_trainer, forget_computed, logged_results, set_update_count
 from lightning_pipe.measure.meter import StageOutOfMemoryError
+from lightning_pipe.plan.plan import Plan
 
-__all__ = ["DRIFT", "Corrections", "Failure", "RecoveryError", "UndoPoint", "failure_of"]
+__all__ = ["DRIFT", "Corrections", "Failure", "RecoveryError", "UndoPoint", "failure_of", "mid_window", "replanned"]
 
 #: A stage whose metered peak exceeds its prediction by more than this share, and its planning
 #: target, is planned again before the next batch: the plan's margin there is gone.
@@ -96,6 +100,40 @@ class Corrections:
     def limits(self, limits: Sequence[int]) -> list[int]:
         """The limits a new plan's check must keep each stage under."""
         return [int(limit / f) for limit, f in zip(limits, self.factors)]
+
+    def count(self, why: str, max_replans: int) -> None:
+        """One more re-plan, for the reason ``why``.
+
+        Raises:
+            RecoveryError: ``max_replans`` were made already.
+        """
+        if self.replans >= max_replans:
+            raise RecoveryError(
+                f"{why} The stages were planned again {self.replans} times already (max_replans={max_replans}). "
+                f"Lower the micro-batch size, raise memory_limit or add stages; or raise max_replans."
+            )
+        self.replans += 1
+
+
+def replanned(corrections: Corrections, max_replans: int, why: str, before: Plan, after: Plan) -> str:
+    """The warning of a re-plan: why, and the split before and after."""
+    return (f"Planned again ({corrections.replans} of at most {max_replans}): {why.rstrip('.')}. Balance "
+            f"{before.balance} -> {after.balance}; recomputed or swapped nodes {_optimised(before)} -> "
+            f"{_optimised(after)}.")
+
+
+def mid_window(failure: Failure) -> RecoveryError:
+    """A failure inside a window of ``accumulate_grad_batches`` after its first batch: earlier
+    batches' gradients were added to, so the step cannot run again."""
+    return RecoveryError(
+        f"{failure.message} It ran out within a window of accumulate_grad_batches, after earlier batches' "
+        f"gradients were added: the failed step changed them, so it cannot run again. Lower the micro-batch "
+        f"size or memory_limit (the planner then leaves more room)."
+    )
+
+
+def _optimised(plan: Plan) -> int:
+    return sum(p != "keep" for p in plan.policies)
 
 
 class UndoPoint:

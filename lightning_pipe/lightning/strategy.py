@@ -103,6 +103,8 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
             ``torch.OutOfMemoryError``: the step is undone, planned for below the memory it
             took and run again) or drifted more than 5% past its prediction and its target;
             then a stage running out raises :class:`~lightning_pipe.lightning.recovery.RecoveryError`.
+            Under ``runtime="distributed"`` every rank agrees on a failure, plans again and
+            rebuilds together, and raises together.
         plan: the path of a saved ``plan.json`` (as ``lightning-pipe plan --out`` and a
             training run's logger folder hold it) to train with exactly: its split and
             per-node choices, no profiling or planning, never planned again. The model's graph

@@ -12,9 +12,14 @@ metadata is given to ``PipelineStage`` so that it runs no shape-inference pass o
 
 Forward-only runs (validation, test, predict) take any batch size: they send each cut's
 values as objects, micro-batch by micro-batch.
+
+A rank that runs out of memory in a training step cannot stop there: its peers would wait
+forever on the sends and receives it owes them. It goes on through the schedule without
+computing (:class:`StageFailure`: zeros where it sends, no backward), and after the step every
+rank learns of the failure together.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import InitVar, dataclass
 from datetime import timedelta
@@ -39,15 +44,18 @@ from lightning_pipe.internals import (
     tree_unflatten,
 )
 from lightning_pipe.measure.clock import StageClock
-from lightning_pipe.measure.meter import MemoryMeter
+from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
 from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSchedule
 from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, to_meta
 
 __all__ = [
-    "Cut", "DistributedPipeline", "DistributedSchedule", "PipelineRank", "StageModule", "StageRunner", "TensorMeta",
-    "constants", "cuts", "pipeline_mesh", "silent_mesh", "to_device", "to_host",
+    "OUT_OF_MEMORY", "Cut", "DistributedPipeline", "DistributedSchedule", "PipelineRank", "StageFailure", "StageModule",
+    "StageRunner", "TensorMeta", "constants", "cuts", "pipeline_mesh", "silent_mesh", "to_device", "to_host",
 ]
+
+#: What a step that ran out of memory raises: the meter's limit, or the device's.
+OUT_OF_MEMORY = (StageOutOfMemoryError, torch.OutOfMemoryError)
 
 
 
@@ -147,6 +155,28 @@ class StageRunner(nn.Module):
         return list(found.values())
 
 
+class StageFailure:
+    """This rank's training step ran out of memory (``error``): the rest of the step runs
+    without computing, each forward handing on zeros and each backward skipped (sending zero
+    gradients), so the schedule's messages still meet their peers'. ``on_failure`` is called
+    once, at the failure: what allocates past a limit must stop enforcing it for the rest of
+    the step (the meter)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.on_failure: Callable[[BaseException], None] = lambda error: None
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+            self.on_failure(error)
+
+    def clear(self) -> BaseException | None:
+        """The failure of the step just run (``None``: it succeeded), forgotten for the next."""
+        error, self.error = self.error, None
+        return error
+
+
 class StageModule(StageRunner):
     """This rank's stage of the training program as a module on flat tensors, for
     ``PipelineStage``: ``boundaries`` say what crosses each cut."""
@@ -159,8 +189,18 @@ class StageModule(StageRunner):
         # what each forward runs in: the Trainer precision's autocast, which Lightning opens only
         # around training_step, which on every rank but the last never calls a stage's forward
         self.step_context: Callable[[], AbstractContextManager[Any]] = nullcontext
+        self.failure = StageFailure()  # the rank's, shared by its stages (DistributedPipeline)
 
     def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        if self.failure.error is None:
+            try:
+                return self._forward(*tensors)
+            except OUT_OF_MEMORY as error:
+                self.failure.fail(error)
+        device = tensors[0].device if tensors else self.stage.device
+        return tuple(torch.zeros(e.shape, dtype=e.dtype, device=device) for e in self.outputs.examples(False))
+
+    def _forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
         with self.step_context(), self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
             # (gloo sends only contiguous tensors: a transposed view leaving the stage is copied)
             outputs = tuple(t.contiguous() for t in self.outputs.flatten(self.run(self.inputs.unflatten(tensors))))
@@ -213,8 +253,14 @@ class PipelineRank:
         return self.indices[-1] == self.num_stages - 1
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
-        outputs = output if isinstance(output, tuple) else (output,)
-        return self.loss_fn(self.modules[-1].outputs.unflatten(outputs), target)
+        failure = self.modules[-1].failure
+        if failure.error is None:
+            outputs = output if isinstance(output, tuple) else (output,)
+            try:
+                return self.loss_fn(self.modules[-1].outputs.unflatten(outputs), target)
+            except OUT_OF_MEMORY as error:
+                failure.fail(error)
+        return torch.zeros((), device=self.device)  # its backward is skipped (_TimedStage)
 
     def train_step(self, received: dict[str, Any] | None) -> None:
         """Forward and backward of one batch, gradients accumulated in ``.grad``. The first
@@ -260,12 +306,24 @@ class PipelineRank:
 
 
 class _TimedStage(PipelineStage):
-    """Times each micro-batch's backward on the stage module's clock."""
+    """Times each micro-batch's backward on the stage module's clock; after this rank ran out
+    of memory in the step (:class:`StageFailure`), skips it, sending zero gradients."""
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
-        clock = cast(StageModule, self.submod).clock
-        with clock.backward(0, self.device) if clock else nullcontext():
-            super().backward_one_chunk(*args, **kwargs)
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        module = cast(StageModule, self.submod)
+        if module.failure.error is None:
+            try:
+                with module.clock.backward(0, self.device) if module.clock else nullcontext():
+                    super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+                return
+            except RuntimeError as error:  # (pipelining raises its own, from the backward's)
+                cause = error if isinstance(error, OUT_OF_MEMORY) else error.__cause__
+                if not isinstance(cause, OUT_OF_MEMORY):
+                    raise
+                module.failure.fail(cause)
+        self.fwd_cache.pop(bwd_chunk_id, None)  # (its activations, freed)
+        # pipelining sends zeros for a gradient that is None
+        self.bwd_cache[bwd_chunk_id] = (None,) * len(module.inputs.examples(False))
 
 
 class _SilentStage(NoWarmupVotes, _TimedStage):
@@ -323,7 +381,8 @@ class DistributedPipeline:
     module; the other ranks give storage only to their stages' tensors, and what a rank does
     not hold stays on the meta device. ``previous``: the tensors each pipeline rank held in a
     released pipeline this one replaces (its ``held_by_rank``); a rank then receives what it
-    lacks from the rank of its replica that held it.
+    lacks from the rank of its replica that held it. ``shapes``: that pipeline's
+    :attr:`shapes`, the shape of each tensor by ``id`` (a released one's storage is empty).
     """
 
     def __init__(
@@ -341,6 +400,7 @@ class DistributedPipeline:
         previous: Sequence[set[int]] | None = None,
         init: Callable[[nn.Module], None] | None = None,
         fake: bool = False,
+        shapes: Mapping[int, torch.Size] | None = None,
     ) -> None:
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
@@ -351,6 +411,10 @@ class DistributedPipeline:
             raise ValueError(f"{self.num_stages} stages do not loop evenly over {self.ranks} pipeline ranks.")
         self.mesh = mesh
         modules = [StageModule(program, s, root, boundaries) for s in range(self.num_stages)]
+        self.failure = StageFailure()  # this rank's stages' training step ran out of memory
+        for module in modules:
+            module.failure = self.failure
+        self.shapes = {id(t): (shapes or {}).get(id(t), t.shape) for t in _unique(root)}
         self.stages = list(range(self.position, self.num_stages, self.ranks))  # stage s runs on rank s % ranks
         self.modules = [modules[s] for s in self.stages]
         self.names = dict(root.state_dict(keep_vars=True))  # name -> tensor, tied ones under each name
@@ -438,6 +502,8 @@ class DistributedPipeline:
                     if me == dst:
                         if tensor.is_meta:
                             allocate(tensor, device)
+                        elif tensor.shape != self.shapes[id(tensor)]:  # released by this rank before
+                            tensor.data = torch.empty(self.shapes[id(tensor)], dtype=tensor.dtype, device=device)
                         with torch.no_grad():
                             buffer = torch.empty_like(tensor)
                             dist.recv(buffer, src)

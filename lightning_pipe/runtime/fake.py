@@ -209,15 +209,20 @@ def _optimizer_step(meter: MemoryMeter, optimizer: torch.optim.Optimizer) -> Non
     meter.own_optimizer_state(optimizer)
 
 
-def meta_copy(root: nn.Module, captured: Captured, shared: Iterable[object] = ()) -> tuple[nn.Module, Captured]:
+def meta_copy(
+    root: nn.Module, captured: Captured, shared: Iterable[object] = (), shapes: Mapping[int, torch.Size] | None = None
+) -> tuple[nn.Module, Captured]:
     """A copy of ``root`` and of its captured graph, sharing submodules as they do, whose
     parameters and buffers are ``meta`` tensors (tied ones tied): what :func:`fake_training`
     runs without touching ``root``. ``shared``: objects ``root`` refers to that the copy
-    shares rather than copies (a Trainer)."""
+    shares rather than copies (a Trainer). ``shapes``: each tensor's shape by ``id``, where
+    ``root`` holds some without their storage (a distributed rank's released tensors)."""
     memo: dict[int, Any] = {id(o): o for o in shared}
     for t in [*root.parameters(), *root.buffers()]:
         if id(t) not in memo:
-            meta = torch.empty_like(t, device="meta")
+            shape = (shapes or {}).get(id(t), t.shape)
+            meta = torch.empty_like(t, device="meta") if shape == t.shape else torch.empty(shape, dtype=t.dtype,
+                                                                                              device="meta")
             memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
     copy = deepcopy(root, memo)
     graph_module = deepcopy(captured.graph_module, memo)

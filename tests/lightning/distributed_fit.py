@@ -7,10 +7,12 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16|:fp16]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
-``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``hooks``, ``features``, ``sharded``, ``refused``,
-``exported``, ``indivisible``, ``raise`` or ``hang``
-(:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
-``raise`` and ``hang``: each comes last. Every object collective fails on a tensor that is not a CPU copy.
+``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut``
+(:func:`recover`), ``shrink:family:limit`` (:func:`shrink`), ``drift``, ``replans`` (:func:`replans`), ``faults:N``
+(:func:`faults`), ``hooks``, ``features``, ``sharded``, ``refused``, ``exported``, ``indivisible``, ``raise``
+or ``hang`` (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
+``raise`` and ``hang``: each comes last (``replans`` ends with an error every rank raises together: the
+processes go on). Every object collective fails on a tensor that is not a CPU copy.
 """
 
 import functools
@@ -35,12 +37,16 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.faults import Cut, cases, run
 from examples.hf_gpt2 import GPT2LM, Counting
 from examples.models import ImageDataset, TokenDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
 from tests.models import Denoiser, HookRecorder, MetricUNet, WritesInForward, make
 
 BATCH, CHUNKS = 8, 4
+# the GPT's fuller stage at pp=2 under 1F1B needs 707,456 B unconstrained, no plan less than 512,896 B:
+# a limit with room, which lowered by 30% binds and still fits
+SHRINK_LIMIT = 900_000
 METRIC_STEPS = 4  # the metrics scenario validates every two steps
 ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping by norm, a step-wise LR decay
 
@@ -113,6 +119,131 @@ def with_scheduler(model: LightningModule) -> None:
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     model.configure_optimizers = configure_optimizers
+
+
+def recover(out: Path, devices: int, steps: int, family: str, schedule: str, stage: int, step: int, cut: float) -> None:
+    """``family`` planned at pp=``devices`` (no memory limit), pipeline rank ``stage``'s meter
+    cut to ``1 - cut`` of its peak so far at batch ``step`` (:class:`~benchmarks.faults.Cut`):
+    the step runs out of memory there, every rank plans again and runs it again. Every rank
+    saves the split before and after, its peak and capacity, and the re-plans warned."""
+    model, data = _make(family)
+    strategy = MemoryPipeStrategy(runtime="distributed", schedule=schedule, chunks=CHUNKS, planner="dawnpiper",
+                                  measure_memory=True, timeout=timedelta(minutes=1))
+    splits = _Splits(strategy)
+    tag = f"recover-{family}-{schedule}-{stage}-{step}"
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[Cut(strategy, stage, step, 1 - cut, of_peak=True), splits])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(data, BATCH))
+    trainer.save_checkpoint(out / f"{tag}.ckpt")
+    meter = strategy.meter
+    result = {"splits": splits.seen, "peak": meter.stages[0].peak, "capacity": meter.capacities[0],
+              "warned": [str(w.message) for w in caught if "Planned again" in str(w.message)]}
+    (out / f"{tag}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+class _Splits(Callback):
+    """The plan's balance, recomputed or swapped nodes and targets at each training batch."""
+
+    def __init__(self, strategy: MemoryPipeStrategy) -> None:
+        self.strategy, self.seen = strategy, []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        plan = self.strategy.plan
+        self.seen.append([plan.balance, [k for k, p in enumerate(plan.policies) if p != "keep"], plan.targets])
+
+
+def shrink(out: Path, devices: int, family: str, limit: int) -> None:
+    """``family`` planned at pp=``devices`` under ``memory_limit=limit``; at batch 2 of 5 a
+    callback lowers every stage's limit by 30% (:class:`_Lower`), on every rank. Every rank
+    saves the split at each batch, the limits, and its metered peak from the re-plan on."""
+    model, data = make(family)
+    strategy = MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner="dawnpiper",
+                                  measure_memory=True, memory_limit=limit, timeout=timedelta(minutes=1))
+    splits = _Splits(strategy)
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=5, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[_Lower(strategy, 2, 0.7), splits])
+    trainer.fit(model, loader(data, BATCH))
+    trainer.save_checkpoint(out / f"shrink-{family}.ckpt")
+    result = {"splits": splits.seen, "lowered": strategy.memory_limit, "peak": strategy.meter.stages[0].peak,
+              "capacity": strategy.meter.capacities[0]}
+    (out / f"shrink-{family}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+class _Lower(Callback):
+    """At training batch ``step`` every stage's limit becomes ``share`` of what it was, as when
+    another job takes memory."""
+
+    def __init__(self, strategy: MemoryPipeStrategy, step: int, share: float) -> None:
+        self.strategy, self.step, self.share = strategy, step, share
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if batch_idx == self.step:
+            self.strategy.memory_limit = [int(self.share * limit) for limit in self.strategy.memory_limit]
+
+
+def drift(out: Path, devices: int, steps: int) -> None:
+    """The GPT planned at pp=``devices`` under ``memory_limit=SHRINK_LIMIT``; from batch 1 on,
+    the last rank keeps a tensor the profile never saw, half the limit, and no meter
+    refuses (:class:`_Hoard`): its peak drifts past its prediction and its target, and every
+    rank plans again before the next step. Every rank saves the splits and the re-plans warned."""
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner="dawnpiper",
+                                  measure_memory=True, memory_limit=SHRINK_LIMIT, timeout=timedelta(minutes=1))
+    splits = _Splits(strategy)
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[_Hoard(strategy, devices - 1, SHRINK_LIMIT // 2), splits])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(data, BATCH))
+    trainer.save_checkpoint(out / "drift.ckpt")
+    result = {"splits": splits.seen, "warned": [str(w.message) for w in caught if "Planned again" in str(w.message)]}
+    (out / f"drift-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+class _Hoard(Callback):
+    """From training batch 1 on, pipeline rank ``stage`` keeps ``nbytes`` the profile never
+    saw (a cache the user's code fills), and no meter refuses."""
+
+    def __init__(self, strategy: MemoryPipeStrategy, stage: int, nbytes: int) -> None:
+        self.strategy, self.stage, self.nbytes = strategy, stage, nbytes
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        meter = self.strategy.meter
+        if meter is None:  # (the first batch builds the stages)
+            return
+        meter.capacities[0] = None
+        if batch_idx == 1 and module.device_mesh["pp"].get_local_rank() == self.stage:
+            meter.run_as(0, lambda: setattr(module, "hoard", torch.zeros(self.nbytes // 4)))
+
+
+def replans(out: Path, devices: int) -> None:
+    """``max_replans=1``: the last pipeline rank's meter is cut at batch 1 (planned for), the
+    first's at batch 2 (one re-plan too many). Every rank saves the error it raised."""
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner="dawnpiper",
+                                  measure_memory=True, max_replans=1, timeout=timedelta(minutes=1))
+    cuts = [Cut(strategy, devices - 1, 1, 0.9, of_peak=True), Cut(strategy, 0, 2, 0.9, of_peak=True)]
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=cuts)
+    try:
+        trainer.fit(model, loader(data, BATCH))
+        error = "no error"
+    except Exception as e:  # the test reads it
+        error = f"{type(e).__name__}: {e}"
+    (out / f"replans-rank{trainer.global_rank}.txt").write_text(error)
+
+
+def faults(out: Path, devices: int, count: int) -> None:
+    """The first ``count`` cases of ``python -m benchmarks.faults --runtime distributed``;
+    every rank saves each case's outcome."""
+    outcomes = [run(case, "distributed") for case in cases(count)]
+    (out / f"faults-rank{dist.get_rank()}.json").write_text(json.dumps(outcomes))
 
 
 def features(out: Path, devices: int) -> None:
@@ -399,7 +530,7 @@ def refused(out: Path, devices: int) -> None:
 
 
 SCENARIOS = {"hooks": hooks, "refused": refused, "indivisible": indivisible, "features": features, "sharded": sharded,
-             "empty": empty, "exported": exported,
+             "empty": empty, "exported": exported, "replans": replans,
              "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
 
@@ -414,6 +545,16 @@ if __name__ == "__main__":
             _, schedule, stages, *flags = scenario.split(":")
             virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
             denoiser(out, devices, steps, schedule, int(stages), virtual)
+        elif scenario.startswith("recover:"):
+            _, family, schedule, stage, step, cut = scenario.split(":")
+            recover(out, devices, steps, family, schedule, int(stage), int(step), float(cut))
+        elif scenario == "drift":
+            drift(out, devices, steps)
+        elif scenario.startswith("shrink:"):
+            _, family, limit = scenario.split(":")
+            shrink(out, devices, family, int(limit))
+        elif scenario.startswith("faults:"):
+            faults(out, devices, int(scenario.split(":")[1]))
         elif scenario.startswith("metrics:"):
             _, schedule, stages = scenario.split(":")
             metrics(out, devices, steps, schedule, int(stages))
