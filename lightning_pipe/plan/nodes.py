@@ -43,6 +43,8 @@ class NodeArrays:
         self.allocated = self.made + self.workspace  # what a node's forward allocates, at its peak
         self.backward = array([max(n.backward_bytes - n.grad_bytes, 0) for n in nodes])
         self.grads = array([n.grad_bytes for n in nodes])
+        # of those, what a backward adding them to .grad holds fresh at once (one layer's of several)
+        self.fresh = array([n.grad_bytes if n.fresh_grad_bytes is None else n.fresh_grad_bytes for n in nodes])
         self.grads_before = np.concatenate(([0], np.cumsum(self.grads)))  # [i]: of the nodes before i
         self.last_saver = array([max(k, n.last_saver) for k, n in enumerate(nodes)])
         self.output = array([n.output_bytes for n in nodes])
