@@ -59,7 +59,8 @@ def picks_kernel_by_device(captured: Captured) -> bool:
     than ``meta`` ones)."""
     modules = dict(captured.graph_module.named_modules())
     for n in captured.graph_module.graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "__name__", "") in _BY_DEVICE:
+        # (an exported graph calls the ATen overload: aten.scaled_dot_product_attention.default)
+        if n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in _BY_DEVICE:
             return True
         if n.op == "call_module" and any(_may_pick_kernel(m) for m in modules[str(n.target)].modules()):
             return True

@@ -134,6 +134,7 @@ def profile_graph(
                 input_grad_bytes=memory[k].input_grads,
                 forwarded_grads=sorted(memory[k].forwarded),
                 cast_bytes=memory[k].cast,
+                fresh_grad_bytes=_largest_group(memory[k].fresh, params[k]),
             )
         )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -181,6 +182,7 @@ class _NodeBytes:
     input_grads: int = 0
     forwarded: set[int] = field(default_factory=set)
     cast: int = 0
+    fresh: list[list[Tensor]] = field(default_factory=list)  # parameters whose gradients appear at once
 
 
 def _measure_memory(runner: "_NodeRunner", nodes: list[fx.Node]) -> list[_NodeBytes]:
@@ -222,12 +224,14 @@ def _measure_forward(runner: "_NodeRunner", nodes: list[fx.Node], meter: MemoryM
             runner.env[node] = runner.run_node(node)
         elif node.op != "output":
             k = index[node]
+            before = _grad_fns([runner.env.get(a) for a in node.all_input_nodes])
             casts = _ParameterCasts()
             with meter.running(k), casts if autocast else nullcontext():
                 runner.env[node] = runner.run_on(node, _device_of(node, runner))
             copies = {id(t.untyped_storage()): t for t in casts.made if meter.charged(t) == (k, "activations")}
             measured[k].cast = sum(t.untyped_storage().nbytes() for t in copies.values())
             meter.tag_backward([runner.env[node]], k)
+            measured[k].fresh = _fresh_gradients(runner.env[node], before)
             _watch_input_grads(runner.env[node], measured[k], _read_by(node, index, runner))
             stage = meter.stages[k]
             kept = _kept_from_others(meter, node, k, runner)
@@ -267,6 +271,40 @@ class _ParameterCasts(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if func is TO_COPY and isinstance(args[0], torch.nn.Parameter):
             self.made.append(out)
         return out
+
+
+def _grad_fns(values: Any) -> set[int]:
+    """The autograd nodes the tensors of ``values`` come from (by id)."""
+    return {id(t.grad_fn) for t in tree_flatten(values)[0] if isinstance(t, Tensor) and t.grad_fn is not None}
+
+
+def _fresh_gradients(value: Any, before: set[int]) -> list[list[Tensor]]:
+    """The parameters whose gradients one autograd function of a node's backward makes at
+    once, per function of the node (its graph from ``value`` back to the nodes its inputs came
+    from, ``before``): a parameter's through a chain of one-input functions (a linear's
+    transpose, autocast's cast) counts with the function making it. With ``.grad`` set, each
+    is added to it and freed before the next function runs: a node holding a whole
+    ``nn.TransformerDecoder`` holds one layer's at a time, not every layer's."""
+    stack = [t.grad_fn for t in tree_flatten(value)[0] if isinstance(t, Tensor) and t.grad_fn is not None]
+    seen, groups = set(before), []
+    while stack:
+        function = stack.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        group = []
+        for successor, _ in function.next_functions:
+            while successor is not None and type(successor).__name__ != "AccumulateGrad":
+                onward = [f for f, _ in successor.next_functions if f is not None]
+                if len(onward) != 1 or id(successor) in before:
+                    break
+                successor = onward[0]
+            if successor is not None and type(successor).__name__ == "AccumulateGrad":
+                group.append(successor.variable)  # type: ignore[attr-defined]
+        if group:
+            groups.append(group)
+        stack.extend(f for f, _ in function.next_functions if f is not None and type(f).__name__ != "AccumulateGrad")
+    return groups
 
 
 def _watch_input_grads(value: Any, measured: _NodeBytes, read: dict[tuple[int, int], int]) -> None:
@@ -524,6 +562,13 @@ def _stepped(optimizer: torch.optim.Optimizer, probes: list[Tensor]) -> tuple[in
 
 def _leaf(x: Any) -> Any:
     return x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x
+
+
+def _largest_group(groups: list[list[Tensor]], owned: list[torch.nn.Parameter]) -> int:
+    """The most bytes of one group's gradients of the parameters a node owns (a tied weight's
+    later readers own none of it, as their ``grad_bytes`` count none)."""
+    ids = {id(p) for p in owned if p.requires_grad}
+    return max((sum(_nbytes(p) for p in {id(p): p for p in g if id(p) in ids}.values()) for g in groups), default=0)
 
 
 def _needs_grad(x: Any) -> bool:

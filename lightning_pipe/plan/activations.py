@@ -87,11 +87,11 @@ def live_bytes(
     # one backward sums the micro-batches' gradients before the parameter takes them, a new
     # tensor, their sum: made once the node's backward has returned, its workspace freed, with
     # what it hands its inputs and the two summed alive
-    grads = a.grads[lo:hi]
-    backward = common + grads
+    fresh = a.fresh[lo:hi]
+    backward = common + fresh
     if summed_parameter_grads:
-        backward += np.maximum(0, grads - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
-    first_backward = common + np.cumsum(grads[::-1])[::-1]  # the parameter gradients made so far
+        backward += np.maximum(0, fresh - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
+    first_backward = common + np.cumsum(a.grads[lo:hi][::-1])[::-1]  # the parameter gradients made so far
     f, b, g = (np.argmax(x, axis=1) for x in (forward, backward, first_backward))
     at = np.arange(rows)
     columns = zip(*(x.tolist() for x in (
@@ -126,10 +126,10 @@ def kept_live_bytes(
     # only where higher, as live_bytes's argmax over both takes the first)
     forward_peak = (stashed, leaving) if stashed + leaving > through else (int(kept[f]), through - int(kept[f]))
     common = kept[1:] + gradients + a.backward[lo:hi]
-    grads = a.grads[lo:hi]
-    backward = common + grads
+    fresh = a.fresh[lo:hi]
+    backward = common + fresh
     if summed_parameter_grads:
-        backward += np.maximum(0, grads - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
+        backward += np.maximum(0, fresh - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
     first_backward = common + (a.grads_before[hi] - a.grads_before[lo:hi])  # the parameter gradients made so far
     b, g = int(backward.argmax()), int(first_backward.argmax())
     kb, kg = int(kept[b + 1]), int(kept[g + 1])

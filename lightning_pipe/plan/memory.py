@@ -676,10 +676,10 @@ class _KeptBounds:
         awaiting = np.cumsum(awaited)[:n]
         backward = stash[1:] + awaiting + a.backward
         if summed_parameter_grads:
-            backward += np.maximum(0, a.grads - np.maximum(0, a.backward - a.handed))
+            backward += np.maximum(0, a.fresh - np.maximum(0, a.backward - a.handed))
         self.stash, self.held, self.grads_before = stash.tolist(), held.tolist(), a.grads_before.tolist()
         self.forward = _sparse_max(stash[:-1] + held[:-1] + a.allocated)
-        self.backward = _sparse_max(backward + a.grads)
+        self.backward = _sparse_max(backward + a.fresh)
         self.first_backward = _sparse_max(backward - a.grads_before[:-1])
 
     def live(self, lo: int, hi: int) -> LiveBytes:

@@ -59,6 +59,9 @@ class NodeArrays:
         self.allocated = self.made + self.workspace  # what a node's forward allocates, at its peak
         self.backward = np.maximum(column["backward_bytes"] - column["grad_bytes"], 0)
         self.grads = column["grad_bytes"]
+        # of those, what a backward adding them to .grad holds fresh at once (one layer's of several)
+        self.fresh = np.fromiter((d.grad_bytes if d.fresh_grad_bytes is None else d.fresh_grad_bytes for d in nodes),
+                                 dtype=np.int64, count=n)
         self.grads_before = np.concatenate(([0], np.cumsum(self.grads)))  # [i]: of the nodes before i
         self.last_saver = np.maximum(index, column["last_saver"])
         self.columns = column  # the rest, for the cost model's prefix sums

@@ -61,6 +61,10 @@ class NodeProfile:
             lower precision (``bf16-mixed``: a linear layer keeps its weight's bf16 copy for
             backward), made again by every micro-batch (Lightning turns autocast's cache off)
             but of the same size whatever its number of samples.
+        fresh_grad_bytes: the most bytes of those parameters' gradients its backward holds
+            at once before adding them to ``.grad`` (one autograd function's: a node holding
+            several layers makes and adds one layer's at a time); ``None``: not measured,
+            ``grad_bytes``.
     """
 
     name: str
@@ -86,6 +90,7 @@ class NodeProfile:
     input_grad_bytes: int = 0
     forwarded_grads: list[int] = field(default_factory=list)
     cast_bytes: int = 0
+    fresh_grad_bytes: int | None = None
 
 
 @dataclass

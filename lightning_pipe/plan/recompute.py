@@ -50,7 +50,7 @@ def recomputing(
     running = np.where(region, rebuilt[:-1] - rebuilt[starts[np.maximum(at, 0)]] + np.cumsum(held)[:-1]
                        + a.made[node] + a.workspace[node], 0)
     peak = np.maximum.reduceat(running, starts)
-    priced = rebuilt[stops] - rebuilt[starts] + a.backward[final] + a.grads[final]
+    priced = rebuilt[stops] - rebuilt[starts] + a.backward[final] + a.fresh[final]
     extra: Array = np.maximum(0, peak - priced)
     return extra
 

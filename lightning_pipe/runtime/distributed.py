@@ -201,12 +201,28 @@ class StageModule(StageRunner):
         return tuple(torch.zeros(e.shape, dtype=e.dtype, device=device) for e in self.outputs.examples(False))
 
     def _forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        # a received tensor is a leaf requiring grad (pipelining's receive buffer), which a
+        # stage writing its input in place (ReLU(inplace=True) right after the cut) may not
+        # write to: the stage reads an alias of it that autograd lets it write
+        tensors = tuple(_Alias.apply(t) if t.requires_grad and t.is_leaf else t for t in tensors)  # type: ignore[no-untyped-call]
         with self.step_context(), self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
             # (gloo sends only contiguous tensors: a transposed view leaving the stage is copied)
             outputs = tuple(t.contiguous() for t in self.outputs.flatten(self.run(self.inputs.unflatten(tensors))))
         if self.meter is not None:
             self.meter.tag_backward(outputs, 0)  # the backward's allocations are this stage's
         return outputs
+
+
+class _Alias(torch.autograd.Function):
+    """Identity on the same storage (no copy), whose output is neither a leaf nor a view."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
 
 
 @dataclass(eq=False)

@@ -188,12 +188,15 @@ _PHONY = torch.empty(0, requires_grad=True)  # makes _Receive's output require g
 class _Receive(torch.autograd.Function):
     """Identity whose backward delivers the gradient to where the producing stage's backward
     picks it up. Unlike a detached leaf, nothing here
-    holds the value, so it lives only as long as the stage's own graph saves it."""
+    holds the value, so it lives only as long as the stage's own graph saves it. The output
+    aliases the received storage without being an autograd view of it (a view made in a custom
+    Function may not be written in place: a stage starting with ``ReLU(inplace=True)``), so
+    the stage's in-place write needs no copy."""
 
     @staticmethod
     def forward(ctx: Any, phony: Tensor, x: Tensor, deliver: Callable[[Key, Tensor], None], key: Key) -> Tensor:
         ctx.deliver, ctx.key = deliver, key
-        return x.view_as(x)
+        return x.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:

@@ -19,7 +19,7 @@ from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.plan import make_plan
 from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.runtime.build import build
-from lightning_pipe.runtime.distributed import DistributedPipeline, carried, cuts, pipeline_mesh
+from lightning_pipe.runtime.distributed import DistributedPipeline, StageModule, carried, cuts, pipeline_mesh
 from lightning_pipe.runtime.materialize import materialize, materialize_module, own_tensors
 from tests.models import make
 
@@ -304,3 +304,20 @@ def test_recompute_and_swap_inside_a_stage_train_like_one_device_on_less_memory(
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=f"memopt={memopt} {name}")
     for r in range(2):  # stage 0 recomputes, stage 1 swaps to the host: each keeps fewer activations
         assert ranks[r][True]["activations"] < ranks[r][False]["activations"], r
+
+
+def test_a_stage_writing_its_received_input_in_place_hands_back_its_gradient():
+    """pipelining's receive buffer is a leaf requiring grad: a stage starting with
+    ``ReLU(inplace=True)`` wrote to it and failed (*a leaf Variable that requires grad is being
+    used in an in-place operation*); it writes an alias, and the buffer gets the gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 1))
+    captured = capture(model)
+    program = build(captured, model, [1, 2], [torch.device("cpu")] * 2, place=False)
+    stage = StageModule(program, 1, model, cuts(program, model, (torch.randn(2, 4),), {}))
+    received = torch.randn(2, 8, requires_grad=True)
+    (output,) = stage(received)
+    output.sum().backward()
+    h = received.detach().clone().requires_grad_()
+    model[2](torch.relu(h)).sum().backward()
+    assert torch.equal(received.grad, h.grad)

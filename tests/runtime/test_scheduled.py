@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
+from torch import nn
 
 from examples.models import ImageDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
@@ -277,3 +278,36 @@ def test_an_output_fed_back_into_the_pipeline_is_a_clear_error_under_1f1b():
     torch.manual_seed(0)
     with pytest.raises(RuntimeError, match="fed into another self"):
         trainer(MemoryPipeStrategy(chunks=2, schedule="1f1b"), 2, max_steps=1).fit(_Nested(), loader(ImageDataset(), 8))
+
+
+class _WritesItsInput(LightningModule):
+    """Cut right before ``ReLU(inplace=True)``: the second stage writes the value it received in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_a_stage_writing_its_received_input_in_place_trains(schedule):
+    """The received value is no view autograd forbids writing to (it was, and 1F1B and 2BW
+    failed at the stage's first forward), and the gradient through the write is right."""
+    data = [(torch.randn(8), torch.randn(1)) for _ in range(16)]
+    torch.manual_seed(0)
+    steps = 2 if schedule == "1f1b" else 1  # 2bw's later steps use the weights of a step before
+    reference = _WritesItsInput()
+    trainer("auto", 1, max_steps=steps).fit(reference, loader(data, 8))
+    torch.manual_seed(0)
+    model = _WritesItsInput()
+    strategy = MemoryPipeStrategy(chunks=4, schedule=schedule, balance=[1, 2])
+    trainer(strategy, 2, max_steps=steps).fit(model, loader(data, 8))
+    assert max_rel_diff(model, reference) < 1e-5
