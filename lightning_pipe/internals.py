@@ -64,7 +64,7 @@ __all__ = [
     "TreeSpec", "buffer_table", "check_input_dim", "current_autograd_node", "current_graph_task_id",
     "default_store", "fake_process_group", "mark_as_parameter", "module_apply", "op_schema",
     "outer_saved_tensors_hooks", "parameter_table", "preserve_version_counter", "profiler_enabled",
-    "registered_operators", "remove_library",
+    "registered_operators", "remove_library", "skip_backward",
     "start_memory_events", "stop_memory_events", "storage_key", "tree_flatten", "tree_flatten_with_path",
     "tree_map", "tree_structure", "tree_unflatten", "view_base",
 ]
@@ -261,6 +261,15 @@ class NoWarmupVotes:
 
     def _warmup_backward_result(self, received_result: Tensor | None = None) -> Tensor:
         return _static_vote()
+
+
+def skip_backward(stage: Any, chunk: int, inputs: int) -> None:
+    """Stand in for a pipelining stage's backward of micro-batch ``chunk``: its forward's
+    values dropped and no gradient for its ``inputs`` (pipelining sends zeros for ``None``).
+    ``fwd_cache`` and ``bwd_cache`` are the stage's undocumented state that
+    ``backward_one_chunk`` reads and fills; a test checks they still are."""
+    stage.fwd_cache.pop(chunk, None)
+    stage.bwd_cache[chunk] = (None,) * inputs
 
 
 def _static_vote() -> Tensor:

@@ -7,6 +7,7 @@ name used outside the two fences."""
 import ast
 import importlib
 import inspect
+import types
 from functools import cache
 from pathlib import Path
 
@@ -174,6 +175,15 @@ def test_pipelining_stages_still_vote_through_the_overridden_methods() -> None:
         assert f".{name}(" in inspect.getsource(schedules), name  # the schedules still call it
         with fence.FakeTensorMode():  # a fake rank's check reads the vote within a fake mode
             assert getattr(fence.NoWarmupVotes(), name)(True if name.endswith("vote") else None).item() == 1
+
+
+def test_a_pipelining_stage_still_keeps_its_forwards_and_backwards_where_a_skipped_backward_writes() -> None:
+    source = inspect.getsource(fence.PipelineStageBase)  # backward_one_chunk's reads and writes
+    assert "self.fwd_cache.pop(bwd_chunk_id)" in source and "self.bwd_cache[bwd_chunk_id]" in source
+
+    stage = types.SimpleNamespace(fwd_cache={0: "activations", 1: "activations"}, bwd_cache={})  # what it touches
+    fence.skip_backward(stage, 0, 2)
+    assert stage.fwd_cache == {1: "activations"} and stage.bwd_cache == {0: (None, None)}
 
 
 # --- nothing private outside the fences ---------------------------------------------------------

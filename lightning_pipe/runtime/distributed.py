@@ -39,6 +39,7 @@ from lightning_pipe.internals import (
     PipelineStageBase,
     TreeSpec,
     fake_process_group,
+    skip_backward,
     tree_flatten,
     tree_map,
     tree_unflatten,
@@ -337,9 +338,7 @@ class _TimedStage(PipelineStage):
                 if not isinstance(cause, OUT_OF_MEMORY):
                     raise
                 module.failure.fail(cause)
-        self.fwd_cache.pop(bwd_chunk_id, None)  # (its activations, freed)
-        # pipelining sends zeros for a gradient that is None
-        self.bwd_cache[bwd_chunk_id] = (None,) * len(module.inputs.examples(False))
+        skip_backward(self, bwd_chunk_id, len(module.inputs.examples(False)))
 
 
 class _SilentStage(NoWarmupVotes, _TimedStage):
