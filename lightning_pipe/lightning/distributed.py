@@ -79,7 +79,7 @@ from lightning_pipe.lightning.internals import (
 )
 from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector, silenced
-from lightning_pipe.lightning.options import PipeOptions, check_balance_entries
+from lightning_pipe.lightning.options import PipeOptions, check_balance_entries, limits_per_stage
 from lightning_pipe.lightning.probe import probe_step
 from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError, mid_window, replanned
 from lightning_pipe.lightning.sharded import is_sharded, load_meta, load_optimizer, load_tensors, save_sharded
@@ -410,15 +410,8 @@ class DistributedEngine(Engine):
             self._deferred = None
 
     def _limits(self, limits: list[int] | None) -> list[int] | None:
-        """``memory_limit`` (``limits``) per stage.
-
-        Raises:
-            ValueError: neither one entry nor one per stage.
-        """
-        stages = self.num_stages * self.options.virtual_stages
-        if limits is not None and len(limits) not in (1, stages):
-            raise ValueError(f"memory_limit has {len(limits)} entries for {stages} stages; give one or one per stage.")
-        return None if limits is None else limits * stages if len(limits) == 1 else list(limits)
+        """``memory_limit`` (``limits``) per stage (:func:`~lightning_pipe.lightning.options.limits_per_stage`)."""
+        return limits_per_stage(limits, self.num_stages * self.options.virtual_stages, "stages")
 
     def _rank_limit(self) -> int | None:
         """What ``memory_limit`` gives this rank's stages together (the meter enforces it)."""

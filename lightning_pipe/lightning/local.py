@@ -43,7 +43,7 @@ from lightning_pipe.lightning.engine import (
 )
 from lightning_pipe.lightning.internals import attached_trainer, set_device
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
-from lightning_pipe.lightning.options import PipeOptions
+from lightning_pipe.lightning.options import PipeOptions, limits_per_stage
 from lightning_pipe.lightning.probe import StepBytes, probe_step
 from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError, mid_window, replanned
 from lightning_pipe.lightning.steps import NO_FORWARD, ScheduledStep
@@ -507,16 +507,7 @@ class LocalEngine(Engine):
 
     def _capacities(self) -> list[int] | None:
         assert self.parallel_devices
-        stages = len(self.parallel_devices)
-        limits = self.options.memory_limit
-        if limits is None or len(limits) == 1:
-            return None if limits is None else limits * stages
-        if len(limits) != stages:
-            raise ValueError(
-                f"memory_limit has {len(limits)} entries but there are {stages} stage devices; "
-                f"give one value for all stages or one per stage."
-            )
-        return limits
+        return limits_per_stage(self.options.memory_limit, len(self.parallel_devices), "stage devices")
 
     def _make_step(self) -> None:
         assert self._scheduled is not None

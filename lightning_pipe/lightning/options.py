@@ -16,7 +16,7 @@ from lightning_pipe.plan.request import check_settings
 from lightning_pipe.plan.schedule import Schedule
 from lightning_pipe.units import MemorySize, parse_bytes
 
-__all__ = ["PipeOptions", "Runtime", "StateDictType", "check_balance_entries"]
+__all__ = ["PipeOptions", "Runtime", "StateDictType", "check_balance_entries", "limits_per_stage"]
 
 Runtime = Literal["local", "distributed"]
 StateDictType = Literal["full", "sharded"]
@@ -137,6 +137,23 @@ def parse_limits(limit: MemorySize | list[MemorySize] | None) -> list[int] | Non
     if limit is None:
         return None
     return [parse_bytes(v) for v in (limit if isinstance(limit, list) else [limit])]
+
+
+def limits_per_stage(limits: list[int] | None, stages: int, what: str) -> list[int] | None:
+    """``memory_limit`` (``limits``) with an entry per stage, ``None`` for none; ``what``: the
+    ``stages`` as the error names them.
+
+    Raises:
+        ValueError: neither one entry nor one per stage.
+    """
+    if limits is None or len(limits) == 1:
+        return None if limits is None else limits * stages
+    if len(limits) != stages:
+        raise ValueError(
+            f"memory_limit has {len(limits)} entries but there are {stages} {what}; "
+            f"give one value for all stages or one per stage."
+        )
+    return list(limits)
 
 
 def check_balance_entries(balance: list[int] | None, processes: int, virtual_stages: int) -> None:
