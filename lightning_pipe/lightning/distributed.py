@@ -642,12 +642,21 @@ class DistributedEngine(Engine):
         dist.all_gather_object(every, mine)
         position, capacity, request, in_use, text = next(e for e in every if e is not None)
         if text is None:
-            agreed: BaseException = StageOutOfMemoryError(position, capacity, request, in_use)
+            agreed: BaseException = StageOutOfMemoryError(position, capacity, request, in_use, self._named(position))
             self._agreed = Failure(position, in_use, request, str(agreed))
         else:
-            agreed = torch.OutOfMemoryError(f"Pipeline rank {position} ran out of device memory: {text}")
+            agreed = torch.OutOfMemoryError(f"{self._named(position) or f'Pipeline rank {position}'} ran out of "
+                                            f"device memory: {text}")
             self._agreed = Failure(position, None, None, str(agreed))
         raise _every_rank(agreed)
+
+    def _named(self, position: int) -> str | None:
+        """Pipeline rank ``position`` by the stages it runs, where it runs several (interleaved:
+        they share its memory, which the meter counts as one); ``None``: its one stage."""
+        if self.options.virtual_stages == 1:
+            return None
+        *others, last = range(position, self.num_stages * self.options.virtual_stages, self.num_stages)
+        return f"Pipeline rank {position} (stages {', '.join(map(str, others))} and {last}, which share its memory)"
 
     def failure_of(self, error: BaseException) -> Failure:
         """The failure every rank agreed on (:meth:`_agree`): a stage is a pipeline rank."""
