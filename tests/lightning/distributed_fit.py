@@ -8,11 +8,12 @@ A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16|:fp16]`` 
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut[:pN][:vN]``
-(:func:`recover`), ``shrink:family:limit[:pN]`` (:func:`shrink`), ``drift``, ``replans`` (:func:`replans`), ``faults:N``
-(:func:`faults`), ``hooks``, ``features``, ``sharded``, ``refused``, ``exported``, ``indivisible``, ``raise``
-or ``hang`` (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
-``raise`` and ``hang``: each comes last (``replans`` ends with an error every rank raises together: the
-processes go on). Every object collective fails on a tensor that is not a CPU copy.
+(:func:`recover`), ``shrink:family:limit[:pN]`` (:func:`shrink`; ``pN``: N pipeline ranks, the rest replicas),
+``drift``, ``replans`` (:func:`replans`), ``faults:N`` (:func:`faults`), ``hooks``, ``features``, ``sharded``,
+``refused``, ``exported``, ``indivisible``, ``raise`` or ``hang`` (:func:`fail`). ``exported`` ends with an error,
+which ends the processes; so do ``indivisible``, ``raise`` and ``hang``: each comes last (``replans`` ends with
+errors every rank raises together: the processes go on). Every object collective fails on a tensor that is not a
+CPU copy.
 """
 
 import functools

@@ -3,9 +3,10 @@
 single-device training, at pp=4 and pp=2 x dp=2 (every family under GPipe or 1F1B) and pp=2.
 
 A launch's start-up is most of a short run's time, so one launch serves several tests: four
-ranks train every configuration, then one rank never answers; two ranks run the features,
-sharded and exported scenarios. A rank that raises ends a launch of its own (Lightning's
-launcher ends every process, rank 0 included, once a rank it started has failed)."""
+ranks train every configuration and recover at pp=2 x dp=2, then one rank never answers; two
+ranks run the features, sharded, recovery (interleaved too) and exported scenarios. A rank that
+raises ends a launch of its own (Lightning's launcher ends every process, rank 0 included, once
+a rank it started has failed)."""
 
 import contextlib
 import csv
