@@ -81,7 +81,7 @@ from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector, silenced
 from lightning_pipe.lightning.options import PipeOptions, check_balance_entries, limits_per_stage
 from lightning_pipe.lightning.probe import probe_step
-from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError, mid_window, replanned
+from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError, mid_window
 from lightning_pipe.lightning.sharded import is_sharded, load_meta, load_optimizer, load_tensors, save_sharded
 from lightning_pipe.lightning.steps import NO_FORWARD, _loss_of
 from lightning_pipe.measure.clock import StageClock
@@ -144,7 +144,6 @@ class DistributedEngine(Engine):
         self._warned_unchecked = False
         self._checked_peaks: list[int] | None = None  # per pipeline rank, of the plan's last check
         self._batch: tuple[Any, int] | None = None  # this training batch and its index
-        self._corrections: Corrections | None = None  # per pipeline rank: what training showed the check misses
         self._agreed: Failure | None = None  # the failure of the step just run, as every rank agreed on it
         self._enforced: int | None = None  # the meter's capacity, while a failed step runs on without it
         self._limit_changed = False  # memory_limit was assigned since the last training batch
@@ -642,12 +641,21 @@ class DistributedEngine(Engine):
         dist.all_gather_object(every, mine)
         position, capacity, request, in_use, text = next(e for e in every if e is not None)
         if text is None:
-            agreed: BaseException = StageOutOfMemoryError(position, capacity, request, in_use)
+            agreed: BaseException = StageOutOfMemoryError(position, capacity, request, in_use, self._named(position))
             self._agreed = Failure(position, in_use, request, str(agreed))
         else:
-            agreed = torch.OutOfMemoryError(f"Pipeline rank {position} ran out of device memory: {text}")
+            agreed = torch.OutOfMemoryError(f"{self._named(position) or f'Pipeline rank {position}'} ran out of "
+                                            f"device memory: {text}")
             self._agreed = Failure(position, None, None, str(agreed))
         raise _every_rank(agreed)
+
+    def _named(self, position: int) -> str | None:
+        """Pipeline rank ``position`` by the stages it runs, where it runs several (interleaved:
+        they share its memory, which the meter counts as one); ``None``: its one stage."""
+        if self.options.virtual_stages == 1:
+            return None
+        *others, last = range(position, self.num_stages * self.options.virtual_stages, self.num_stages)
+        return f"Pipeline rank {position} (stages {', '.join(map(str, others))} and {last}, which share its memory)"
 
     def failure_of(self, error: BaseException) -> Failure:
         """The failure every rank agreed on (:meth:`_agree`): a stage is a pipeline rank."""
@@ -677,7 +685,7 @@ class DistributedEngine(Engine):
         plan, meter = self.plan, self.meter
         if not self._planner_splits or plan is None or meter is None:
             return
-        corrections = self._corrections or Corrections.none(self.num_stages)
+        corrections = self._corrections_so_far()
         p, peak, checked_peaks = self._position(), meter.stages[0].peak, self._rank_checked()
         predicted = sum(s.peak.total for s in plan.stages[p :: self.num_stages])
         target = sum(plan.targets[p :: self.num_stages])
@@ -701,27 +709,22 @@ class DistributedEngine(Engine):
 
         self._replan(learn, why)
 
+    @property
+    def _memories(self) -> int:
+        """A memory per pipeline rank (its stages share it)."""
+        return self.num_stages
+
     def _replan(self, learn: Callable[[Corrections], None], why: str) -> None:
-        """Plan again with what ``learn`` takes from training, rebuild, and say why.
+        """Every rank plans again together (the failure or drift was agreed on), and so gives up
+        together: no rank need end the others.
 
         Raises:
             RecoveryError: ``max_replans`` were made already, or no plan fits; on every rank.
         """
-        assert self.plan is not None
-        o = self.options
-        corrections = self._corrections or Corrections.none(self.num_stages)
         try:
-            corrections.count(why, o.max_replans)
+            super()._replan(learn, why)
         except RecoveryError as error:
-            raise _every_rank(error) from None
-        learn(corrections)
-        self._corrections = corrections
-        before = self.plan
-        try:
-            self._plan_again()
-        except InfeasiblePlanError as error:
-            raise _every_rank(RecoveryError(f"{why} No plan keeps every stage under its limit: {error}")) from error
-        rank_zero_warn(replanned(corrections, o.max_replans, why, before, self.plan))
+            raise _every_rank(error) from error.__cause__
 
     def _plan_again(self) -> None:
         """On every rank: plan for this batch again from the first profile and rebuild the

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -27,10 +28,10 @@ from lightning_pipe.graph.shapes import Shapes
 from lightning_pipe.internals import BatchNormBase
 from lightning_pipe.lightning.internals import PATH
 from lightning_pipe.lightning.options import PipeOptions
-from lightning_pipe.lightning.recovery import Failure, RecoveryError, UndoPoint, failure_of
+from lightning_pipe.lightning.recovery import Corrections, Failure, RecoveryError, UndoPoint, failure_of, replanned
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
-from lightning_pipe.plan.plan import Plan
+from lightning_pipe.plan.plan import InfeasiblePlanError, Plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.runtime.build import Policy
 
@@ -53,6 +54,7 @@ class Engine:
         self.meter: MemoryMeter | None = None
         self.clock = StageClock(0)
         self.stepping = False  # inside the optimizer step (its closure runs the training step)
+        self._corrections: Corrections | None = None  # what training showed the plan's check misses
 
     # --- what the strategy holds ---------------------------------------------------------
 
@@ -194,6 +196,44 @@ class Engine:
     def after_step(self) -> None:
         """After a step that succeeded: plan again before the next where a stage's metered peak
         drifted past its prediction (:data:`~lightning_pipe.lightning.recovery.DRIFT`)."""
+
+    @property
+    def _memories(self) -> int:
+        """How many memories training corrects the plan's check for (one factor each in
+        :class:`~lightning_pipe.lightning.recovery.Corrections`)."""
+        raise NotImplementedError
+
+    def _corrections_so_far(self) -> Corrections:
+        return self._corrections or Corrections.none(self._memories)
+
+    def _replan(self, learn: Callable[[Corrections], None], why: str) -> None:
+        """Plan again with what ``learn`` takes from training, rebuild (:meth:`_plan_again`),
+        and warn why, with the split before and after.
+
+        Raises:
+            RecoveryError: ``max_replans`` were made already, or no plan fits.
+        """
+        assert self.plan is not None
+        o = self.options
+        corrections = self._corrections_so_far()
+        corrections.count(why, o.max_replans)
+        learn(corrections)
+        self._corrections = corrections
+        before = self.plan
+        try:
+            self._plan_again()
+        except InfeasiblePlanError as error:
+            raise RecoveryError(f"{why} No plan keeps every stage under its limit: {error}") from error
+        rank_zero_warn(replanned(corrections, o.max_replans, why, before, self.plan))
+
+    def _plan_again(self) -> None:
+        """Plan this training batch again, below the limits divided by :attr:`_corrections`, and
+        rebuild the stages with parameters and optimizer state moved.
+
+        Raises:
+            InfeasiblePlanError: no plan fits.
+        """
+        raise NotImplementedError
 
     def log_step_metrics(self, step_ms: float) -> None:
         """Per-stage time and memory of the step just taken, to the Trainer's loggers; called

@@ -45,7 +45,7 @@ from lightning_pipe.lightning.internals import attached_trainer, set_device
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.options import PipeOptions, limits_per_stage
 from lightning_pipe.lightning.probe import StepBytes, probe_step
-from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError, mid_window, replanned
+from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, mid_window
 from lightning_pipe.lightning.steps import NO_FORWARD, ScheduledStep
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, not_charged
@@ -53,7 +53,7 @@ from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan import report
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.headroom import checked, flat
-from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
+from lightning_pipe.plan.plan import Plan, make_plan
 from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.progress import progress_bar, tracker
 from lightning_pipe.runtime.batchnorm import DeferredBatchNorm
@@ -93,7 +93,6 @@ class LocalEngine(Engine):
         self._batch: tuple[Any, int] | None = None  # this training batch and its index
         self._checks: dict[tuple[tuple[int, ...], tuple[str, ...]], list[int]] = {}  # each checked plan's peaks
         self._checked: list[int] = []  # what the plan's check said each stage peaks at
-        self._corrections: Corrections | None = None  # what training showed the check misses
 
     @property
     def root_device(self) -> torch.device:
@@ -467,7 +466,7 @@ class LocalEngine(Engine):
         plan, meter, o = self.plan, self.meter, self.options
         if not self._planner_splits or plan is None or meter is None or self._batch is None:
             return
-        corrections = self._corrections or Corrections.none(len(plan.stages))
+        corrections = self._corrections_so_far()
         peaks = meter.peaks()
         # (a drift already planned for, with the plan unchanged, is not planned for again)
         drifted = [s for s, (peak, stage, target) in enumerate(zip(peaks, plan.stages, plan.targets))
@@ -484,26 +483,22 @@ class LocalEngine(Engine):
                         f"its prediction and past its target of {plan.targets[s]:,}" for s in drifted)
         self._replan(learn, why)
 
-    def _replan(self, learn: Callable[[Corrections], None], why: str) -> None:
-        """Plan again with what ``learn`` takes from training, rebuild, and say why."""
-        assert self.plan is not None and self._batch is not None and self.parallel_devices
-        o = self.options
-        corrections = self._corrections or Corrections.none(len(self.parallel_devices))
-        corrections.count(why, o.max_replans)
-        learn(corrections)
-        self._corrections = corrections
+    @property
+    def _memories(self) -> int:
+        """A memory per stage."""
+        return len(self.parallel_devices)
+
+    def _plan_again(self) -> None:
+        """Plan this training batch again (grown to the shapes planned for) and rebuild; an
+        abandoned step's pending work is dropped first."""
+        assert self._batch is not None and self.plan is not None
         if self._scheduled is not None:
             self._scheduled.abandon()
         if self._batch_norm is not None:
             self._batch_norm.discard()
-        before = self.plan
         batch, batch_idx = self._batch
-        planned = {path: tuple(shape) for path, shape in before.input_shapes.items()}
-        try:
-            self._plan(self._grown(batch, largest(planned, batch_shapes(batch))), batch_idx)
-        except InfeasiblePlanError as error:
-            raise RecoveryError(f"{why} No plan keeps every stage under its limit: {error}") from error
-        rank_zero_warn(replanned(corrections, o.max_replans, why, before, self.plan))
+        planned = {path: tuple(shape) for path, shape in self.plan.input_shapes.items()}
+        self._plan(self._grown(batch, largest(planned, batch_shapes(batch))), batch_idx)
 
     def _capacities(self) -> list[int] | None:
         assert self.parallel_devices

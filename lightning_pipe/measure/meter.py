@@ -76,9 +76,10 @@ def not_charged() -> Iterator[None]:
 class StageOutOfMemoryError(RuntimeError):
     """A stage went over its memory capacity."""
 
-    def __init__(self, stage: int, capacity: int, request: int, in_use: int) -> None:
+    def __init__(self, stage: int, capacity: int, request: int, in_use: int, name: str | None = None) -> None:
+        """``name``: what ran out, where that is more than stage ``stage`` (a process's stages)."""
         super().__init__(
-            f"Stage {stage} is out of memory: it holds {in_use:,} bytes and asked for "
+            f"{name or f'Stage {stage}'} is out of memory: it holds {in_use:,} bytes and asked for "
             f"{request:,} more, over its capacity of {capacity:,} bytes. Lower the batch or "
             f"micro-batch size, raise the stage's memory limit, or move its cut."
         )

@@ -7,12 +7,13 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16|:fp16]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
-``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut``
-(:func:`recover`), ``shrink:family:limit`` (:func:`shrink`), ``drift``, ``replans`` (:func:`replans`), ``faults:N``
-(:func:`faults`), ``hooks``, ``features``, ``sharded``, ``refused``, ``exported``, ``indivisible``, ``raise``
-or ``hang`` (:func:`fail`). ``exported`` ends with an error, which ends the processes; so do ``indivisible``,
-``raise`` and ``hang``: each comes last (``replans`` ends with an error every rank raises together: the
-processes go on). Every object collective fails on a tensor that is not a CPU copy.
+``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut[:pN][:vN]``
+(:func:`recover`), ``shrink:family:limit[:pN]`` (:func:`shrink`; ``pN``: N pipeline ranks, the rest replicas),
+``drift``, ``replans`` (:func:`replans`), ``faults:N`` (:func:`faults`), ``hooks``, ``features``, ``sharded``,
+``refused``, ``exported``, ``indivisible``, ``raise`` or ``hang`` (:func:`fail`). ``exported`` ends with an error,
+which ends the processes; so do ``indivisible``, ``raise`` and ``hang``: each comes last (``replans`` ends with
+errors every rank raises together: the processes go on). Every object collective fails on a tensor that is not a
+CPU copy.
 """
 
 import functools
@@ -47,6 +48,9 @@ BATCH, CHUNKS = 8, 4
 # the GPT's fuller stage at pp=2 under 1F1B needs 707,456 B unconstrained, no plan less than 512,896 B:
 # a limit with room, which lowered by 30% binds and still fits
 SHRINK_LIMIT = 900_000
+# at pp=2 x dp=2 (micro-batches of one, a gradient bucket) the GPT's fuller stage needs 539,040 B
+# unconstrained, no plan less than 474,112 B: lowered by 30%, 504,000 binds and fits
+SHRINK_LIMIT_DP = 720_000
 METRIC_STEPS = 4  # the metrics scenario validates every two steps
 ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping by norm, a step-wise LR decay
 
@@ -121,27 +125,42 @@ def with_scheduler(model: LightningModule) -> None:
     model.configure_optimizers = configure_optimizers
 
 
-def recover(out: Path, devices: int, steps: int, family: str, schedule: str, stage: int, step: int, cut: float) -> None:
-    """``family`` planned at pp=``devices`` (no memory limit), pipeline rank ``stage``'s meter
-    cut to ``1 - cut`` of its peak so far at batch ``step`` (:class:`~benchmarks.faults.Cut`):
+def recover(out: Path, devices: int, steps: int, family: str, schedule: str, stage: int, step: int, cut: float,
+            stages: int | None = None, virtual: int = 1) -> None:
+    """``family`` planned at pp=``stages`` (every process: ``None``; the rest replicas) with
+    ``virtual`` stages a process (no memory limit); at batch ``step`` the meter of pipeline rank
+    ``stage`` of replica 0 alone is cut to ``1 - cut`` of its peak so far (:class:`_CutReplica`):
     the step runs out of memory there, every rank plans again and runs it again. Every rank
-    saves the split before and after, its peak and capacity, and the re-plans warned."""
+    saves the split before and after, its peak and capacity, the parameters it holds at the
+    end, and the re-plans warned."""
     model, data = _make(family)
-    strategy = MemoryPipeStrategy(runtime="distributed", schedule=schedule, chunks=CHUNKS, planner="dawnpiper",
-                                  measure_memory=True, timeout=timedelta(minutes=1))
+    strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
+                                  planner="dawnpiper", measure_memory=True, virtual_stages=virtual,
+                                  timeout=timedelta(minutes=1))
     splits = _Splits(strategy)
-    tag = f"recover-{family}-{schedule}-{stage}-{step}"
+    tag = f"recover-{family}-{schedule}-{stage}-{step}" + (f"-p{stages}" if stages else "") + \
+        (f"-v{virtual}" if virtual > 1 else "")
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[Cut(strategy, stage, step, 1 - cut, of_peak=True), splits])
+                      callbacks=[_CutReplica(strategy, stage, step, 1 - cut, of_peak=True), splits])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, loader(data, BATCH))
+        trainer.fit(model, loader(data, BATCH // (devices // (stages or devices))))
     trainer.save_checkpoint(out / f"{tag}.ckpt")
     meter = strategy.meter
     result = {"splits": splits.seen, "peak": meter.stages[0].peak, "capacity": meter.capacities[0],
+              "held": [name for name, p in model.named_parameters() if p.numel()],
               "warned": [str(w.message) for w in caught if "Planned again" in str(w.message)]}
     (out / f"{tag}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+class _CutReplica(Cut):
+    """A :class:`~benchmarks.faults.Cut` on replica 0's rank alone: the stage's other replicas
+    keep their memory."""
+
+    def on_train_batch_start(self, trainer: Trainer, module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if module.device_mesh["dp"].get_local_rank() == 0:
+            super().on_train_batch_start(trainer, module, batch, batch_idx)
 
 
 class _Splits(Callback):
@@ -155,22 +174,26 @@ class _Splits(Callback):
         self.seen.append([plan.balance, [k for k, p in enumerate(plan.policies) if p != "keep"], plan.targets])
 
 
-def shrink(out: Path, devices: int, family: str, limit: int) -> None:
-    """``family`` planned at pp=``devices`` under ``memory_limit=limit``; at batch 2 of 5 a
-    callback lowers every stage's limit by 30% (:class:`_Lower`), on every rank. Every rank
-    saves the split at each batch, the limits, and its metered peak from the re-plan on."""
+def shrink(out: Path, devices: int, family: str, limit: int, stages: int | None = None) -> None:
+    """``family`` planned at pp=``stages`` (every process: ``None``; the rest replicas) under
+    ``memory_limit=limit``; at batch 2 of 5 a callback lowers every stage's limit by 30%
+    (:class:`_Lower`), on every rank. Every rank saves the split at each batch, the limits,
+    its metered peak from the re-plan on, and the parameters it holds at the end."""
     model, data = make(family)
-    strategy = MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner="dawnpiper",
-                                  measure_memory=True, memory_limit=limit, timeout=timedelta(minutes=1))
+    strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule="1f1b", chunks=CHUNKS,
+                                  planner="dawnpiper", measure_memory=True, memory_limit=limit,
+                                  timeout=timedelta(minutes=1))
     splits = _Splits(strategy)
+    tag = f"shrink-{family}" + (f"-p{stages}" if stages else "")
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=5, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[_Lower(strategy, 2, 0.7), splits])
-    trainer.fit(model, loader(data, BATCH))
-    trainer.save_checkpoint(out / f"shrink-{family}.ckpt")
+    trainer.fit(model, loader(data, BATCH // (devices // (stages or devices))))
+    trainer.save_checkpoint(out / f"{tag}.ckpt")
     result = {"splits": splits.seen, "lowered": strategy.memory_limit, "peak": strategy.meter.stages[0].peak,
-              "capacity": strategy.meter.capacities[0]}
-    (out / f"shrink-{family}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+              "capacity": strategy.meter.capacities[0],
+              "held": [name for name, p in model.named_parameters() if p.numel()]}
+    (out / f"{tag}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 class _Lower(Callback):
@@ -222,21 +245,35 @@ class _Hoard(Callback):
 
 
 def replans(out: Path, devices: int) -> None:
-    """``max_replans=1``: the last pipeline rank's meter is cut at batch 1 (planned for), the
-    first's at batch 2 (one re-plan too many). Every rank saves the error it raised."""
+    """Recovery giving up, each run saving a checkpoint every step (:func:`_saving`):
+    ``max_replans=1`` with the last pipeline rank's meter cut at batch 1 (planned for) and the
+    first's at batch 2 (one re-plan too many); then, under ``memory_limit=SHRINK_LIMIT``, the
+    last rank's meter cut to 2% of it at batch 1: less than the tied head's weight, gradient and
+    momentum, which the last stage holds in any plan. Every rank saves each error."""
     model, data = make("gpt")
     strategy = MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner="dawnpiper",
                                   measure_memory=True, max_replans=1, timeout=timedelta(minutes=1))
     cuts = [Cut(strategy, devices - 1, 1, 0.9, of_peak=True), Cut(strategy, 0, 2, 0.9, of_peak=True)]
+    _saving(out, devices, "replans", model, data, strategy, cuts)
+    model, data = make("gpt")
+    strategy = MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner="dawnpiper",
+                                  measure_memory=True, memory_limit=SHRINK_LIMIT, timeout=timedelta(minutes=1))
+    _saving(out, devices, "infeasible", model, data, strategy, [Cut(strategy, devices - 1, 1, 0.02)])
+
+
+def _saving(out: Path, devices: int, name: str, model: LightningModule, data: Any, strategy: MemoryPipeStrategy,
+            callbacks: list[Callback]) -> None:
+    """Fit with a checkpoint saved after every step, ``out/name/last.ckpt``; every rank saves
+    the error the fit ended with, ``out/name-rankN.txt``."""
+    saving = ModelCheckpoint(dirpath=out / name, save_last=True, every_n_train_steps=1, save_top_k=0)
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=cuts)
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, saving])
     try:
         trainer.fit(model, loader(data, BATCH))
         error = "no error"
     except Exception as e:  # the test reads it
         error = f"{type(e).__name__}: {e}"
-    (out / f"replans-rank{trainer.global_rank}.txt").write_text(error)
+    (out / f"{name}-rank{trainer.global_rank}.txt").write_text(error)
 
 
 def faults(out: Path, devices: int, count: int) -> None:
@@ -546,13 +583,15 @@ if __name__ == "__main__":
             virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
             denoiser(out, devices, steps, schedule, int(stages), virtual)
         elif scenario.startswith("recover:"):
-            _, family, schedule, stage, step, cut = scenario.split(":")
-            recover(out, devices, steps, family, schedule, int(stage), int(step), float(cut))
+            _, family, schedule, stage, step, cut, *flags = scenario.split(":")
+            pp = next((int(f[1:]) for f in flags if f.startswith("p")), None)
+            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
+            recover(out, devices, steps, family, schedule, int(stage), int(step), float(cut), pp, virtual)
         elif scenario == "drift":
             drift(out, devices, steps)
         elif scenario.startswith("shrink:"):
-            _, family, limit = scenario.split(":")
-            shrink(out, devices, family, int(limit))
+            _, family, limit, *flags = scenario.split(":")
+            shrink(out, devices, family, int(limit), next((int(f[1:]) for f in flags if f.startswith("p")), None))
         elif scenario.startswith("faults:"):
             faults(out, devices, int(scenario.split(":")[1]))
         elif scenario.startswith("metrics:"):

@@ -3,9 +3,10 @@
 single-device training, at pp=4 and pp=2 x dp=2 (every family under GPipe or 1F1B) and pp=2.
 
 A launch's start-up is most of a short run's time, so one launch serves several tests: four
-ranks train every configuration, then one rank never answers; two ranks run the features,
-sharded and exported scenarios. A rank that raises ends a launch of its own (Lightning's
-launcher ends every process, rank 0 included, once a rank it started has failed)."""
+ranks train every configuration and recover at pp=2 x dp=2, then one rank never answers; two
+ranks run the features, sharded, recovery (interleaved too) and exported scenarios. A rank that
+raises ends a launch of its own (Lightning's launcher ends every process, rank 0 included, once
+a rank it started has failed)."""
 
 import contextlib
 import csv
@@ -42,6 +43,7 @@ from tests.lightning.distributed_fit import (
     GAMMA,
     METRIC_STEPS,
     SHRINK_LIMIT,
+    SHRINK_LIMIT_DP,
     empty_trainer,
     exported_trainer,
     features_trainer,
@@ -117,7 +119,8 @@ def _launch(out: Path, devices: int, *scenarios: str, torchrun: bool = False) ->
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     # (a memory run needs two steps: the second has the first's optimizer state)
-    return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, "2", "hf:1f1b:4:metered",
+    return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, RECOVER_DP,
+                   f"shrink:gpt:{SHRINK_LIMIT_DP}:p2", "2", "hf:1f1b:4:metered",
                    str(STEPS), "gpt:1f1b:2:features",
                    *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
@@ -126,7 +129,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     scenarios = [str(STEPS), *PP2, SAVED, BF16, FP16, "2", "hf:1f1b:2:metered", str(STEPS), *DENOISER_PP2,
                  str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded", "empty", str(STEPS), RECOVER,
-                 f"shrink:gpt:{SHRINK_LIMIT}", "drift", "replans", f"faults:{FAULTS}", "exported"]
+                 RECOVER_V2, f"shrink:gpt:{SHRINK_LIMIT}", "drift", "replans", f"faults:{FAULTS}", "exported"]
     out = tmp_path_factory.mktemp("two_ranks")
     (out / "saved-plan.json").write_text(_saved_plan().to_json())
     return _launch(out, 2, *scenarios)
@@ -134,6 +137,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 
 SAVED = "gpt:1f1b:2:saved"  # the plan _saved_plan writes, followed as is
 RECOVER = "recover:gpt:1f1b:1:1:0.1"  # the last rank's meter cut to 90% of its peak at batch 1: out mid-step
+RECOVER_DP = RECOVER + ":p2"  # at pp=2 x dp=2, replica 0's alone
+RECOVER_V2 = RECOVER + ":v2"  # Interleaved 1F1B, two stages a process
 FAULTS = 1  # the first case of python -m benchmarks.faults --runtime distributed (it runs 30)
 BF16 = "gpt:1f1b:2:metered:bf16"  # Trainer(precision="bf16-mixed")
 FP16 = "gpt:1f1b:2:fp16"  # 16-mixed, with the grad scaler a GPU has
@@ -656,9 +661,30 @@ def test_hooks_run_in_lightnings_order_with_its_values_on_every_rank(two_ranks):
         assert json.loads(two_ranks.path(f"hooks-rank{rank}.json").read_text()) == expected, rank
 
 
-def _equal_single_device(state: dict[str, torch.Tensor], steps: int = STEPS) -> None:
-    for key, value in _reference("gpt", 1, steps=steps).items():
+def _equal_single_device(state: dict[str, torch.Tensor], steps: int = STEPS, replicas: int = 1) -> None:
+    for key, value in _reference("gpt", replicas, steps=steps).items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _check_recovered(launch: Launch, devices: int, name: str, stages: int, named: str) -> None:
+    """Pipeline rank 1 of replica 0 (global rank ``devices // stages``) ran out of memory in
+    step 1 of 3: every rank planned again alike (the warning names the stage by ``named``),
+    parameters moved, the replicas of each pipeline rank hold the same ones, the cut rank stays
+    under its cut, and the weights are single-device training's on the union of the batches."""
+    replicas = devices // stages
+    _equal_single_device(torch.load(launch.path(f"{name}.ckpt"), weights_only=False)["state_dict"], replicas=replicas)
+    ranks = [json.loads(launch.path(f"{name}-rank{r}.json").read_text()) for r in range(devices)]
+    assert all(r["splits"] == ranks[0]["splits"] for r in ranks) and len(ranks[0]["splits"]) == STEPS
+    (before, *_), (after, *_) = ranks[0]["splits"][0], ranks[0]["splits"][1]
+    assert before != after  # parameters moved between the ranks
+    (warned,) = ranks[0]["warned"]
+    assert re.match(rf"Planned again \(1 of at most 3\): {re.escape(named)} is out of memory: it holds [\d,]+ bytes.*"
+                    rf"Balance {re.escape(str(before))} -> {re.escape(str(after))}", warned.replace("\n", " ")), warned
+    for position in range(stages):  # global rank position * replicas + replica
+        held = [ranks[position * replicas + r]["held"] for r in range(replicas)]
+        assert held[0] and all(h == held[0] for h in held), position
+    cut = ranks[replicas]
+    assert cut["capacity"] is not None and cut["peak"] <= cut["capacity"]  # under the cut since
 
 
 @pytest.mark.slow
@@ -667,32 +693,56 @@ def test_a_rank_out_of_memory_mid_step_is_planned_again_on_every_rank_and_trains
     computing, both ranks learn of it after the schedule, plan again below what the rank has
     left, move parameters and optimizer state (SGD's momentum) to their new ranks and run the
     step again: the weights are single-device training's."""
-    name = "recover-gpt-1f1b-1-1"
-    _equal_single_device(torch.load(two_ranks.path(f"{name}.ckpt"), weights_only=False)["state_dict"])
-    ranks = [json.loads(two_ranks.path(f"{name}-rank{r}.json").read_text()) for r in range(2)]
-    assert ranks[0]["splits"] == ranks[1]["splits"] and len(ranks[0]["splits"]) == STEPS
-    (before, *_), (after, *_) = ranks[0]["splits"][0], ranks[0]["splits"][1]
-    assert before != after  # parameters moved between the ranks
-    (warned,) = ranks[0]["warned"]
-    assert re.match(rf"Planned again \(1 of at most 3\): Stage 1 is out of memory.*Balance "
-                    rf"{re.escape(str(before))} -> {re.escape(str(after))}", warned.replace("\n", " ")), warned
-    assert ranks[1]["capacity"] is not None and ranks[1]["peak"] <= ranks[1]["capacity"]  # under the cut since
+    _check_recovered(two_ranks, 2, "recover-gpt-1f1b-1-1", 2, "Stage 1")
+
+
+@pytest.mark.slow
+def test_a_rank_of_one_replica_out_of_memory_is_planned_again_by_every_replica_alike(four_ranks):
+    """pp=2 x dp=2: the last pipeline rank of replica 0 alone runs out in step 1; all four
+    ranks agree, plan again below what that rank has left (the least of the stage's replicas)
+    and rebuild together; both replicas hold the same split."""
+    _check_recovered(four_ranks, 4, "recover-gpt-1f1b-1-1-p2", 2, "Stage 1")
+
+
+@pytest.mark.slow
+def test_an_interleaved_rank_out_of_memory_is_named_by_its_stages_and_planned_again(two_ranks):
+    """Interleaved 1F1B, two stages a process: the error names the rank's stages, which share
+    its memory (the meter counts them as one); the four stages are planned again below it."""
+    named = "Pipeline rank 1 (stages 1 and 3, which share its memory)"
+    _check_recovered(two_ranks, 2, "recover-gpt-1f1b-1-1-v2", 2, named)
+    split = json.loads(two_ranks.path("recover-gpt-1f1b-1-1-v2-rank0.json").read_text())["splits"][-1]
+    assert len(split[0]) == 4
+
+
+def _check_shrunk(launch: Launch, devices: int, name: str, limit: int, stages: int) -> None:
+    """At batch 2 of 5 every stage's limit was lowered by 30% from ``limit``, below what the
+    plan's fuller stage needs: the next step ran on a new plan for it on every rank, no rank
+    went over it, the replicas of each pipeline rank hold the same parameters, and the weights
+    are single-device training's on the union of the batches."""
+    replicas = devices // stages
+    _equal_single_device(torch.load(launch.path(f"{name}.ckpt"), weights_only=False)["state_dict"], steps=5,
+                         replicas=replicas)
+    ranks = [json.loads(launch.path(f"{name}-rank{r}.json").read_text()) for r in range(devices)]
+    lowered = int(0.7 * limit)
+    for rank in ranks:
+        assert rank["lowered"] == [lowered, lowered] and rank["capacity"] == lowered
+        assert [targets for *_, targets in rank["splits"]] == [[limit] * 2] * 2 + [[lowered] * 2] * 3
+        assert rank["splits"][1][:2] != rank["splits"][2][:2]  # planned again: recomputing to fit
+        assert rank["peak"] <= lowered  # metered from the new plan on
+        assert rank["splits"] == ranks[0]["splits"]
+    for position in range(stages):
+        held = [ranks[position * replicas + r]["held"] for r in range(replicas)]
+        assert all(h == held[0] for h in held), position
 
 
 @pytest.mark.slow
 def test_a_memory_limit_lowered_mid_run_is_planned_for_on_every_rank_and_training_goes_on_unchanged(two_ranks):
-    """At batch 2 of 5 a callback lowers every stage's limit by 30%, below what the plan's
-    fuller stage needs: the next step runs on a new plan for it, no rank goes over it, and the
-    weights are single-device training's."""
-    _equal_single_device(torch.load(two_ranks.path("shrink-gpt.ckpt"), weights_only=False)["state_dict"], steps=5)
-    ranks = [json.loads(two_ranks.path(f"shrink-gpt-rank{r}.json").read_text()) for r in range(2)]
-    limit = int(0.7 * SHRINK_LIMIT)
-    for rank in ranks:
-        assert rank["lowered"] == [limit, limit] and rank["capacity"] == limit
-        assert [targets for *_, targets in rank["splits"]] == [[SHRINK_LIMIT] * 2] * 2 + [[limit] * 2] * 3
-        assert rank["splits"][1][:2] != rank["splits"][2][:2]  # planned again: recomputing to fit
-        assert rank["peak"] <= limit  # metered from the new plan on
-    assert ranks[0]["splits"] == ranks[1]["splits"]
+    _check_shrunk(two_ranks, 2, "shrink-gpt", SHRINK_LIMIT, 2)
+
+
+@pytest.mark.slow
+def test_a_memory_limit_lowered_mid_run_is_planned_for_by_every_replica_alike(four_ranks):
+    _check_shrunk(four_ranks, 4, "shrink-gpt-p2", SHRINK_LIMIT_DP, 2)
 
 
 @pytest.mark.slow
@@ -707,12 +757,41 @@ def test_a_rank_drifting_past_its_prediction_is_planned_for_on_every_rank_before
     assert before == [SHRINK_LIMIT] * 2 and after[1] < 0.8 * SHRINK_LIMIT  # below what the rank took beyond its check
 
 
+def _check_last_checkpoint(launch: Launch, name: str, steps: int) -> None:
+    """The checkpoint saved after the last step that succeeded (``steps``) loads into the plain
+    module and holds single-device training's weights after that many steps."""
+    checkpoint = torch.load(launch.path(f"{name}/last.ckpt"), weights_only=False)
+    assert checkpoint["global_step"] == steps
+    restored, _ = make("gpt")
+    restored.load_state_dict(checkpoint["state_dict"])
+    _equal_single_device(restored.state_dict(), steps=steps)
+
+
+def _out_of_memory(stage: int) -> str:
+    """The start of the error that names the stage, what it holds and its limit, as the local
+    engine's does (the fix follows)."""
+    return (rf"RecoveryError: Stage {stage} is out of memory: it holds [\d,]+ bytes and asked for [\d,]+ more, over "
+            rf"its capacity of ")
+
+
 @pytest.mark.slow
-def test_more_re_plans_than_allowed_is_a_clear_error_on_every_rank(two_ranks):
+def test_more_re_plans_than_allowed_is_a_clear_error_on_every_rank_and_the_last_checkpoint_is_intact(two_ranks):
     for rank in range(2):
         error = two_ranks.path(f"replans-rank{rank}.txt").read_text()
-        assert error.startswith("RecoveryError: Stage 0 is out of memory"), error
-        assert "planned again 1 times already (max_replans=1)" in error, error
+        assert re.match(_out_of_memory(0) + r"[\d,]+ bytes\..*planned again 1 times already \(max_replans=1\)\. "
+                        r"Lower the micro-batch size, raise memory_limit or add stages; or raise max_replans\.", error,
+                        re.S), error
+    _check_last_checkpoint(two_ranks, "replans", steps=2)  # step 1 planned again, step 2 failed
+
+
+@pytest.mark.slow
+def test_a_limit_no_plan_can_meet_is_a_clear_error_on_every_rank_and_the_last_checkpoint_is_intact(two_ranks):
+    cut = f"{int(0.02 * SHRINK_LIMIT):,}"
+    for rank in range(2):
+        error = two_ranks.path(f"infeasible-rank{rank}.txt").read_text()
+        assert re.match(_out_of_memory(1) + rf"{cut} bytes\..*No plan keeps every stage under its limit: no plan "
+                        rf"fits.* \d+ bytes on stage \d.*Lower the micro-batch size", error, re.S), error
+    _check_last_checkpoint(two_ranks, "infeasible", steps=1)
 
 
 @pytest.mark.slow
