@@ -67,7 +67,7 @@ def live_bytes(
     if layout.code.any():
         stashed = drop_stashes(a, layout, runs, stash, back)
     kept = np.zeros((rows, size + 1), dtype=np.int64)
-    np.cumsum(stash.reshape(rows, size), axis=1, out=kept[:, 1:])
+    stash.reshape(rows, size).cumsum(axis=1, out=kept[:, 1:])
     # values a node makes and does not keep itself stay alive after it until kept, or read
     end = held_end(a, layout, runs, stashed)
     held = np.zeros((rows, size + 1), dtype=np.int64)
@@ -77,7 +77,7 @@ def live_bytes(
         np.add.at(held.ravel(), first, values)
         np.add.at(held.ravel(), np.maximum(first, first + np.minimum(until, hi - 1) - node), -values)
         np.add.at(leaving, layout.row, np.where(until >= hi, values, 0))
-    held = np.cumsum(held, axis=1)[:, :size]
+    held = held.cumsum(axis=1)[:, :size]
     # each node's forward, and the end of the stage's: its whole stash and what leaves it (a
     # node saving an input an earlier stage made takes it on only as it runs)
     ends = (kept[:, -1] + leaving)[:, None]
@@ -91,8 +91,8 @@ def live_bytes(
     backward = common + fresh
     if summed_parameter_grads:
         backward += np.maximum(0, fresh - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
-    first_backward = common + np.cumsum(a.grads[lo:hi][::-1])[::-1]  # the parameter gradients made so far
-    f, b, g = (np.argmax(x, axis=1) for x in (forward, backward, first_backward))
+    first_backward = common + a.grads[lo:hi][::-1].cumsum()[::-1]  # the parameter gradients made so far
+    f, b, g = (x.argmax(axis=1) for x in (forward, backward, first_backward))
     at = np.arange(rows)
     columns = zip(*(x.tolist() for x in (
         kept[:, -1], leaving, kept[at, f], forward[at, f] - kept[at, f], kept[at, b + 1],
@@ -112,7 +112,7 @@ def kept_live_bytes(
     size = hi - lo
     stash = a.saved[lo:hi] if received is None else np.maximum(0, a.saved[lo:hi] - received[lo:hi])
     kept = np.zeros(size + 1, dtype=np.int64)
-    np.cumsum(stash, out=kept[1:])
+    stash.cumsum(out=kept[1:])
     # a value a node makes and does not keep itself stays alive after it until kept, or read
     values, end = a.held[lo:hi], a.held_end[lo:hi]
     held = np.zeros(size + 1, dtype=np.int64)
@@ -162,7 +162,7 @@ def drop_stashes(
     # a recomputed node's stash a kept node after its region saves too: that one keeps it, only
     # until its own backward; the region makes its own again
     rebuilt = freed.copy()
-    shared = np.flatnonzero((code == 1) & (saver >= stop) & (saver < layout.hi))
+    shared = ((code == 1) & (saver >= stop) & (saver < layout.hi)).nonzero()[0]
     keeper = shared + saver[shared] - node[shared]  # its position, in the row
     shared, keeper = shared[code[keeper] == 0], keeper[code[keeper] == 0]
     rebuilt[shared] = a.saved[node[shared]]
@@ -172,13 +172,13 @@ def drop_stashes(
         gone = np.zeros(node.size + 1, dtype=np.int64)
         np.add.at(gone, shared, made_again[shared])
         np.add.at(gone, keeper, -made_again[shared])
-        back -= np.cumsum(gone)[:-1]
-    total = np.cumsum(made_again)
+        back -= gone.cumsum()[:-1]
+    total = made_again.cumsum()
     back += total - np.concatenate(([0], total))[starts][segment]
     kind = code[starts]
     dropped = np.add.reduceat(freed, starts)
     after = np.zeros(starts.size, dtype=np.int64)  # a swapped run's stash, back for the segment after it (its row's)
-    swapped = np.flatnonzero((kind[:-1] == 2) & (starts[1:] % layout.size != 0))
+    swapped = ((kind[:-1] == 2) & (starts[1:] % layout.size != 0)).nonzero()[0]
     after[swapped + 1] = dropped[swapped]
     back += after[segment]
     first, last = recomputed_regions(a, layout, runs)
@@ -213,7 +213,7 @@ def backward_gradients(a: NodeArrays, lo: int, hi: int) -> Array:
     :meth:`~lightning_pipe.plan.memory.CostModel.waiting`), not here; unless the value it goes
     to is made here and read on a later stage as well (:attr:`NodeArrays.summed_with`): autograd
     adds the two into a new tensor here, held until the value's maker takes it."""
-    edges = np.arange(*np.searchsorted(a.consumer, [lo, hi]))
+    edges = np.arange(*a.consumer.searchsorted([lo, hi]))
     later = a.forwarded[edges] & (a.first_reader[a.consumer[edges]] >= hi)
     summed_here = (a.summed_at[edges] >= lo) & (a.summed_with[edges] >= hi)
     edges = edges[~(later & ~summed_here)]
@@ -228,4 +228,4 @@ def backward_gradients(a: NodeArrays, lo: int, hi: int) -> Array:
         live[0] += gradient[: lo - first].sum()  # from the stage start, or its producer, ...
         live[:-1] += gradient[lo - first :]
         np.subtract.at(live, latest, gradient)  # ... to before its last reader in the range
-    return np.cumsum(live)[:-1]
+    return live.cumsum()[:-1]

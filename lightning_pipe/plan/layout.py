@@ -43,7 +43,7 @@ class Layout:
         position, the node read and that node's storage (:attr:`NodeArrays.read_base`;
         kept: the regions' pricing asks twice)."""
         if self._reads is None:
-            begin, end = np.searchsorted(a.reader, [self.lo, self.hi])
+            begin, end = a.reader.searchsorted([self.lo, self.hi])
             shift = (np.arange(self.rows) * self.size)[:, None]
             reader = (a.reader[begin:end] - self.lo + shift).ravel()
             self._reads = reader, np.tile(a.read[begin:end], self.rows), np.tile(a.read_base[begin:end], self.rows)
@@ -52,9 +52,10 @@ class Layout:
     def regions(self, starts: Array, stops: Array) -> tuple[Array, Array]:
         """Per position, the index of the last of the regions ``[starts[k], stops[k])`` (in
         order) starting at or before it (-1: none), and whether it lies in that region."""
+        positions = np.arange(self.code.size)
         at = np.full(self.code.size, -1)
-        at[starts[0] :] = np.repeat(np.arange(starts.size), np.diff(np.append(starts, self.code.size)))
-        return at, (at >= 0) & (np.arange(at.size) < stops[at])
+        at[:] = starts.searchsorted(positions, side="right") - 1
+        return at, (at >= 0) & (positions < stops[at])
 
 
 @dataclass
@@ -78,8 +79,8 @@ def policy_runs(a: NodeArrays, layout: Layout) -> Runs:
     new = np.ones(code.size, dtype=bool)
     new[1:] = code[1:] != code[:-1]
     new[:: layout.size] = True
-    starts = np.flatnonzero(new)
-    stops, of = np.append(starts[1:], code.size), np.cumsum(new) - 1
+    starts = new.nonzero()[0]
+    stops, of = np.concatenate((starts[1:], [code.size])), new.cumsum() - 1
     drops = (code != 0) & (a.last_saver[node] < node[stops - 1][of] + 1)
     return Runs(starts, stops, of, drops)
 
@@ -104,7 +105,7 @@ def held_end(
         return end
     by = a.held_by[node]
     dropped = (by >= 0) & (layout.codes[layout.row, by] != 0)
-    inside = np.flatnonzero(dropped & (by < hi))
+    inside = (dropped & (by < hi)).nonzero()[0]
     keeper = inside + by[inside] - node[inside]  # its position, in the row
     dropped[inside] = runs.drops[keeper]
     end = np.where(dropped, a.held_until[node], end)

@@ -52,7 +52,7 @@ from lightning_pipe.plan.policy import CodedPolicies, Policy, policy_codes
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.recompute import recomputed_regions, regions_inputs
 from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, BackwardState, Schedule
-from lightning_pipe.plan.times import pooled_times
+from lightning_pipe.plan.times import WORK_BYTES, pooled_times
 
 __all__ = ["CostModel", "StagePeak", "predict_peaks", "stage_ranges"]
 
@@ -153,7 +153,7 @@ class CostModel:
         self._range_gradients: tuple[tuple[int, int], Array] = ((0, 0), np.zeros(0, dtype=np.int64))
         self._kept_bounds: _KeptBounds | None = None  # made when first asked (capslog's search)
         self._gradient_bytes: tuple[tuple[int, ...], list[list[int]]] = ((), [])  # the last split's
-        self.forward_ms, self.backward_ms = pooled_times(profile)
+        self.forward_ms, self.backward_ms = pooled_times(profile, [self._arrays.columns[f] for f in WORK_BYTES])
         a, n, column, index = self._arrays, self.n, self._arrays.columns, np.arange(self.n)
         self.saved: list[int] = a.saved.tolist()
         self._saved_array, self._forward_array = a.saved, np.asarray(self.forward_ms, dtype=np.float64)
@@ -176,12 +176,12 @@ class CostModel:
         self._to_output: list[int] = _prefix(np.where(to_output, a.held, 0).tolist())
         self._forward = _prefix(self.forward_ms)
         self._compute = _prefix([f + b for f, b in zip(self.forward_ms, self.backward_ms)])
-        self._transient = _sparse_max(np.maximum(a.workspace, column["backward_bytes"] - a.grads))
+        self._transient = _RangeMax(np.maximum(a.workspace, column["backward_bytes"] - a.grads))
         self._step_sum: list[int] = _prefix(column["step_bytes"].tolist())
-        self._step_max = _sparse_max(column["step_bytes"])
+        self._step_max = _RangeMax(column["step_bytes"])
         self.reads_input = set(profile.input_users)
         # Values leaving a range [lo, hi): node i < hi whose last reader is at or after hi
-        # (or the graph output). _leaving[hi] lists those (i, bytes), i descending.
+        # (or the graph output). _leaving(hi) lists those i, descending.
         lowest, highest = np.full(n, n, dtype=np.int64), np.full(n, -1, dtype=np.int64)
         np.minimum.at(lowest, a.user_of, a.user)
         np.maximum.at(highest, a.user_of, a.user)
@@ -193,10 +193,8 @@ class CostModel:
         maker = np.repeat(index, span)
         cut = maker + 1 + np.arange(maker.size) - np.repeat(np.cumsum(span) - span, span)
         order = np.lexsort((-maker, cut))
-        maker, cut = maker[order], cut[order]
-        leaving = list(zip(maker.tolist(), np.maximum(0, a.output - a.saved)[maker].tolist()))
-        bounds = np.searchsorted(cut, np.arange(n + 2)).tolist()
-        self._leaving: list[list[tuple[int, int]]] = [leaving[bounds[c] : bounds[c + 1]] for c in range(n + 1)]
+        self._makers, self._cut_bounds = maker[order], np.searchsorted(cut[order], np.arange(n + 2)).tolist()
+        self._leaving_at: dict[int, list[int]] = {}  # made when first asked: a search asks some cuts
         # crossing[c]: bytes of the values made before node c and read from it on
         crossing = np.zeros(n + 2, dtype=np.int64)  # its changes, cut by cut
         np.add.at(crossing, index[span > 0] + 1, a.output[span > 0])
@@ -204,9 +202,16 @@ class CostModel:
         self.crossing: list[int] = np.cumsum(crossing[: n + 1]).tolist()
         # per cut, of the values leaving it, latest first: their makers (negated, ascending) and
         # their bytes summed so far, so that send_ms finds what a range sends by bisection
-        self._senders = [[-i for i, _ in entry] for entry in self._leaving] if link_bandwidth else []
-        self._sent = [list(itertools.accumulate(self.output[i] for i, _ in entry)) for entry in self._leaving
-                      ] if link_bandwidth else []
+        leaving = [self._leaving(c) for c in range(n + 1)] if link_bandwidth else []
+        self._senders = [[-i for i in entry] for entry in leaving]
+        self._sent = [list(itertools.accumulate(self.output[i] for i in entry)) for entry in leaving]
+
+    def _leaving(self, cut: int) -> list[int]:
+        """The nodes before ``cut`` whose values are read from it on (or by the graph output),
+        latest first (cached)."""
+        if (found := self._leaving_at.get(cut)) is None:
+            found = self._leaving_at[cut] = self._makers[self._cut_bounds[cut] : self._cut_bounds[cut + 1]].tolist()
+        return found
 
     def params(self, lo: int, hi: int) -> int:
         return self._params[hi] - self._params[lo]
@@ -222,7 +227,7 @@ class CostModel:
     def recompute_costs(self, lo: int, hi: int) -> tuple[Array, "np.ndarray[tuple[int], np.dtype[np.float64]]", Array]:
         """The nodes of ``[lo, hi)`` that save bytes, each one's forward milliseconds per byte
         saved (what recomputing it costs per byte it frees) and its saved bytes."""
-        nodes = lo + np.flatnonzero(self._saved_array[lo:hi] > 0)
+        nodes = lo + (self._saved_array[lo:hi] > 0).nonzero()[0]
         saved = self._saved_array[nodes]
         return nodes, self._forward_array[nodes] / saved, saved
 
@@ -231,14 +236,14 @@ class CostModel:
 
     def transient(self, lo: int, hi: int) -> int:
         """Largest workspace of a node's forward or backward growth in the range."""
-        return _range_max(self._transient, lo, hi)
+        return self._transient(lo, hi)
 
     def step(self, lo: int, hi: int) -> int:
         """What the optimizer's step holds for a while on a stage of nodes ``[lo, hi)``
         besides parameters, gradients and state: its temporaries (:attr:`NodeProfile.step_bytes`)."""
         if self.profile.step_grouped:
             return self._step_sum[hi] - self._step_sum[lo]
-        return _range_max(self._step_max, lo, hi)
+        return self._step_max(lo, hi)
 
     def boundary(self, lo: int, hi: int) -> int:
         """Bytes of one micro-batch's values nodes ``[lo, hi)`` made that later stages read
@@ -252,8 +257,8 @@ class CostModel:
         by one of its nodes or not (the buffer is the saved tensor: :meth:`received_kept`),
         and one for the gradient coming back of every value it sends (read after it)."""
         total = self.profile.input_bytes if lo > 0 and any(u >= lo for u in self.reads_input) else 0
-        total += sum(self.output[i] for i, _ in self._leaving[lo])
-        for i, _ in self._leaving[hi] if hi < self.n else []:
+        total += sum(self.output[i] for i in self._leaving(lo))
+        for i in self._leaving(hi) if hi < self.n else []:
             total += self.profile.nodes[i].output_grad_bytes
         return total
 
@@ -264,7 +269,7 @@ class CostModel:
         again by the node that saves them (cached)."""
         if (found := self._received.get(lo)) is None:
             found = np.zeros(self.n, dtype=np.int64)
-            for i, _ in self._leaving[lo]:
+            for i in self._leaving(lo):
                 if (keeper := self.profile.nodes[i].held_by) >= lo:
                     found[keeper] += self._arrays.held[i]
             self._received[lo] = found
@@ -318,7 +323,7 @@ class CostModel:
         slicers: set[int] = set()
         for p, cut in enumerate(cuts):
             start = cuts[p - 1] if p else 0
-            for i, _ in self._leaving[cut]:  # i descending: stop at the first made before stage p
+            for i in self._leaving(cut):  # i descending: stop at the first made before stage p
                 if i < start:
                     break
                 reader = self._last_reader[i]
@@ -413,7 +418,7 @@ class CostModel:
         Cached: a search asks for the same ranges over and over."""
         if (found := self._depends.get((lo, hi))) is None:
             a = self._arrays
-            begin, end = np.searchsorted(a.reader, [lo, hi])
+            begin, end = a.reader.searchsorted([lo, hi])
             storages = a.read_base[begin:end][a.read[begin:end] < lo]
             keepers = a.held_by[storages]
             # (a set sorted: np.unique costs more on arrays this short)
@@ -678,17 +683,17 @@ class _KeptBounds:
         if summed_parameter_grads:
             backward += np.maximum(0, a.fresh - np.maximum(0, a.backward - a.handed))
         self.stash, self.held, self.grads_before = stash.tolist(), held.tolist(), a.grads_before.tolist()
-        self.forward = _sparse_max(stash[:-1] + held[:-1] + a.allocated)
-        self.backward = _sparse_max(backward + a.fresh)
-        self.first_backward = _sparse_max(backward - a.grads_before[:-1])
+        self.forward = _RangeMax(stash[:-1] + held[:-1] + a.allocated)
+        self.backward = _RangeMax(backward + a.fresh)
+        self.first_backward = _RangeMax(backward - a.grads_before[:-1])
 
     def live(self, lo: int, hi: int) -> LiveBytes:
         """Bounds of each of :func:`~lightning_pipe.plan.activations.kept_live_bytes`'s sums
         on ``[lo, hi)`` (its stash exact)."""
         before, stashed, leaving = self.stash[lo], self.stash[hi] - self.stash[lo], self.held[hi]
-        forward = max(_range_max(self.forward, lo, hi) - before, stashed + leaving)
-        backward = _range_max(self.backward, lo, hi) - before
-        first = _range_max(self.first_backward, lo, hi) - before + self.grads_before[hi]
+        forward = max(self.forward(lo, hi) - before, stashed + leaving)
+        backward = self.backward(lo, hi) - before
+        first = self.first_backward(lo, hi) - before + self.grads_before[hi]
         return LiveBytes(stashed, leaving, (0, forward), (0, backward), (0, first))
 
 
@@ -717,16 +722,22 @@ def _highest(peaks: Sequence[StagePeak]) -> StagePeak:
     return highest
 
 
-def _range_max(table: list[list[int]], lo: int, hi: int) -> int:
-    """The largest value of ``[lo, hi)`` in a :func:`_sparse_max` table."""
-    level = (hi - lo).bit_length() - 1
-    return max(table[level][lo], table[level][hi - (1 << level)])
+class _RangeMax:
+    """The largest of any range ``[lo, hi)`` of values in O(1): a sparse table, level k holding
+    the max of every window of 2**k values. A level becomes a list (fast to index) when first
+    asked: a search asks ranges of a few lengths, and converting every level of a large model
+    cost more than its search asked of them."""
 
+    def __init__(self, values: "Sequence[int] | Array") -> None:
+        levels = [np.asarray(values, dtype=np.int64)]
+        while 2 ** len(levels) <= len(values):
+            prev, half = levels[-1], 2 ** (len(levels) - 1)
+            levels.append(np.maximum(prev[:-half], prev[half:]))
+        self._levels = levels
+        self._lists: list[list[int] | None] = [None] * len(levels)
 
-def _sparse_max(values: "Sequence[int] | Array") -> list[list[int]]:
-    """Sparse table: level k holds the max of every window of 2**k values (O(1) range max)."""
-    levels = [np.asarray(values, dtype=np.int64)]
-    while 2 ** len(levels) <= len(values):
-        prev, half = levels[-1], 2 ** (len(levels) - 1)
-        levels.append(np.maximum(prev[:-half], prev[half:]))
-    return [level.tolist() for level in levels]
+    def __call__(self, lo: int, hi: int) -> int:
+        level = (hi - lo).bit_length() - 1
+        if (table := self._lists[level]) is None:
+            table = self._lists[level] = self._levels[level].tolist()
+        return max(table[lo], table[hi - (1 << level)])

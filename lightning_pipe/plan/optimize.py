@@ -17,11 +17,13 @@ device-host link (``None``: no swapping).
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, Waiting
-from lightning_pipe.plan.policy import CodedPolicies, Policy
+from lightning_pipe.plan.nodes import Array
+from lightning_pipe.plan.policy import CodedPolicies, Codes, Policy, chosen_codes
 
 __all__ = ["TIME_NOISE", "Descent", "StageOptimum", "lowest_peak", "optimize_stage", "policy_time", "prune_stage"]
 
@@ -51,6 +53,13 @@ class StageOptimum:
     @property
     def added_ms(self) -> float:
         return self.recompute_ms + self.swap_ms
+
+    @cached_property
+    def coded(self) -> tuple[Array, Codes]:
+        """Its chosen nodes and their policies' codes (:func:`chosen_codes`; cached: a split
+        search lays every stage's choices into one array for each split it prices, most stages'
+        as before)."""
+        return chosen_codes(self.policies)
 
 
 def policy_time(
@@ -138,9 +147,9 @@ def _greedy(stage: "PricedStage", base: StageOptimum) -> StageOptimum:
             ((_round_trip_ms(model, i, host_bandwidth), i) for i in range(lo, hi) if model.saved[i] > 0),
             key=lambda c: c[0] - model.compute_ms(c[1] + 1, hi),
         )
-    # (ms per byte freed, node), highest MSPS first. A node keeps its inputs (it saves them
+    # ms per byte freed and node, highest MSPS first. A node keeps its inputs (it saves them
     # first) or what it made: inside a recomputed region with their producers, both go.
-    recomputes = _steady_order(model, lo, hi)
+    recompute_costs, recomputes = _steady_order(model, lo, hi)
 
     policies: dict[int, Policy] = {}
     late = link = 0.0
@@ -173,7 +182,7 @@ def _greedy(stage: "PricedStage", base: StageOptimum) -> StageOptimum:
             hidden = t <= window and link + t <= compute
             swap_cost = 0.0 if hidden else (exposed(max(0.0, t - window), t) - now) / model.saved[i]
         if ri < len(recomputes):
-            recompute_cost = recomputes[ri][0]
+            recompute_cost = recompute_costs[ri]
         if swap_cost <= recompute_cost:
             t, i = swaps[si]
             si += 1
@@ -186,7 +195,7 @@ def _greedy(stage: "PricedStage", base: StageOptimum) -> StageOptimum:
             link += t
             restore = max(restore, model.saved[i])
         else:
-            i = recomputes[ri][1]
+            i = recomputes[ri]
             ri += 1
             if i in policies:
                 continue
@@ -334,22 +343,23 @@ def _join_swaps(model: CostModel, lo: int, hi: int, i: int, policies: dict[int, 
             policies.update(dict.fromkeys(gap, "swap"))
 
 
-def _steady_order(model: CostModel, lo: int, hi: int) -> list[tuple[float, int]]:
-    """``(ms per byte freed, node)`` of the nodes of ``[lo, hi)`` saving bytes, cheapest first,
-    where costs within :data:`TIME_NOISE` of a run's cheapest count as equal and the node
-    keeping more bytes goes first: measured times vary from one profile to the next, bytes do
-    not, so the same model gets the same choices. (Sorted by NumPy: a split search orders
-    thousands of stages.)"""
+def _steady_order(model: CostModel, lo: int, hi: int) -> tuple[list[float], list[int]]:
+    """The ms per byte freed and the nodes of ``[lo, hi)`` saving bytes, cheapest first, where
+    costs within :data:`TIME_NOISE` of a run's cheapest count as equal and the node keeping
+    more bytes goes first: measured times vary from one profile to the next, bytes do not, so
+    the same model gets the same choices. (Sorted by NumPy, each run found by bisection: a
+    split search orders thousands of stages.)"""
     nodes, costs, saved = model.recompute_costs(lo, hi)
     order = np.lexsort((nodes, costs))  # by (cost, node)
-    ordered = costs[order].tolist()
-    runs, first, run = [], 0.0, -1
-    for cost in ordered:
-        if run < 0 or cost > first * (1 + TIME_NOISE):
-            first, run = cost, run + 1
-        runs.append(run)
-    order = order[np.lexsort((nodes[order], -saved[order], np.asarray(runs)))]  # within a run, by (-bytes, node)
-    return list(zip(costs[order].tolist(), nodes[order].tolist()))
+    ordered = costs[order]
+    new = np.zeros(order.size, dtype=np.int64)  # 1 where a run starts (but the first)
+    start = 0
+    while start < order.size:  # a run: every cost up to its first's times 1 + TIME_NOISE
+        start = max(start + 1, int(np.searchsorted(ordered, ordered[start] * (1 + TIME_NOISE), side="right")))
+        new[start : start + 1] = 1
+    runs = np.cumsum(new)
+    order = order[np.lexsort((nodes[order], -saved[order], runs))]  # within a run, by (-bytes, node)
+    return costs[order].tolist(), nodes[order].tolist()
 
 
 def _better(a: StageOptimum, b: StageOptimum) -> bool:

@@ -10,7 +10,7 @@ from typing import Literal, TypeAlias, get_args
 
 import numpy as np
 
-__all__ = ["POLICIES", "CodedPolicies", "Policy", "policy_codes"]
+__all__ = ["POLICIES", "CodedPolicies", "Policy", "chosen_codes", "policy_codes"]
 
 Policy = Literal["keep", "recompute", "swap"]
 #: Every policy, in code order: a node's code is its policy's index (0 keep, 1 recompute, 2 swap).
@@ -56,5 +56,12 @@ def policy_codes(policies: Mapping[int, Policy], n: int) -> Codes:
         return policies.codes
     codes = np.zeros(n, dtype=np.int8)
     if policies:
-        codes[np.fromiter(policies, dtype=np.int64, count=len(policies))] = [_CODE[p] for p in policies.values()]
+        nodes, chosen = chosen_codes(policies)
+        codes[nodes] = chosen
     return codes
+
+
+def chosen_codes(policies: Mapping[int, Policy]) -> "tuple[np.ndarray[tuple[int], np.dtype[np.int64]], Codes]":
+    """The nodes ``policies`` maps and their policies' codes, as arrays."""
+    nodes = np.fromiter(policies, dtype=np.int64, count=len(policies))
+    return nodes, np.fromiter((_CODE[p] for p in policies.values()), dtype=np.int8, count=len(policies))

@@ -26,8 +26,8 @@ def recomputing(
     node = layout.node
     at, region = regions
     position = np.arange(node.size)
-    rebuilt = np.concatenate(([0], np.cumsum(made_again)))
-    k = np.flatnonzero(region)
+    rebuilt = np.concatenate(([0], made_again.cumsum()))
+    k = region.nonzero()[0]
     # run again, a value lives until its last reader in the region, or the node saving it
     last = position.copy()
     reader, read, _ = layout.reads(a)
@@ -39,7 +39,7 @@ def recomputing(
     final = node[stops - 1]  # whose backward the region is run again for
     returned = k[a.held_until[node[k]] > final[at[k]]]
     if returned.size:
-        saving = np.maximum.reduceat(np.where(a.saved[node[k]] > 0, k, -1), np.searchsorted(k, starts))
+        saving = np.maximum.reduceat(np.where(a.saved[node[k]] > 0, k, -1), k.searchsorted(starts))
         last[returned] = np.maximum(last[returned], saving[at[returned]])
     saver = k + a.held_by[node[k]] - node[k]  # the position of the node keeping it (of its row)
     ends = np.where((saver > k) & (saver < stops[at[k]]), saver, last[k])
@@ -47,7 +47,7 @@ def recomputing(
     alive = ends > k
     np.add.at(held, k[alive] + 1, a.held[node[k[alive]]])
     np.add.at(held, ends[alive] + 1, -a.held[node[k[alive]]])
-    running = np.where(region, rebuilt[:-1] - rebuilt[starts[np.maximum(at, 0)]] + np.cumsum(held)[:-1]
+    running = np.where(region, rebuilt[:-1] - rebuilt[starts[np.maximum(at, 0)]] + held.cumsum()[:-1]
                        + a.made[node] + a.workspace[node], 0)
     peak = np.maximum.reduceat(running, starts)
     priced = rebuilt[stops] - rebuilt[starts] + a.backward[final] + a.fresh[final]
@@ -80,7 +80,13 @@ def regions_inputs(
     start, stop = layout.node[starts], layout.node[stops - 1] + 1
     outside = inside[reader] & (read < start[region])
     row = layout.row[reader[outside]]
-    _, first = np.unique(row * a.n + storage[outside], return_index=True)  # reads are in position order
+    # each storage's first read in its row (reads are in position order), as np.unique's return_index
+    keys = row * a.n + storage[outside]
+    order = keys.argsort(kind="stable")
+    ordered = keys[order]
+    new = np.ones(keys.size, dtype=bool)
+    new[1:] = ordered[1:] != ordered[:-1]
+    first = order[new]
     q, row, region = storage[outside][first], row[first], region[outside][first]
     start, stop = start[region], stop[region]
     keeper = a.held_by[q]

@@ -14,6 +14,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from lightning_pipe.plan.memory import CostModel, StagePeak, Waiting, stage_ranges
 from lightning_pipe.plan.optimize import Descent, StageOptimum, lowest_peak, optimize_stage, prune_stage
 from lightning_pipe.plan.policy import CodedPolicies, Policy
@@ -174,7 +176,12 @@ class Stages:
 
     def _priced(self, balance: Sequence[int], optima: Sequence[StageOptimum]) -> list[StageOptimum]:
         """``optima`` with their peaks priced with every stage's policies and what waits."""
-        chosen = CodedPolicies.of({i: p for o in optima for i, p in o.policies.items()}, self.model.n)
+        codes = np.zeros(self.model.n, dtype=np.int8)  # every stage's choices
+        for o in optima:
+            if o.policies:
+                nodes, values = o.coded
+                codes[nodes] = values
+        chosen = CodedPolicies(codes)
         waits = self.model.waiting(balance, self.waits, self.backward_states, chosen)
         peaks = [self._peak(r.start, r.stop, s, chosen, waits[s]) for s, r in enumerate(stage_ranges(balance))]
         # (made directly: dataclasses.replace costs more than pricing a stage from its cache)
@@ -219,21 +226,22 @@ class Stages:
         """Per stage of ``balance``, placed, its times per micro-batch (cached: a search asks
         a split's step and its idle stages)."""
         if (times := self.cache.times.get(tuple(balance))) is None:
-            times = [StageTime(forward, backward, o.recompute_ms, o.swap_ms, send)
-                     for (forward, backward, send), o in zip(self._compute_times(balance), self.placed(balance))]
+            times = [StageTime(t.forward, t.backward, o.recompute_ms, o.swap_ms, t.send)
+                     for t, o in zip(self._compute_times(balance), self.placed(balance))]
             self.cache.times[tuple(balance)] = times
         return times
 
-    def _compute_times(self, balance: Sequence[int]) -> list[tuple[float, float, float]]:
-        """Per stage of ``balance``, its forward, backward and send milliseconds per micro-batch
-        (cached by range: a search moving one cut asks the other stages' again)."""
+    def _compute_times(self, balance: Sequence[int]) -> list[StageTime]:
+        """Per stage of ``balance``, its forward, backward and send milliseconds per micro-batch,
+        before any recompute or swap (cached by range: a search moving one cut asks the other
+        stages' again)."""
         found, computed, lo = [], self.cache.compute_times, 0
         for count in balance:
             hi = lo + count
             if (times := computed.get((lo, hi))) is None:
                 forward = self.model.forward_time(lo, hi)
-                times = computed[lo, hi] = (forward, self.model.compute_ms(lo, hi) - forward,
-                                            self.model.send_ms(lo, hi))
+                times = computed[lo, hi] = StageTime(forward, self.model.compute_ms(lo, hi) - forward,
+                                                     send=self.model.send_ms(lo, hi))
             found.append(times)
             lo = hi
         return found
@@ -249,8 +257,7 @@ class Stages:
         """A lower bound of :meth:`step_ms` known before any stage is optimised: the step with
         no recompute or swap (a simulated step never shortens as a stage's time grows; cached)."""
         if (step := self.cache.least_steps.get(key := tuple(balance))) is None:
-            step = self.cache.least_steps[key] = self._replayed(
-                [StageTime(forward, backward, send=send) for forward, backward, send in self._compute_times(balance)])
+            step = self.cache.least_steps[key] = self._replayed(self._compute_times(balance))
         return step
 
     def _replayed(self, times: Sequence[StageTime]) -> float:
@@ -342,7 +349,7 @@ class Found:
     prunes: dict[tuple[object, ...], StageOptimum | None] = field(default_factory=dict)  # None: nothing to drop
     steps: dict[tuple[int, ...], float] = field(default_factory=dict)
     times: dict[tuple[int, ...], list[StageTime]] = field(default_factory=dict)  # Stages.times
-    compute_times: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
+    compute_times: dict[tuple[int, int], StageTime] = field(default_factory=dict)  # Stages._compute_times
     least_steps: dict[tuple[int, ...], float] = field(default_factory=dict)  # Stages.least_step_ms
     overfull: dict[tuple[int, int, int], bool] = field(default_factory=dict)  # Stages.overfull
     # a stage's peak under a whole split's policies, by the policies it reads (Stages._peak)
