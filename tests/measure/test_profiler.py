@@ -332,7 +332,8 @@ def test_autocasts_copies_of_parameters_are_kept_not_scaled_with_the_micro_batch
 
 
 class _Encoder(nn.Module):
-    """A linear, then a whole ``nn.TransformerEncoder`` of two layers: one graph node."""
+    """A linear, then a whole ``nn.TransformerEncoder`` of two layers: one graph node when
+    captured with ``leaf_modules=["encoder"]``."""
 
     def __init__(self, width: int = 16) -> None:
         super().__init__()
@@ -353,7 +354,7 @@ def test_a_node_of_several_layers_holds_one_functions_fresh_gradients_at_once():
     weight's and bias's together."""
     width = 16
     model = _Encoder(width)
-    l0, encoder = profile_graph(capture(model), (torch.randn(4, 8, width),), repeats=1, warmup=0).nodes
+    l0, encoder = profile_graph(capture(model, ["encoder"]), (torch.randn(4, 8, width),), repeats=1, warmup=0).nodes
     assert encoder.name == "encoder" and encoder.grad_bytes == 2 * sum(
         p.numel() * 4 for p in model.encoder.layers[0].parameters())
     assert encoder.fresh_grad_bytes == 3 * width * width * 4
