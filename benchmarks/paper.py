@@ -799,8 +799,9 @@ DIFFERENCES = """## What differs from the paper
   per layer. Against that kernel (the fp32 rows before, commits e1a2a68 and 674212e), 105 of BERT's
   and GPT-2's 120 fp32 configurations train a larger micro-batch (4 stages, GPipe, none, dawnpiper:
   BERT 15 -> 32, GPT-2 2 -> 5), 7 the same and 8 a smaller one, all with memory optimisation (BERT,
-  8 stages, 1F1B, S+R, dawnpiper 188 -> 156; not investigated). BERT's and GPT-2's bf16-mixed rows here are from a run before this
-  (2026-11-29T07:00) and still count those tensors, memory a GPU would not hold. AmoebaNet-D is our own build of its
+  8 stages, 1F1B, S+R, dawnpiper 188 -> 156; not investigated). BERT's and GPT-2's bf16-mixed rows
+  here are from a run before this (2026-11-29T07:00) and still count those tensors, memory a GPU
+  would not hold. AmoebaNet-D is our own build of its
   genotype as GPipe's implementation has it (`benchmarks/amoebanet.py`; at GPipe's sizes it has GPipe's
   parameter counts), at the paper's 28M parameters: the paper gives no cell count or filters, we take
   GPipe's 6 normal cells per stack and 120 filters. A U-Net (25M) adds a CNN with long skips, which
