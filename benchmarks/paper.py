@@ -272,7 +272,8 @@ class Bench:
             with self.precision.policy():
                 meter = fake_training(model, graph, batch, self._step, self._optimizer(model), plan.balance,
                                       policies, schedule=schedule, chunks=plan.chunks,
-                                      tensors="meta" if self.precision.autocast is None else "cpu")
+                                      tensors="meta" if self.precision.autocast is None else "cpu",
+                                      cuda=self.device.cuda)
             self._runs[key] = meter.peaks()
         return self._runs[key]
 
@@ -594,9 +595,10 @@ bfloat16 with CUDA's policy (matrix products in bf16; layer norm, softmax, `pow`
 and its cache off, as Lightning runs it, so each micro-batch casts the weights again and keeps the bf16
 copies its backward needs. The profile and the fake runs are on CPU tensors (fake where the runs are)
 under CPU autocast casting as CUDA's does (`lightning_pipe.autocast.cuda_policy`, held for the whole
-run: a recompute casts again in the backward). Attention with dropout runs the math kernel there, which
-computes in fp32 ([what differs](#what-differs-from-the-paper)): bf16 saves no attention memory here.
-The paper's tables are fp32."""
+run: a recompute casts again in the backward). Attention runs the fused kernel an A100 picks for bf16
+([what differs](#what-differs-from-the-paper)); the bf16-mixed rows on this page are from a run before
+that (2026-11-29T07:00), whose attention with dropout ran the math kernel in fp32: there bf16 saved no
+attention memory. The paper's tables are fp32."""
 
 
 def _column(labels: dict[str, str], model: str, precision: str) -> str:
@@ -789,10 +791,17 @@ DIFFERENCES = """## What differs from the paper
   bandwidth. They steer the partitioners that balance time and price swap and recompute; no figure
   on this page is a time.
 - **Models**: Hugging Face's implementations at the paper's sizes, with its default scaled-dot-product
-  attention. Under the configs' attention dropout (0.1), meta and CPU tensors run its math kernel,
+  attention. Its kernel is the one an A100 picks (`lightning_pipe.measure.attention`, in the fake
+  profile and the fake runs): memory-efficient attention in fp32, or with a mask; flash in bf16
+  without one; both with the configs' attention dropout (0.1), keeping per layer only query, key,
+  value, output and one fp32 log-sum-exp per row. Meta and CPU tensors would run the math kernel,
   which keeps three fp32 attention-sized tensors (probabilities, dropout mask, dropped probabilities)
-  per layer for backward, where an A100 runs a fused kernel keeping none of them: BERT's and GPT-2's
-  rows, fp32 and bf16-mixed, count memory a GPU would not hold. AmoebaNet-D is our own build of its
+  per layer. Against that kernel (the fp32 rows before, commits e1a2a68 and 674212e), 105 of BERT's
+  and GPT-2's 120 fp32 configurations train a larger micro-batch (4 stages, GPipe, none, dawnpiper:
+  BERT 15 -> 32, GPT-2 2 -> 5), 7 the same and 8 a smaller one, all with memory optimisation (BERT,
+  8 stages, 1F1B, S+R, dawnpiper 188 -> 156; not investigated). BERT's and GPT-2's bf16-mixed rows
+  here are from a run before this (2026-11-29T07:00) and still count those tensors, memory a GPU
+  would not hold. AmoebaNet-D is our own build of its
   genotype as GPipe's implementation has it (`benchmarks/amoebanet.py`; at GPipe's sizes it has GPipe's
   parameter counts), at the paper's 28M parameters: the paper gives no cell count or filters, we take
   GPipe's 6 normal cells per stack and 120 filters. A U-Net (25M) adds a CNN with long skips, which

@@ -28,9 +28,10 @@ import json
 import logging
 import math
 import re
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 from benchmarks.run import quiet
 from lightning_pipe.lightning.check import fake_peaks, picks_kernel_by_device
 from lightning_pipe.lightning.strategy import MemoryPipeStrategy
+from lightning_pipe.plan.plan import Plan
 
 STAGES, CHUNKS, BATCH, STEPS, LIMITS = 2, 4, 16, 2, (0.8, 0.9)
 SCHEDULES = ("gpipe", "1f1b", "2bw")
@@ -418,6 +420,12 @@ class Row:
     metered_by_kind: list[dict[str, int]] = field(default_factory=list)  # each stage's bytes at its peak
     error: str | None = None
     seconds: float = 0.0
+    # a run with no plan: the least fullest-stage metered peak over every cut, each with every
+    # node kept and every node recomputed (``no_plan``), and that split
+    least_peak: int | None = None
+    least_balance: list[int] = field(default_factory=list)
+    splits_tried: int = 0
+    plan: Plan | None = None  # the plan that trained (not written out)
 
 
 class FirstBatch(Callback):
@@ -450,14 +458,17 @@ def relative(value: int, metered: int) -> float:
     return (value - metered) / metered
 
 
-def measure(name: str, schedule: str, memopt: str, limit: int | None, stages: int = STAGES) -> Row:
-    """Train ``name`` two steps; the row has its three per-stage numbers, or its error."""
+def measure(name: str, schedule: str, memopt: str, limit: int | None, stages: int = STAGES,
+            follow: Path | None = None) -> Row:
+    """Train ``name`` two steps (``follow``: by that saved plan); the row has its three
+    per-stage numbers, or its error."""
     family, row = FAMILIES[name], Row(name, schedule, memopt, stages, limit)
     start = time.perf_counter()
     try:
         torch.manual_seed(0)
         model = family.model()
-        strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, measure_memory=True, memory_limit=limit)
+        strategy = MemoryPipeStrategy(chunks=CHUNKS, schedule=schedule, measure_memory=True, memory_limit=limit,
+                                      plan=follow)
         first = FirstBatch()
         trainer = Trainer(accelerator="cpu", devices=stages, strategy=strategy, max_steps=STEPS, callbacks=[first],
                           logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -466,6 +477,7 @@ def measure(name: str, schedule: str, memopt: str, limit: int | None, stages: in
         with quiet():
             trainer.fit(model, data)
         assert strategy.plan is not None and strategy.meter is not None
+        row.plan = strategy.plan
         row.balance = list(strategy.plan.balance)
         row.recomputed = sum(p != "keep" for p in strategy.plan.policies)
         row.predicted = [s.peak.total for s in strategy.plan.stages]
@@ -515,8 +527,31 @@ def memory_optimised(name: str, schedule: str, off: Row) -> Row:
         on = measure(name, schedule, "on", int(share * max(off.metered)))
         on.share = share
         if not (on.error or "").startswith("InfeasiblePlanError"):
-            break
+            return on
+    assert off.plan is not None and on.limit is not None
+    on.least_peak, on.least_balance, on.splits_tried = no_plan(name, schedule, off.plan)
     return on
+
+
+def no_plan(name: str, schedule: str, template: Plan) -> tuple[int, list[int], int]:
+    """Whether a plan the planner refused exists after all, metered: every 2-stage cut of the
+    graph, each once with every node kept and once with every node recomputed (the fewest
+    activations), trained by a saved plan (``template``'s, with that split and those policies)
+    with no limit. Returns the least fullest-stage peak over them, its split and the number of
+    runs. (A peak under both choices that does not move with the cut's activations is the
+    optimizer step's: weights, gradients and state, which no memory optimisation lowers.)"""
+    nodes, best, runs = sum(template.balance), (math.inf, [0]), 0
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "plan.json"
+        for cut in range(1, nodes):
+            for policy in ("keep", "recompute"):
+                balance = [cut, nodes - cut]
+                path.write_text(replace(template, balance=balance, policies=[policy] * nodes).to_json())
+                row = measure(name, schedule, "bound", None, follow=path)
+                if row.error is None:
+                    runs += 1
+                    best = min(best, (max(row.metered), balance))
+    return int(best[0]), best[1], runs
 
 
 def write(rows: Sequence[Row], out: Path, seconds: float) -> None:
@@ -526,7 +561,8 @@ def write(rows: Sequence[Row], out: Path, seconds: float) -> None:
     kept = json.loads(out.read_text())["rows"] if out.exists() else []
     kept = [r for r in kept if (r["family"], r["schedule"]) not in runs]
     order = list(FAMILIES)
-    merged = sorted([*kept, *map(asdict, rows)], key=lambda r: (order.index(r["family"]) if r["family"] in order
+    new = [{k: v for k, v in asdict(r).items() if k != "plan"} for r in rows]
+    merged = sorted([*kept, *new], key=lambda r: (order.index(r["family"]) if r["family"] in order
                                                                  else len(order), SCHEDULES.index(r["schedule"])))
     meta = {"stages": STAGES, "chunks": CHUNKS, "batch": BATCH, "steps": STEPS, "limit_shares": list(LIMITS),
             "torch": torch.__version__, "last_run_seconds": round(seconds, 1)}
@@ -564,8 +600,13 @@ def memopt(row: Row) -> str:
 
 def line(row: Row) -> str:
     if row.error is not None:
+        note = short(row.error)
+        if row.least_peak is not None and row.limit is not None:
+            exists = "no plan exists" if row.least_peak > row.limit else "A PLAN EXISTS"
+            note += (f"; {exists}: least metered peak over every 2-stage cut, every node kept or recomputed "
+                     f"({row.splits_tried} runs), {row.least_peak:,} B at {row.least_balance} vs limit {row.limit:,} B")
         return (f"| {row.family} | {row.schedule} | {memopt(row)} | {NONE} | {NONE} | {NONE} | {NONE} | {NONE} "
-                f"| {short(row.error)} |")
+                f"| {note} |")
     over, under = max(0.0, max(row.predicted_error)), max(0.0, -min(row.predicted_error))
     return (f"| {row.family} | {row.schedule} | {memopt(row)} | {row.balance} | {row.recomputed} | {over:.1%} "
             f"| {under:.1%} | {worst(row.fake_error):+.1%} | |")

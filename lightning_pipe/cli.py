@@ -653,7 +653,8 @@ def _fake_peaks(setup: _Setup, captured: Captured, plan: Plan) -> list[int]:
         # (CPU autocast casts fake tensors standing on the CPU, not meta ones)
         meter = fake_training(model, graph, batch, step, optimizer, plan.balance, policies,
                               schedule=cast(Schedule, plan.schedule), chunks=plan.chunks,
-                              tensors="meta" if setup.precision.autocast is None else "cpu")
+                              tensors="meta" if setup.precision.autocast is None else "cpu",
+                              cuda=setup.device is not None and setup.device.cuda)  # a named GPU's attention
     return meter.peaks()
 
 

@@ -47,3 +47,7 @@ def test_errors_and_the_printed_line():
     ok = unseen.Row("hf-gpt2", "1f1b", "off", 2, balance=[3, 2], predicted=[110, 90], fake=[100, 100],
                     metered=[100, 100], predicted_error=[0.1, -0.1], fake_error=[0.0, 0.0])
     assert "| 10.0% | 10.0% | +0.0% |" in unseen.line(ok)
+    # a refused run whose every 2-stage cut, kept or recomputed, metered over its limit
+    refused = unseen.Row("inplace-views", "gpipe", "on", 2, limit=100, error="InfeasiblePlanError: no plan fits",
+                         least_peak=120, least_balance=[3, 2], splits_tried=8)
+    assert "no plan exists" in unseen.line(refused) and "120 B at [3, 2]" in unseen.line(refused)

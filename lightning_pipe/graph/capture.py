@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from lightning_pipe.graph.export import ExportError, Specialization, export_graph
+from lightning_pipe.graph.stacks import layer_by_layer
 from lightning_pipe.internals import buffer_table, op_schema
 
 __all__ = ["CaptureError", "Captured", "NeedsExampleInputs", "buffer_writes", "capture", "get_attr"]
@@ -105,14 +106,18 @@ class _Tracer(fx.Tracer):
         self.failed_in: tuple[str, str] | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        for key in (module_qualified_name, type(m).__name__):
-            if key in self.leaf_modules:
-                return True
-        return super().is_leaf_module(m, module_qualified_name)
+        return self._user_leaf(m, module_qualified_name) or super().is_leaf_module(m, module_qualified_name)
+
+    def _user_leaf(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaf_modules or type(m).__name__ in self.leaf_modules
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.stack.append((self.path_of_module(m), type(m).__name__))
+        path = self.path_of_module(m)
+        self.stack.append((path, type(m).__name__))
         try:
+            layers = None if self._user_leaf(m, path) else layer_by_layer(m, args, kwargs)
+            if layers is not None:  # a layer stack: each layer a node (torch.fx would keep it whole)
+                return layers()
             return super().call_module(m, forward, args, kwargs)
         except Exception:
             if self.failed_in is None:
@@ -133,7 +138,8 @@ def capture(
 
     Args:
         module: the model; its class's ``forward`` is traced, with ``torch.nn`` modules and
-            the ``leaf_modules`` kept as single nodes.
+            the ``leaf_modules`` kept as single nodes, except ``nn.TransformerEncoder`` and
+            ``nn.TransformerDecoder``, whose layers are (:mod:`.stacks`).
         leaf_modules: qualified submodule names (``"blocks.3"``) or class names
             (``"Block"``) to keep as single opaque nodes (torch.fx only).
         example_inputs: ``(args, kwargs)`` of a ``forward`` call, which torch.export runs on

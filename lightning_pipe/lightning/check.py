@@ -97,9 +97,11 @@ def fake_peaks(
     an optimizer of ``optimizer``'s kind and settings (none: no state), as
     :func:`device_peaks` reports it for the stages' ``devices`` (none given: metered).
     ``on_cpu``: the fake tensors stand on the CPU, and run the kernels it picks
-    (``scaled_dot_product_attention``'s flash one; ``meta`` tensors run the math one)."""
+    (``scaled_dot_product_attention``'s flash one; ``meta`` tensors run the math one); stages
+    on CUDA ``devices`` run the fused attention kernels a GPU picks."""
     on_gpu = any(d.type == "cuda" for d in devices)
-    meter = fake_meter(module, captured, batch, batch_idx, optimizer, precision, plan, on_cpu, trace=on_gpu)
+    meter = fake_meter(module, captured, batch, batch_idx, optimizer, precision, plan, on_cpu, trace=on_gpu,
+                       cuda=on_gpu)
     return device_peaks(meter, devices)
 
 
@@ -122,9 +124,11 @@ def fake_meter(
     on_cpu: bool = False,
     *,
     trace: bool = False,
+    cuda: bool = False,
 ) -> MemoryMeter:
     """The meter of :func:`fake_peaks`' fake training step (``trace``: with its trace, for
-    :meth:`~lightning_pipe.measure.meter.MemoryMeter.allocator_peaks`)."""
+    :meth:`~lightning_pipe.measure.meter.MemoryMeter.allocator_peaks`; ``cuda``: the stages are
+    CUDA GPUs, whose attention kernels it runs)."""
     replica, graph = meta_replica(module, captured)
     params = list(replica.parameters())
     twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(params, lr=0.0)
@@ -141,7 +145,7 @@ def fake_meter(
     with silenced(replica), torch.random.fork_rng(devices=[]), _policy(precision):
         meter = fake_training(replica, graph, shapes, step, twin, plan.balance, policies,
                               schedule=cast(Schedule, plan.schedule), chunks=plan.chunks,
-                              tensors="cpu" if on_cpu else "meta", trace=trace)
+                              tensors="cpu" if on_cpu else "meta", trace=trace, cuda=cuda)
     return meter
 
 
@@ -156,12 +160,14 @@ def fake_rank_peak(
     plan: Plan,
     mesh: DeviceMesh,
     shapes: Mapping[int, torch.Size] | None = None,
+    cuda: bool = False,
 ) -> int:
     """This rank's metered peak when ``plan`` trains ``module`` under ``runtime="distributed"``
     on batches shaped as ``batch`` (``arguments``: the forward's, for the whole batch), on
     ``mesh`` (a :func:`~lightning_pipe.runtime.distributed.silent_mesh`): the user's step runs
     on the last rank per micro-batch, as in training. ``shapes``: each tensor's shape by
-    ``id``, where the rank released some (:func:`meta_replica`)."""
+    ``id``, where the rank released some (:func:`meta_replica`). ``cuda``: the rank's device
+    is a CUDA GPU, whose attention kernels the step runs."""
     replica, graph = meta_replica(module, captured, shapes)
     twin = _twin(optimizer, module, replica) if optimizer is not None else torch.optim.SGD(replica.parameters(), lr=0.0)
     _inert_metrics(replica)
@@ -176,7 +182,7 @@ def fake_rank_peak(
     with silenced(replica), torch.random.fork_rng(devices=[]), _policy(precision):
         meter = fake_rank_training(replica, graph, batch, _on_meta(arguments), loss, twin, plan.balance, policies,
                                    mesh, schedule=cast(DistributedSchedule, plan.schedule), chunks=plan.chunks,
-                                   tensors=tensors, step_context=lambda: _step_context(precision))
+                                   tensors=tensors, step_context=lambda: _step_context(precision), cuda=cuda)
     return meter.stages[0].peak
 
 

@@ -544,7 +544,8 @@ class DistributedEngine(Engine):
         assert self._silent is not None
         try:
             return fake_rank_peak(self.module, captured, batch, batch_idx, arguments, optimizer,
-                                  self.precision_plugin, plan, self._silent, shapes)
+                                  self.precision_plugin, plan, self._silent, shapes,
+                                  cuda=self.root_device.type == "cuda")
         except UncheckableStepError as error:
             return str(error)
 

@@ -22,6 +22,7 @@ from lightning_pipe.graph.capture import Captured, get_attr
 from lightning_pipe.graph.export import localize_args
 from lightning_pipe.graph.microbatch import batch_size
 from lightning_pipe.internals import TO_COPY, FakeTensorMode, TorchDispatchMode, tree_flatten, tree_map
+from lightning_pipe.measure.attention import cuda_attention
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.measure.optimizers import rebuild
 from lightning_pipe.measure.roofline import WorkCounter
@@ -66,7 +67,8 @@ def profile_graph(
             impossible, e.g. activations that do not fit; times are then estimated for
             ``device``: each operator's roofline (:mod:`~lightning_pipe.measure.roofline`),
             in forward and in backward.
-        device: the GPU a fake profile's times are for.
+        device: the GPU a fake profile's times are for; on a CUDA one (``device.cuda``)
+            attention runs the fused kernel it picks (:mod:`~lightning_pipe.measure.attention`).
         progress: called with (nodes timed, all nodes) after each node, for a progress bar:
             timing takes ``warmup + repeats`` runs of every node.
         output: a list the graph's output on the sample is appended to, detached (a leaf
@@ -77,7 +79,8 @@ def profile_graph(
     buffers = {name: b.clone() for name, b in gm.named_buffers()}
     rng = _rng_state()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-    with fake_mode or nullcontext():
+    # a fake profile for a GPU runs the attention kernel it will run, not meta's math one
+    with fake_mode or nullcontext(), cuda_attention() if fake and device.cuda else nullcontext():
         if fake_mode is not None:
             args, kwargs = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, Tensor) else x, (args, kwargs))
         runner = _NodeRunner(gm, _bind(gm, args, kwargs))
@@ -382,7 +385,7 @@ def _roofline_times(
 # the ratios between rates and the launch overhead matter. A CPU core or two: ~100 GFLOP/s,
 # ~20 GB/s, ~10 us to dispatch an operator; a GPU: its datasheet (an A100 where the name
 # matches none), ~5 us to launch a kernel.
-_HOST = DeviceSpec("host CPU", 0, {"fp32": 100e9}, 20e9, 20e9, 20e9)
+_HOST = DeviceSpec("host CPU", 0, {"fp32": 100e9}, 20e9, 20e9, 20e9, cuda=False)
 _HOST_OVERHEAD_MS, _GPU_OVERHEAD_MS = 0.010, 0.005
 
 

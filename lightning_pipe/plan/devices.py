@@ -36,6 +36,8 @@ class DeviceSpec:
         memory_bandwidth: bytes/s between device memory and the chip.
         host_bandwidth: bytes/s to host memory, one direction (swap).
         link_bandwidth: bytes/s to another device of the node, one direction.
+        cuda: a CUDA GPU, whose ``scaled_dot_product_attention`` runs a fused kernel
+            (:mod:`lightning_pipe.measure.attention`); a fake profile for it runs that one.
     """
 
     name: str
@@ -44,6 +46,7 @@ class DeviceSpec:
     memory_bandwidth: float
     host_bandwidth: float
     link_bandwidth: float
+    cuda: bool = True
 
     def peak_flops(self, math: Math) -> float:
         """FLOP/s for ``math``; math the GPU has no tensor cores for runs at the FP32 rate."""

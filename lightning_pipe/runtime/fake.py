@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_pipe.graph.capture import Captured
 from lightning_pipe.graph.microbatch import batch_size, scatter
 from lightning_pipe.internals import FakeTensorMode, mark_as_parameter, tree_flatten, tree_map
+from lightning_pipe.measure.attention import cuda_attention
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.plan.schedule import Schedule, actions, global_order
 from lightning_pipe.runtime import swap
@@ -77,6 +78,7 @@ def fake_training(
     capacities: Sequence[int | None] | None = None,
     tensors: Literal["meta", "cpu"] = "meta",
     trace: bool = False,
+    cuda: bool = False,
 ) -> MemoryMeter:
     """Train on fake tensors, split by ``balance`` with ``policies``; return the meter,
     whose per-stage peaks are what a steady training step on ``batch`` reaches.
@@ -87,7 +89,10 @@ def fake_training(
     :func:`meta_copy`). Every stage runs on one device, ``meta`` (``tensors="meta"``) or
     fake tensors on the CPU (``"cpu"``: for a step under CPU autocast); the meter tells
     stages apart by itself. ``trace``: the meter records the order of its charges and
-    releases, for :meth:`~lightning_pipe.measure.meter.MemoryMeter.allocator_peaks`.
+    releases, for :meth:`~lightning_pipe.measure.meter.MemoryMeter.allocator_peaks`. ``cuda``:
+    the stages are CUDA GPUs, whose attention runs a fused kernel
+    (:func:`~lightning_pipe.measure.attention.cuda_attention`), not the math one ``meta`` and
+    CPU tensors run with dropout.
     ``batch`` may be real or ``meta``: only its shapes and dtypes are used. Two steps run:
     the first on one micro-batch, only to leave what a step leaves (gradients, optimizer
     state: which parameters get them does not depend on the batch), at a fraction of a whole
@@ -116,7 +121,7 @@ def fake_training(
     stages = len(balance)
     program = build(captured, root, balance, [device] * stages, policies)
     meter = MemoryMeter(stages, capacities, trace=trace)
-    with mode, _own_host_pool(device):
+    with mode, _own_host_pool(device), cuda_attention() if cuda else nullcontext():
         versions = WeightVersions(root.parameters()) if schedule == "2bw" else None
         stale = dict(zip(map(id, versions.params), versions.stale)) if versions else {}
         for stage in program.stages:
@@ -154,6 +159,7 @@ def fake_rank_training(
     chunks: int,
     tensors: Literal["meta", "cpu"] = "meta",
     step_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    cuda: bool = False,
 ) -> MemoryMeter:
     """This rank's training steps under ``runtime="distributed"``, on fake tensors, metered:
     the stages ``balance`` gives its place in ``mesh`` (a
@@ -164,7 +170,8 @@ def fake_rank_training(
     the training batch every rank loads, ``arguments`` the forward's for the whole batch (the
     first rank's copy); ``loss_fn(output, microbatch)`` a micro-batch's loss (the last rank's).
     ``tensors`` as :func:`fake_training`'s (``"cpu"``: under autocast); ``step_context``: what
-    each stage's forward runs in (the precision's autocast). Two steps run, the second with
+    each stage's forward runs in (the precision's autocast); ``cuda`` as :func:`fake_training`'s.
+    Two steps run, the second with
     the first's gradients freed and its optimizer state alive: the meter's peak is a steady
     step's."""
     device = torch.device(tensors)
@@ -189,7 +196,7 @@ def fake_rank_training(
     received = bound if pipe.is_first else None
     meter.own(0, [t for t in tree_flatten(received)[0] if isinstance(t, Tensor)], "boundary")
     try:
-        with mode, meter, meter.saved_tensors_hooks():
+        with mode, meter, meter.saved_tensors_hooks(), cuda_attention() if cuda else nullcontext():
             for _ in range(2):
                 optimizer.zero_grad()
                 with meter.running(0):

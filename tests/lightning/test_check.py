@@ -214,7 +214,7 @@ def test_attention_inside_a_module_kept_whole_picks_its_kernel_by_device():
     """nn.TransformerEncoder is one graph node; the scaled_dot_product_attention inside it kept
     the math kernel's probabilities on meta tensors: the unseen benchmark's check was 15.5% over
     the meter on its first stage, and is exact checked on CPU fake tensors."""
-    captured = capture(_Encoder())
+    captured = capture(_Encoder(), ["encoder"])  # (captured layer by layer otherwise)
     assert [n.op for n in captured.graph_module.graph.nodes].count("call_module") == 2
     assert picks_kernel_by_device(captured)
     assert not picks_kernel_by_device(capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())))
