@@ -199,6 +199,12 @@ TO_COPY = torch.ops.aten._to_copy.default
 ASSERT_TENSOR_METADATA = torch.ops.aten._assert_tensor_metadata.default
 CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# The kernels ``scaled_dot_product_attention`` dispatches to on CUDA, called by their positional
+# schemas so that a fake run for a CUDA target keeps what the device's kernel keeps
+# (:mod:`lightning_pipe.measure.attention`).
+CUDA_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention
+CUDA_EFFICIENT_ATTENTION = torch.ops.aten._scaled_dot_product_efficient_attention
+MATH_ATTENTION = torch.ops.aten._scaled_dot_product_attention_math
 
 
 # --- the allocator's reports ---------------------------------------------------------------------

@@ -141,6 +141,15 @@ def test_aten_private_operators() -> None:
     assert "_scaled_dot_product_flash_attention_for_cpu" in str(fence.CPU_FLASH_ATTENTION)
     assert str(fence.TO_COPY) == "aten._to_copy.default"
     assert fence.CPU_FLASH_ATTENTION_BACKWARD.default is not None
+    # measure.attention calls the CUDA kernels by these positional schemas
+    arguments = {op: [a.name for a in fence.op_schema(op.default).arguments] for op in
+                 (fence.CUDA_FLASH_ATTENTION, fence.CUDA_EFFICIENT_ATTENTION, fence.MATH_ATTENTION)}
+    assert arguments[fence.CUDA_FLASH_ATTENTION][:6] == ["query", "key", "value", "dropout_p", "is_causal",
+                                                         "return_debug_mask"]
+    assert arguments[fence.CUDA_EFFICIENT_ATTENTION][:7] == ["query", "key", "value", "attn_bias",
+                                                             "compute_log_sumexp", "dropout_p", "is_causal"]
+    assert arguments[fence.MATH_ATTENTION][:7] == ["query", "key", "value", "attn_mask", "dropout_p", "is_causal",
+                                                   "dropout_mask"]
 
 
 def test_memory_events_report_allocations() -> None:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from lightning_pipe.internals import remove_library
+from lightning_pipe.internals import CUDA_EFFICIENT_ATTENTION, CUDA_FLASH_ATTENTION, MATH_ATTENTION, remove_library
 
 __all__ = ["cuda_attention", "cuda_attention_kernel"]
 
@@ -71,19 +71,18 @@ def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | No
     kernel = cuda_attention_kernel(query, key, value, attn_mask, enable_gqa)
     out: Tensor
     if kernel == "flash":
-        out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
-                                                                  scale=scale)[0]
+        out = CUDA_FLASH_ATTENTION(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
         return out
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # 0 where kept, -inf where masked
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(attn_mask.logical_not(),
                                                                                 float("-inf"))
     if kernel == "math":
-        out = torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
-                                                                None, scale=scale, enable_gqa=enable_gqa)[0]
+        out = MATH_ATTENTION(query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
+                             enable_gqa=enable_gqa)[0]
         return out
     if attn_mask is not None:  # a view, as the device's kernel reads it
         attn_mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
     log_sumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    out = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, log_sumexp, dropout_p,
-                                                                  is_causal, scale=scale)[0]
+    out = CUDA_EFFICIENT_ATTENTION(query, key, value, attn_mask, log_sumexp, dropout_p, is_causal,
+                                       scale=scale)[0]
     return out
