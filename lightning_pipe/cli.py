@@ -29,7 +29,7 @@ from rich.progress import Progress
 from lightning_pipe.autocast import cuda_policy
 from lightning_pipe.graph.capture import Captured, CaptureError, capture
 from lightning_pipe.graph.microbatch import scatter
-from lightning_pipe.internals import tree_flatten, tree_map
+from lightning_pipe.internals import FakeTensorMode, tree_flatten, tree_map
 from lightning_pipe.measure.profiler import FAKE_DEVICE, profile_graph
 from lightning_pipe.plan import report
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec, parse_devices
@@ -575,7 +575,7 @@ def _microbatch(setup: _Setup, specs: list[str]) -> tuple[tuple[Any, ...], dict[
     sample_args, sample_kwargs = scatter(setup.inputs, setup.chunks)[0]
     try:
         with torch.no_grad(), setup.precision.step():
-            setup.model(*sample_args, **sample_kwargs)
+            _runs_fake(setup.model, sample_args, sample_kwargs) or setup.model(*sample_args, **sample_kwargs)
     except Exception as err:
         given = "--input " + " --input ".join(specs) if specs else "its example_input_array"
         raise ValueError(
@@ -583,6 +583,22 @@ def _microbatch(setup: _Setup, specs: list[str]) -> tuple[tuple[Any, ...], dict[
             f"name, dtype and shape against {setup.path}.forward and the init args they depend on."
         ) from None
     return sample_args, sample_kwargs
+
+
+def _runs_fake(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``model`` runs on fake copies of the inputs (shapes and dtypes, no data, no
+    compute: GPT-2 large's forward on a micro-batch costs minutes of CPU, which a dry run spent
+    on this check alone). ``False`` where it fails, for the caller to run the real inputs: an
+    operator fake tensors cannot run (a value read from data) is no error, and a wrong input
+    is reported with the error a real run gives."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode:
+            fake = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            model(*fake[0], **fake[1])
+    except Exception:
+        return False
+    return True
 
 
 def _devices(spec: str) -> list[int]:

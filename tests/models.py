@@ -34,6 +34,23 @@ class Gate(nn.Module):
         return x
 
 
+class CountsData(nn.Module):
+    """Linears counting the forwards that got tensors with data (``with_data``): not fake,
+    not ``meta``."""
+
+    with_data = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        CountsData.with_data += not (isinstance(x, FakeTensor) or x.is_meta)
+        return self.a(x)
+
+
 class Untraceable(nn.Module):
     """A linear, an untraceable gate, a linear: capture must name ``gate``."""
 

@@ -207,6 +207,18 @@ def test_lightning_pipe_plan_for_named_gpus_takes_their_memory_links_and_times(c
     assert "host link 1 GB/s, link between stages 2 GB/s; optimizer" in first
 
 
+def test_lightning_pipe_plan_for_named_gpus_runs_the_model_on_no_data(capsys):
+    """Checking that the model runs on the input, capturing, profiling and checking plans all
+    run without data for a named GPU: a large model's forward on the CPU costs minutes."""
+    from lightning_pipe.cli import main
+    from tests.models import CountsData
+
+    CountsData.with_data = 0
+    assert main(["plan", "--model", "tests.models.CountsData", "--input", "x=float32[8,4]", "--devices", "2xA100-40GB",
+                 "--chunks", "2"]) == 0
+    assert "largest micro-batch that fits" in capsys.readouterr().out and CountsData.with_data == 0
+
+
 GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
 
 
