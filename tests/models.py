@@ -36,13 +36,15 @@ class Gate(nn.Module):
 
 class CountsData(nn.Module):
     """Linears counting the forwards that got tensors with data (``with_data``): not fake,
-    not ``meta``."""
+    not ``meta``; ``built_on``: the device its parameters were made on (and initialised)."""
 
     with_data = 0
+    built_on = ""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+        CountsData.built_on = self.a[0].weight.device.type
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch._subclasses.fake_tensor import FakeTensor

@@ -208,8 +208,9 @@ def test_lightning_pipe_plan_for_named_gpus_takes_their_memory_links_and_times(c
 
 
 def test_lightning_pipe_plan_for_named_gpus_runs_the_model_on_no_data(capsys):
-    """Checking that the model runs on the input, capturing, profiling and checking plans all
-    run without data for a named GPU: a large model's forward on the CPU costs minutes."""
+    """Building the model, checking that it runs on the input, capturing, profiling and
+    checking plans all run without data for a named GPU: a large model's initialisation and
+    forward on the CPU cost minutes, and its weights gigabytes."""
     from lightning_pipe.cli import main
     from tests.models import CountsData
 
@@ -217,6 +218,7 @@ def test_lightning_pipe_plan_for_named_gpus_runs_the_model_on_no_data(capsys):
     assert main(["plan", "--model", "tests.models.CountsData", "--input", "x=float32[8,4]", "--devices", "2xA100-40GB",
                  "--chunks", "2"]) == 0
     assert "largest micro-batch that fits" in capsys.readouterr().out and CountsData.with_data == 0
+    assert CountsData.built_on == "meta"  # its initialisation wrote no memory
 
 
 GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
