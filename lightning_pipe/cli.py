@@ -599,7 +599,8 @@ def _microbatch(setup: _Setup, specs: list[str]) -> tuple[tuple[Any, ...], dict[
     sample_args, sample_kwargs = scatter(setup.inputs, setup.chunks)[0]
     try:
         with torch.no_grad(), setup.precision.step():
-            _runs_fake(setup.model, sample_args, sample_kwargs) or setup.model(*sample_args, **sample_kwargs)
+            if _on_fake(lambda a, k: setup.model(*a, **k), sample_args, sample_kwargs) is None:
+                setup.model(*sample_args, **sample_kwargs)
     except Exception as err:
         given = "--input " + " --input ".join(specs) if specs else "its example_input_array"
         raise ValueError(
@@ -609,20 +610,18 @@ def _microbatch(setup: _Setup, specs: list[str]) -> tuple[tuple[Any, ...], dict[
     return sample_args, sample_kwargs
 
 
-def _runs_fake(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``model`` runs on fake copies of the inputs (shapes and dtypes, no data, no
-    compute: GPT-2 large's forward on a micro-batch costs minutes of CPU, which a dry run spent
-    on this check alone). ``False`` where it fails, for the caller to run the real inputs: an
-    operator fake tensors cannot run (a value read from data) is no error, and a wrong input
-    is reported with the error a real run gives."""
+def _on_fake(call: Callable[..., Any], *inputs: Any) -> Any:
+    """What ``call`` returns on fake copies of ``inputs``' tensors (shapes and dtypes, no data,
+    no compute: GPT-2 large's forward on a micro-batch costs minutes of CPU, which a dry run
+    spent on this check alone); ``None`` where it fails or returns nothing, for the caller to
+    run the real inputs: an operator fake tensors cannot run (a value read from data) is no
+    error, and a wrong input is reported with the error a real run gives."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with mode:
-            fake = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-            model(*fake[0], **fake[1])
+            return call(*tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs))
     except Exception:
-        return False
-    return True
+        return None
 
 
 def _devices(spec: str) -> list[int]:
@@ -747,7 +746,9 @@ def _training_batch(setup: _Setup, batch: Any, given: str) -> Any:
     try:
         with torch.no_grad(), warnings.catch_warnings(), setup.precision.step():
             warnings.simplefilter("ignore")
-            loss = _training_step(setup.model, setup.model.forward, microbatch)
+            loss = _on_fake(partial(_training_step, setup.model, setup.model.forward), microbatch)
+            if loss is None:
+                loss = _training_step(setup.model, setup.model.forward, microbatch)
     except Exception as err:
         raise ValueError(f"{setup.path}.training_step fails on a micro-batch of {given}: "
                          f"{type(err).__name__}: {err}.") from None

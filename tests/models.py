@@ -34,7 +34,7 @@ class Gate(nn.Module):
         return x
 
 
-class CountsData(nn.Module):
+class CountsData(LightningModule):
     """Linears counting the forwards that got tensors with data (``with_data``): not fake,
     not ``meta``; ``built_on``: the device its parameters were made on (and initialised)."""
 
@@ -51,6 +51,9 @@ class CountsData(nn.Module):
 
         CountsData.with_data += not (isinstance(x, FakeTensor) or x.is_meta)
         return self.a(x)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch["x"]).sum()
 
 
 class Untraceable(nn.Module):

@@ -214,11 +214,12 @@ def test_lightning_pipe_plan_for_named_gpus_runs_the_model_on_no_data(capsys):
     from lightning_pipe.cli import main
     from tests.models import CountsData
 
-    CountsData.with_data = 0
-    assert main(["plan", "--model", "tests.models.CountsData", "--input", "x=float32[8,4]", "--devices", "2xA100-40GB",
-                 "--chunks", "2"]) == 0
-    assert "largest micro-batch that fits" in capsys.readouterr().out and CountsData.with_data == 0
-    assert CountsData.built_on == "meta"  # its initialisation wrote no memory
+    for batch in ([], ["--batch", "x=float32[8,4]"]):  # the forward's check, or training_step's
+        CountsData.with_data = 0
+        assert main(["plan", "--model", "tests.models.CountsData", "--input", "x=float32[8,4]", *batch, "--devices",
+                     "2xA100-40GB", "--chunks", "2"]) == 0
+        assert "largest micro-batch that fits" in capsys.readouterr().out and CountsData.with_data == 0
+        assert CountsData.built_on == "meta"  # its initialisation wrote no memory
 
 
 GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
