@@ -17,6 +17,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from copy import deepcopy
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any, NoReturn, cast
 import torch
 import yaml
 from rich.progress import Progress
+from torch.nn.parameter import is_lazy
 
 from lightning_pipe.autocast import cuda_policy
 from lightning_pipe.graph.capture import Captured, CaptureError, capture
@@ -502,15 +504,18 @@ def _unfilled(cls: Any, init: dict[str, Any]) -> Any:
     initialisation runs), then each tensor given memory in place (tied ones stay tied). Pages
     never written are not resident: GPT-2 large's 3.1 GB of weights, written by its
     initialisation, were half the dry run's peak memory. A class that cannot be built on
-    ``meta`` is built as usual."""
+    ``meta``, or has lazy parameters (its first forward makes them), is built as usual."""
     try:
         with torch.device("meta"):
             model = cls(**init)
     except Exception:
         return cls(**init)
     if isinstance(model, torch.nn.Module):
+        tensors = [*model.parameters(), *model.buffers()]
+        if any(map(is_lazy, tensors)):
+            return cls(**init)
         seen: set[int] = set()
-        for t in [*model.parameters(), *model.buffers()]:
+        for t in tensors:
             if id(t) not in seen and t.is_meta:
                 seen.add(id(t))
                 empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
@@ -599,7 +604,7 @@ def _microbatch(setup: _Setup, specs: list[str]) -> tuple[tuple[Any, ...], dict[
     sample_args, sample_kwargs = scatter(setup.inputs, setup.chunks)[0]
     try:
         with torch.no_grad(), setup.precision.step():
-            if _on_fake(lambda a, k: setup.model(*a, **k), sample_args, sample_kwargs) is None:
+            if _on_fake(setup.model, lambda model, a, k: model(*a, **k), sample_args, sample_kwargs) is None:
                 setup.model(*sample_args, **sample_kwargs)
     except Exception as err:
         given = "--input " + " --input ".join(specs) if specs else "its example_input_array"
@@ -610,16 +615,23 @@ def _microbatch(setup: _Setup, specs: list[str]) -> tuple[tuple[Any, ...], dict[
     return sample_args, sample_kwargs
 
 
-def _on_fake(call: Callable[..., Any], *inputs: Any) -> Any:
-    """What ``call`` returns on fake copies of ``inputs``' tensors (shapes and dtypes, no data,
-    no compute: GPT-2 large's forward on a micro-batch costs minutes of CPU, which a dry run
-    spent on this check alone); ``None`` where it fails or returns nothing, for the caller to
-    run the real inputs: an operator fake tensors cannot run (a value read from data) is no
-    error, and a wrong input is reported with the error a real run gives."""
+def _on_fake(model: torch.nn.Module, call: Callable[..., Any], *inputs: Any) -> Any:
+    """What ``call(copy, *inputs)`` returns on fake copies of ``inputs``' tensors (shapes and
+    dtypes, no data, no compute: GPT-2 large's forward on a micro-batch costs minutes of CPU,
+    which a dry run spent on this check alone), ``copy`` a copy of ``model`` sharing its
+    tensors, so that what a forward keeps (a cache, a count) stays off the model. ``None``
+    where it fails or returns nothing, or where ``model`` has lazy parameters (its first
+    forward makes them), for the caller to run the real inputs: an operator fake tensors
+    cannot run (a value read from data) is no error, and a wrong input is reported with the
+    error a real run gives."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(map(is_lazy, tensors)):
+        return None
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
+        copy = deepcopy(model, {id(t): t for t in tensors})
         with mode:
-            return call(*tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs))
+            return call(copy, *tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs))
     except Exception:
         return None
 
@@ -746,7 +758,7 @@ def _training_batch(setup: _Setup, batch: Any, given: str) -> Any:
     try:
         with torch.no_grad(), warnings.catch_warnings(), setup.precision.step():
             warnings.simplefilter("ignore")
-            loss = _on_fake(partial(_training_step, setup.model, setup.model.forward), microbatch)
+            loss = _on_fake(setup.model, lambda model, batch: _training_step(model, model.forward, batch), microbatch)
             if loss is None:
                 loss = _training_step(setup.model, setup.model.forward, microbatch)
     except Exception as err:

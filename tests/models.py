@@ -56,6 +56,17 @@ class CountsData(LightningModule):
         return self(batch["x"]).sum()
 
 
+class Lazy(nn.Module):
+    """Linears whose first takes its input width from its first forward (``nn.LazyLinear``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.LazyLinear(4), *(nn.Linear(4, 4) for _ in range(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+
 class Untraceable(nn.Module):
     """A linear, an untraceable gate, a linear: capture must name ``gate``."""
 

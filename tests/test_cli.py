@@ -222,6 +222,16 @@ def test_lightning_pipe_plan_for_named_gpus_runs_the_model_on_no_data(capsys):
         assert CountsData.built_on == "meta"  # its initialisation wrote no memory
 
 
+@pytest.mark.parametrize("devices", ["2x64MiB", "2xA100-40GB"])
+def test_a_model_with_lazy_parameters_is_checked_on_its_input_with_data(capsys, devices):
+    """Its first forward makes its lazy parameters: on fake tensors they would stay fake."""
+    from lightning_pipe.cli import main
+
+    assert main(["plan", "--model", "tests.models.Lazy", "--input", "x=float32[8,3]", "--devices", devices,
+                 "--chunks", "2"]) == 0
+    assert "largest micro-batch that fits" in capsys.readouterr().out
+
+
 GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
 
 
