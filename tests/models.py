@@ -34,6 +34,39 @@ class Gate(nn.Module):
         return x
 
 
+class CountsData(LightningModule):
+    """Linears counting the forwards that got tensors with data (``with_data``): not fake,
+    not ``meta``; ``built_on``: the device its parameters were made on (and initialised)."""
+
+    with_data = 0
+    built_on = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+        CountsData.built_on = self.a[0].weight.device.type
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        CountsData.with_data += not (isinstance(x, FakeTensor) or x.is_meta)
+        return self.a(x)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch["x"]).sum()
+
+
+class Lazy(nn.Module):
+    """Linears whose first takes its input width from its first forward (``nn.LazyLinear``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.LazyLinear(4), *(nn.Linear(4, 4) for _ in range(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+
 class Untraceable(nn.Module):
     """A linear, an untraceable gate, a linear: capture must name ``gate``."""
 

@@ -207,6 +207,31 @@ def test_lightning_pipe_plan_for_named_gpus_takes_their_memory_links_and_times(c
     assert "host link 1 GB/s, link between stages 2 GB/s; optimizer" in first
 
 
+def test_lightning_pipe_plan_for_named_gpus_runs_the_model_on_no_data(capsys):
+    """Building the model, checking that it runs on the input, capturing, profiling and
+    checking plans all run without data for a named GPU: a large model's initialisation and
+    forward on the CPU cost minutes, and its weights gigabytes."""
+    from lightning_pipe.cli import main
+    from tests.models import CountsData
+
+    for batch in ([], ["--batch", "x=float32[8,4]"]):  # the forward's check, or training_step's
+        CountsData.with_data = 0
+        assert main(["plan", "--model", "tests.models.CountsData", "--input", "x=float32[8,4]", *batch, "--devices",
+                     "2xA100-40GB", "--chunks", "2"]) == 0
+        assert "largest micro-batch that fits" in capsys.readouterr().out and CountsData.with_data == 0
+        assert CountsData.built_on == "meta"  # its initialisation wrote no memory
+
+
+@pytest.mark.parametrize("devices", ["2x64MiB", "2xA100-40GB"])
+def test_a_model_with_lazy_parameters_is_checked_on_its_input_with_data(capsys, devices):
+    """Its first forward makes its lazy parameters: on fake tensors they would stay fake."""
+    from lightning_pipe.cli import main
+
+    assert main(["plan", "--model", "tests.models.Lazy", "--input", "x=float32[8,3]", "--devices", devices,
+                 "--chunks", "2"]) == 0
+    assert "largest micro-batch that fits" in capsys.readouterr().out
+
+
 GPT = ["--model", "examples.models.GPT", "--devices", "4x1GiB"]
 
 

@@ -108,10 +108,12 @@ def test_fake_tensors_give_the_same_bytes_without_running():
     model = GPT(dim=32, layers=2)
     captured = capture(model)
     sample = ({"input_ids": torch.randint(96, (4, 16))},)
-    real = profile_graph(captured, sample, repeats=1)
-    fake = profile_graph(captured, sample, fake=True)
+    optimizer = torch.optim.Adam(model.parameters())  # a fake profile steps it on meta copies of the parameters
+    real = profile_graph(captured, sample, repeats=1, optimizer=optimizer)
+    fake = profile_graph(captured, sample, fake=True, optimizer=optimizer)
     assert fake.fake and not real.fake
-    fields = ("output_bytes", "saved_bytes", "transient_bytes", "backward_bytes", "param_bytes")
+    fields = ("output_bytes", "saved_bytes", "transient_bytes", "backward_bytes", "param_bytes", "optimizer_bytes",
+              "step_bytes")
     for r, f in zip(real.nodes, fake.nodes):
         assert [getattr(r, k) for k in fields] == [getattr(f, k) for k in fields]
 
