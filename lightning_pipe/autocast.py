@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pipe.internals import op_schema, registered_operators, remove_library, tree_map
+from lightning_pipe.internals import KernelScope, op_schema, registered_operators, tree_map
 
 __all__ = ["CUDA_POLICY", "cuda_autocast", "cuda_policy"]
 
@@ -69,26 +69,14 @@ CUDA_POLICY: dict[str, str] = {
     **dict.fromkeys(_PROMOTE, "promote"), **dict.fromkeys(_BANNED, "banned"),
 }
 
-_active: list[torch.library.Library] = []  # the outermost cuda_policy's kernels
-
-
 @contextmanager
 def cuda_policy() -> Iterator[None]:
     """Within it, CPU autocast casts as CUDA's does (module docstring); it enables no
     autocast itself. Kept around a whole step, forward and backward: a checkpoint's recompute
     re-enters autocast during the backward and must cast as the forward did. Scopes within it
     share its kernels."""
-    if _active:
+    with _KERNELS.active():
         yield
-        return
-    library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
-    _active.append(library)
-    try:
-        _register(library)
-        yield
-    finally:
-        _active.clear()
-        remove_library(library)
 
 
 @contextmanager
@@ -109,6 +97,9 @@ def _register(library: torch.library.Library) -> None:
         for name in registered_operators("AutocastCPU"):
             if name not in CUDA_POLICY:  # only the CPU's policy casts it
                 library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")  # type: ignore[no-untyped-call]
+
+
+_KERNELS = KernelScope(_register)
 
 
 def _exists(name: str) -> bool:

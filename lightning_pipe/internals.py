@@ -8,7 +8,8 @@ else. Lightning's and torchmetrics' private APIs have their own fence,
 :mod:`lightning_pipe.lightning.internals`.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,15 +59,49 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStageBase
 
 __all__ = [
-    "ASSERT_TENSOR_METADATA", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "BatchNormBase",
-    "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode", "GetAttrKey",
-    "KeyEntry", "KeyPath", "MappingKey", "NoWarmupVotes", "PipelineStageBase", "SequenceKey", "TorchDispatchMode",
-    "TreeSpec", "buffer_table", "check_input_dim", "current_autograd_node", "current_graph_task_id",
-    "default_store", "fake_process_group", "mark_as_parameter", "module_apply", "op_schema",
-    "outer_saved_tensors_hooks", "parameter_table", "preserve_version_counter", "profiler_enabled",
-    "registered_operators", "remove_library", "skip_backward",
-    "start_memory_events", "stop_memory_events", "storage_key", "tree_flatten", "tree_flatten_with_path",
-    "tree_map", "tree_structure", "tree_unflatten", "view_base",
+    "ASSERT_TENSOR_METADATA",
+    "CPU_FLASH_ATTENTION",
+    "CPU_FLASH_ATTENTION_BACKWARD",
+    "BatchNormBase",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "FakeTensor",
+    "FakeTensorMode",
+    "GetAttrKey",
+    "KernelScope",
+    "KeyEntry",
+    "KeyPath",
+    "MappingKey",
+    "NoWarmupVotes",
+    "PipelineStageBase",
+    "SequenceKey",
+    "TorchDispatchMode",
+    "TreeSpec",
+    "buffer_table",
+    "check_input_dim",
+    "current_autograd_node",
+    "current_graph_task_id",
+    "default_store",
+    "fake_process_group",
+    "mark_as_parameter",
+    "module_apply",
+    "op_schema",
+    "outer_saved_tensors_hooks",
+    "parameter_table",
+    "preserve_version_counter",
+    "profiler_enabled",
+    "registered_operators",
+    "remove_library",
+    "skip_backward",
+    "start_memory_events",
+    "stop_memory_events",
+    "storage_key",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_map",
+    "tree_structure",
+    "tree_unflatten",
+    "view_base",
 ]
 
 
@@ -189,6 +224,29 @@ def remove_library(library: torch.library.Library) -> None:
     once it is garbage, whenever that is): the CUDA autocast stand-in's kernels must not outlive
     their scope."""
     library._destroy()  # type: ignore[no-untyped-call]
+
+
+class KernelScope:
+    """The aten kernels ``register`` adds to the dispatcher, for as long as the outermost
+    :meth:`active` lasts, taken back at its end (:func:`remove_library`); scopes within share
+    them. A kernel of the dispatcher's, not a Python mode: autograd's threads see it too."""
+
+    def __init__(self, register: Callable[[torch.library.Library], None]) -> None:
+        self._register = register
+        self._library: torch.library.Library | None = None
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        if self._library is not None:
+            yield
+            return
+        self._library = library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
+        try:
+            self._register(library)
+            yield
+        finally:
+            self._library = None
+            remove_library(library)
 
 
 # aten's own operators, private by name (a leading underscore) but the graph holds them: export

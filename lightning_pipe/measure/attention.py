@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from lightning_pipe.internals import CUDA_EFFICIENT_ATTENTION, CUDA_FLASH_ATTENTION, MATH_ATTENTION, remove_library
+from lightning_pipe.internals import CUDA_EFFICIENT_ATTENTION, CUDA_FLASH_ATTENTION, MATH_ATTENTION, KernelScope
 
 __all__ = ["cuda_attention", "cuda_attention_kernel"]
 
@@ -40,7 +40,12 @@ def cuda_attention_kernel(query: Tensor, key: Tensor, value: Tensor, attn_mask: 
     return "efficient" if query.dtype in (torch.float32, *_HALF) else "math"
 
 
-_active: list[torch.library.Library] = []  # the outermost cuda_attention's kernels
+def _register(library: torch.library.Library) -> None:
+    for key in ("AutogradMeta", "AutogradCPU"):
+        library.impl("scaled_dot_product_attention", _attention, key)  # type: ignore[no-untyped-call]
+
+
+_KERNELS = KernelScope(_register)
 
 
 @contextmanager
@@ -50,18 +55,8 @@ def cuda_attention() -> Iterator[None]:
     A kernel of the dispatcher's, not a Python mode: the backward and a checkpoint's recompute
     run on autograd's threads, which see no mode, and must run the kernel the forward ran.
     After autocast, as on the GPU: it gets the inputs cast. Scopes within it share its kernels."""
-    if _active:
+    with _KERNELS.active():
         yield
-        return
-    library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
-    _active.append(library)
-    try:
-        for key in ("AutogradMeta", "AutogradCPU"):
-            library.impl("scaled_dot_product_attention", _attention, key)  # type: ignore[no-untyped-call]
-        yield
-    finally:
-        _active.clear()
-        remove_library(library)
 
 
 def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
