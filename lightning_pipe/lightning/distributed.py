@@ -81,7 +81,7 @@ from lightning_pipe.lightning.metrics import log_step_metrics
 from lightning_pipe.lightning.microlog import LogCollector, silenced
 from lightning_pipe.lightning.options import PipeOptions, check_balance_entries, limits_per_stage
 from lightning_pipe.lightning.probe import probe_step
-from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError, mid_window
+from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, RecoveryError, limit_unmet, mid_window
 from lightning_pipe.lightning.sharded import is_sharded, load_meta, load_optimizer, load_tensors, save_sharded
 from lightning_pipe.lightning.steps import NO_FORWARD, _loss_of
 from lightning_pipe.measure.clock import StageClock
@@ -784,8 +784,7 @@ class DistributedEngine(Engine):
         try:
             self._plan_again()
         except InfeasiblePlanError as error:
-            raise _every_rank(RecoveryError(f"No plan keeps every stage under memory_limit={limits}: {error} Raise "
-                                            f"memory_limit, lower the micro-batch size or add stages.")) from error
+            raise _every_rank(limit_unmet(limits, error)) from error
         rank_zero_info(f"The stages are split again: balance {before.balance} -> {cast(Plan, self.plan).balance}.")
 
     # --- the user's steps -------------------------------------------------------------------

@@ -45,7 +45,7 @@ from lightning_pipe.lightning.internals import attached_trainer, set_device
 from lightning_pipe.lightning.metrics import log_step_metrics, step_metrics
 from lightning_pipe.lightning.options import PipeOptions, limits_per_stage
 from lightning_pipe.lightning.probe import StepBytes, probe_step
-from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, mid_window
+from lightning_pipe.lightning.recovery import DRIFT, Corrections, Failure, limit_unmet, mid_window
 from lightning_pipe.lightning.steps import NO_FORWARD, ScheduledStep
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, not_charged
@@ -53,7 +53,7 @@ from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan import report
 from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.headroom import checked, flat
-from lightning_pipe.plan.plan import Plan, make_plan
+from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.progress import progress_bar, tracker
 from lightning_pipe.runtime.batchnorm import DeferredBatchNorm
@@ -125,9 +125,15 @@ class LocalEngine(Engine):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch = batch, batch_idx
+        limit_changed = self._needs_plan and self.plan is not None  # (set_memory_limit)
         to_plan = self._batch_to_plan(batch)
         if to_plan is not None or (self.options.schedule != "gpipe" and self._step is None):
-            self._probe(batch if to_plan is None else to_plan, batch_idx)
+            try:
+                self._probe(batch if to_plan is None else to_plan, batch_idx)
+            except InfeasiblePlanError as error:
+                if limit_changed:
+                    raise limit_unmet(self.options.memory_limit, error) from error
+                raise
         if self.meter is not None:  # the batch lives on the root device, the last stage's
             tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)]
             self.meter.charge_batch(len(self.meter.stages) - 1, tensors)

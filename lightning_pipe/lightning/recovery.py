@@ -24,7 +24,7 @@ from torchmetrics import Metric
 
 from lightning_pipe.lightning.internals import attached_trainer, forget_computed, logged_results, set_update_count
 from lightning_pipe.measure.meter import StageOutOfMemoryError
-from lightning_pipe.plan.plan import Plan
+from lightning_pipe.plan.plan import InfeasiblePlanError, Plan
 
 __all__ = ["DRIFT", "Corrections", "Failure", "RecoveryError", "UndoPoint", "failure_of", "mid_window", "replanned"]
 
@@ -120,6 +120,12 @@ def replanned(corrections: Corrections, max_replans: int, why: str, before: Plan
     return (f"Planned again ({corrections.replans} of at most {max_replans}): {why.rstrip('.')}. Balance "
             f"{before.balance} -> {after.balance}; recomputed or swapped nodes {_optimised(before)} -> "
             f"{_optimised(after)}.")
+
+
+def limit_unmet(limits: Sequence[int] | None, error: InfeasiblePlanError) -> RecoveryError:
+    """A ``memory_limit`` assigned while training that no plan keeps every stage under."""
+    return RecoveryError(f"No plan keeps every stage under memory_limit={limits}: {error} Raise memory_limit, lower "
+                         f"the micro-batch size or add stages.")
 
 
 def mid_window(failure: Failure) -> RecoveryError:
