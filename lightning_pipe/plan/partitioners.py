@@ -417,7 +417,7 @@ def _balance(cuts: Sequence[int], n: int) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, n])]
 
 
-def fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] | None:
+def fill_fitting(stages: Stages, slack: int = 8, tries: int = 3) -> list[int] | None:
     """Fill-first on fitting: each stage in turn takes the longest run of nodes that fits it,
     memory-optimised and with the gradients that will wait at it (known once the earlier cuts
     are), leaving a node for every later stage; the last stage takes the rest. What crosses a
@@ -425,8 +425,10 @@ def fill_fitting(stages: Stages, slack: int = 8, tries: int = 2) -> list[int] | 
     when the rest does not fit, a stage ends up to ``slack`` nodes later or earlier instead, or
     earlier still at a cut as thin as the thinnest of its longest run (few bytes cross there,
     typically a layer boundary, so a later stage can take over); the search gives up after
-    ``tries`` times the stage count such starts. Ends past the longest run come only after it:
-    most of them do not fit, and each costs a stage's search. ``None``: nothing found."""
+    ``tries`` times the stage count such starts (with 2, BERT-large on 8 A100s under 1F1B found
+    no split at 158 to 194 micro-batches, where one fits every size up to 208: a largest
+    micro-batch search stopped at 156). Ends past the longest run come only after it: most of
+    them do not fit, and each costs a stage's search. ``None``: nothing found."""
     model, count, n = stages.model, stages.count, stages.model.n
     cuts: list[int] = []
     chosen: dict[int, Policy] = {}  # the placed stages' policies (their nodes' ranges do not overlap)
