@@ -965,23 +965,13 @@ class DistributedEngine(Engine):
         meet its peers'); where the rank went past its limit in it, the step has failed (every
         rank learns of it at :meth:`_agree_on_step`)."""
         assert self.pipe is not None
-        meter = self.meter
-        capacity = meter.capacities[0] if meter is not None else None
-        if meter is None or capacity is None:
+        if self.meter is None:
             with self._running():
                 return run()
-        memory = meter.stages[0]
-        held, peak, kinds = memory.total, memory.peak, memory.peak_by_kind
-        memory.peak, meter.capacities[0] = held, None
-        try:
-            with self._running():
-                result = run()
-        finally:
-            during, meter.capacities[0] = memory.peak, capacity
-            if during <= peak:  # (the step's own peak stands)
-                memory.peak, memory.peak_by_kind = peak, kinds
-        if during > capacity:
-            self.pipe.failure.fail(StageOutOfMemoryError(0, capacity, during - held, held))
+        with self.meter.unrefused(0) as inside, self._running():
+            result = run()
+        if inside.capacity is not None and inside.during > inside.capacity:
+            self.pipe.failure.fail(StageOutOfMemoryError(0, inside.capacity, inside.during - inside.held, inside.held))
         return result
 
     def _agree_on_step(self, turn: int) -> None:

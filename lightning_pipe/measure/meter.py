@@ -43,7 +43,7 @@ from lightning_pipe.measure.allocator import AllocatorPeaks, replay
 from lightning_pipe.measure.meta import meta_call, on_meta
 
 __all__ = [
-    "KINDS", "MemoryMeter", "StageMemory", "StageOutOfMemoryError", "learn_workspaces", "not_charged",
+    "KINDS", "MemoryMeter", "StageMemory", "StageOutOfMemoryError", "Unrefused", "learn_workspaces", "not_charged",
     "observed_workspaces",
 ]
 
@@ -98,6 +98,16 @@ class StageMemory:
     @property
     def total(self) -> int:
         return sum(self.current.values())
+
+
+@dataclass
+class Unrefused:
+    """What ran inside :meth:`MemoryMeter.unrefused`, read after it: the stage's ``capacity``
+    (``None``: none), the bytes it ``held`` before, and its peak ``during`` the block."""
+
+    capacity: int | None
+    held: int
+    during: int
 
 
 @dataclass
@@ -168,6 +178,23 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
         with self.stepping():
             return step(None if closure is None else training(closure))
+
+    @contextmanager
+    def unrefused(self, stage: int) -> Iterator[Unrefused]:
+        """Refuse nothing inside (code that must run to its end, such as a collective its peers
+        wait in); after, ``stage``'s capacity is back and the :class:`Unrefused` yielded tells
+        how far the block went, for the caller to decide what passing the capacity means. The
+        stage's own peak stands where the block did not exceed it, else the block's is its peak."""
+        memory, capacity = self.stages[stage], self.capacities[stage]
+        inside = Unrefused(capacity, memory.total, memory.total)
+        peak, kinds = memory.peak, memory.peak_by_kind
+        memory.peak, self.capacities[stage] = inside.held, None
+        try:
+            yield inside
+        finally:
+            inside.during, self.capacities[stage] = memory.peak, capacity
+            if inside.during <= peak:
+                memory.peak, memory.peak_by_kind = peak, kinds
 
     @contextmanager
     def _setting(self, name: str, value: Any) -> Iterator[None]:

@@ -81,6 +81,28 @@ def test_capacity_error_names_stage_capacity_and_request():
     assert meter.stages[1].peak <= 2_000_000
 
 
+def test_unrefused_refuses_nothing_inside_and_reports_its_own_peak_after():
+    meter = MemoryMeter(1, [20_000])
+    memory = meter.stages[0]
+    with meter, meter.running(0):
+        kept = torch.ones(1000)  # 4,000 bytes held throughout
+        torch.ones(2000)  # 8,000 more for an instant: the stage's peak, 12,000
+        by_kind = dict(memory.peak_by_kind)
+        with meter.unrefused(0) as lower:
+            torch.ones(1000)
+        # the block's own peak, not the stage's before it; the stage's peak stands
+        assert (lower.capacity, lower.held, lower.during) == (20_000, 4000, 8000)
+        assert memory.peak == 12_000 and memory.peak_by_kind == by_kind
+        with meter.unrefused(0) as higher:
+            torch.ones(5000)  # 24,000 held: past the capacity, yet not refused
+        assert (higher.held, higher.during) == (4000, 24_000)
+        assert memory.peak == 24_000  # raised to the block's
+        assert meter.capacities == [20_000]
+        with pytest.raises(StageOutOfMemoryError):  # refused again after the block
+            torch.ones(5000)
+    assert kept.numel() == 1000
+
+
 def test_capacities_must_match_stages():
     with pytest.raises(ValueError, match="3 capacities given for 2 stages"):
         MemoryMeter(2, [1, 2, 3])
