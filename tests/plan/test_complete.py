@@ -228,15 +228,21 @@ def test_the_fitting_search_goes_past_the_longest_fitting_run_only_when_that_run
 BERT_A100 = Path(__file__).parent / "data" / "bert_large_a100.json.gz"
 
 
-def test_the_fitting_search_finds_a_split_at_sizes_between_two_it_fits():
-    # 8 A100-40GB under 1F1B with swap and recompute: the search's start budget of 2 per stage
-    # found splits at 156 and at 196 micro-batches but none between, though the split below
-    # fits every size up to 208; a largest micro-batch search then stopped at 156
-    with gzip.open(BERT_A100, "rt") as f:
+def on_8_a100s(path: Path) -> tuple[Profile, PlanRequest]:
+    """The saved profile at ``path`` and dawnpiper's request for it on 8 A100-40GB under 1F1B
+    with swap and recompute, as ``benchmarks.paper`` plans it."""
+    with gzip.open(path, "rt") as f:
         profile = Profile.from_json(f.read())
     device = DEVICES["A100-40GB"]
-    request = PlanRequest([int(device.memory * PLANNING_HEADROOM)] * 8, "dawnpiper", "1f1b", 8,
-                          device.host_bandwidth, device.link_bandwidth)
+    return profile, PlanRequest([int(device.memory * PLANNING_HEADROOM)] * 8, "dawnpiper", "1f1b", 8,
+                                device.host_bandwidth, device.link_bandwidth)
+
+
+def test_the_fitting_search_finds_a_split_at_sizes_between_two_it_fits():
+    # the search's start budget of 2 per stage found splits at 156 and at 196 micro-batches but
+    # none between, though the split below fits every size up to 208; a largest micro-batch
+    # search then stopped at 156
+    profile, request = on_8_a100s(BERT_A100)
     for size in (160, 190):
         assert planning_stages(profile.scaled(size), request).fits([105, 63, 90, 80, 160, 117, 1, 1])
         assert plan_fits(profile.scaled(size), request), size

@@ -8,19 +8,18 @@ bound from an earlier round) may stop at another edge, so its answer would not b
 tests here pin the probes themselves.
 """
 
-import gzip
 import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from lightning_pipe.plan.devices import DEVICES
-from lightning_pipe.plan.plan import PLANNING_HEADROOM, max_microbatch, plan_fits
+from lightning_pipe.plan.plan import max_microbatch, plan_fits
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
 from tests.plan.corpus.replay import EXPECTED, name, request
 from tests.plan.corpus.replay import profile as corpus_profile
+from tests.plan.test_complete import on_8_a100s
 from tests.plan.test_plan import REQUEST, cnn_like
 
 BERT_MATH = Path(__file__).parent / "data" / "bert_large_a100_math.json.gz"
@@ -89,9 +88,5 @@ def test_the_search_probes_what_doubling_and_bisection_probe_on_profiled_models(
 def test_whether_a_size_fits_is_not_monotone_on_bert_large():
     # (the GPT example's witness, 1347 fitting and 1348 not, went when dawnpiper's fallback
     # search got a third start per stage: it fits every size up to 1393 now)
-    with gzip.open(BERT_MATH, "rt") as f:
-        profile = Profile.from_json(f.read())
-    device = DEVICES["A100-40GB"]
-    request = PlanRequest([int(device.memory * PLANNING_HEADROOM)] * 8, "dawnpiper", "1f1b", 8,
-                          device.host_bandwidth, device.link_bandwidth)
+    profile, request = on_8_a100s(BERT_MATH)
     assert [plan_fits(profile.scaled(size), request) for size in (179, 180, 183)] == [True, False, True]
