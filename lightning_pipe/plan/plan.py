@@ -264,15 +264,20 @@ def max_microbatch(profile: Profile, request: PlanRequest, *, at_least: int = 1)
     return _largest(profile, request, at_least)[0]
 
 
-def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1) -> Plan:
+def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1, near: int | None = None) -> Plan:
     """:func:`fitting_plan`'s plan at :func:`max_microbatch`'s size (``plan.microbatch_size``),
     made on what the search's probe of that size found: choosing among the splits that fit
-    starts from the ones it priced.
+    starts from the ones it priced. ``near``: a size the answer is likely at or next to (the
+    answer for slightly larger capacities, as a check's next round asks), probed first: where
+    it fits, the sizes above it one, two, four, ... further; where not, doubling from
+    ``at_least`` below it. A size that does not fit costs a search many times a fitting
+    one's, and this probes one where ``near`` is the answer (doubling from one: three or more).
+    Like the doubling's, the answer fits and the size above it does not.
 
     Raises:
         InfeasiblePlanError: not even a micro-batch of one fits.
     """
-    size, stages = _largest(profile, request, at_least)
+    size, stages = _largest(profile, request, at_least, near)
     if stages is None:  # at_least, never probed
         stages = planning_stages(profile.scaled(size), request)
     balance, optima = _chosen(stages, request.partitioner)
@@ -281,9 +286,10 @@ def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1) -
     return _plan(stages, request, balance, optima)
 
 
-def _largest(profile: Profile, request: PlanRequest, at_least: int) -> tuple[int, Stages | None]:
+def _largest(profile: Profile, request: PlanRequest, at_least: int,
+             near: int | None = None) -> tuple[int, Stages | None]:
     """:func:`max_microbatch`'s size, with the stages its probe of that size priced (``None``:
-    ``at_least``, taken as known to fit, was the answer)."""
+    ``at_least``, taken as known to fit, was the answer); ``near``: :func:`largest_plan`'s."""
     found: Stages | None = None  # the last probe that fit: each probe is above every size found to fit
 
     def fits(size: int) -> bool:
@@ -295,11 +301,19 @@ def _largest(profile: Profile, request: PlanRequest, at_least: int) -> tuple[int
 
     if at_least < 1:
         raise ValueError(f"at_least={at_least} is not a micro-batch size; give 1 or a size known to fit.")
-    if at_least == 1 and not fits(1):
-        make_plan(profile.scaled(1), request)  # raises
-    low, high = at_least, 2 * at_least
-    while high <= _MAX_MICROBATCH and fits(high):
-        low, high = high, high * 2
+    near = near if near is not None and near > at_least else None
+    if near is not None and fits(near):
+        low, step = near, 1
+        while low + step <= _MAX_MICROBATCH and fits(low + step):
+            low, step = low + step, 2 * step
+        high = low + step
+    else:  # doubling, below near where that does not fit
+        if at_least == 1 and not fits(1):
+            make_plan(profile.scaled(1), request)  # raises
+        low, high = at_least, 2 * at_least
+        while high <= _MAX_MICROBATCH and (near is None or high < near) and fits(high):
+            low, high = high, high * 2
+        high = high if near is None else min(high, near)
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
