@@ -271,8 +271,9 @@ def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1, n
     answer for slightly larger capacities, as a check's next round asks), probed first: where
     it fits, the sizes above it one, two, four, ... further; where not, doubling from
     ``at_least`` below it. A size that does not fit costs a search many times a fitting
-    one's, and this probes one where ``near`` is the answer (doubling from one: three or more).
-    Like the doubling's, the answer fits and the size above it does not.
+    one's; where ``near`` is the answer this probes one (the doubling and its bisection probe
+    up to one per halving: on GPT-2 large three). Like the doubling's, the answer fits and the
+    size above it does not.
 
     Raises:
         InfeasiblePlanError: not even a micro-batch of one fits.
