@@ -10,7 +10,7 @@ configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut[:pN][:vN]``
 (:func:`recover`), ``shrink:family:limit[:pN]`` (:func:`shrink`; ``pN``: N pipeline ranks, the rest replicas),
 ``drift``, ``replans`` (:func:`replans`), ``faults:N`` (:func:`faults`), ``hooks``, ``features``, ``sharded``,
-``fsdp-sharded`` (:func:`sharded`),
+``fsdp-sharded`` (:func:`sharded`), ``fsdp-empty``,
 ``refused``, ``exported``, ``indivisible``, ``raise`` or ``hang`` (:func:`fail`). ``exported`` ends with an error,
 which ends the processes; so do ``indivisible``, ``raise`` and ``hang``: each comes last (``replans`` ends with
 errors every rank raises together: the processes go on). Every object collective fails on a tensor that is not a
@@ -432,11 +432,27 @@ def empty(out: Path, devices: int) -> None:
     again.save_checkpoint(out / "empty-resumed.ckpt")
 
 
-def empty_trainer(devices: int | None, steps: int) -> dict:
+def fsdp_empty(out: Path, devices: int) -> None:
+    """:func:`empty`'s first run at pp=2, each stage sharded over its replicas: validated
+    first (on the provisional, unsharded split), trained three steps, validated again (the
+    sharded stages gathered outside the schedule); every rank saves the validation loss."""
+    _, data = make("unet")
+    trainer = Trainer(**empty_trainer(devices, steps=3, fsdp=True))
+    with trainer.init_module(empty_init=True):
+        torch.manual_seed(0)
+        model = UNet()
+    trainer.fit(model, loader(data, BATCH), loader(data, BATCH))
+    trainer.save_checkpoint(out / "fsdp-empty.ckpt")
+    val = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
+    (out / f"fsdp-empty-rank{trainer.global_rank}.json").write_text(json.dumps({"val": val}))
+
+
+def empty_trainer(devices: int | None, steps: int, fsdp: bool = False) -> dict:
     """The meta-built run's Trainer arguments; ``devices=None``: the single-device reference."""
     strategy = {} if devices is None else {
         "devices": devices, "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS,
-                                                           planner="dawnpiper"),
+                                                           planner="dawnpiper", stages=2 if fsdp else None,
+                                                           data_parallel="fsdp" if fsdp else "ddp"),
     }
     return dict(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, limit_val_batches=1,
                 num_sanity_val_steps=1, enable_progress_bar=False, enable_model_summary=False,
@@ -579,7 +595,8 @@ def refused(out: Path, devices: int) -> None:
 
 
 SCENARIOS = {"hooks": hooks, "refused": refused, "indivisible": indivisible, "features": features, "sharded": sharded,
-             "fsdp-sharded": partial(sharded, fsdp=True), "empty": empty, "exported": exported, "replans": replans,
+             "fsdp-sharded": partial(sharded, fsdp=True), "empty": empty, "fsdp-empty": fsdp_empty,
+             "exported": exported, "replans": replans,
              "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
 

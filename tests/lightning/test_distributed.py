@@ -124,7 +124,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     # (a memory run needs two steps: the second has the first's optimizer state)
     return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, RECOVER_DP,
                    f"shrink:gpt:{SHRINK_LIMIT_DP}:p2", "2", "hf:1f1b:4:metered",
-                   str(STEPS), "gpt:1f1b:2:features", *FSDP, "fsdp-sharded",
+                   str(STEPS), "gpt:1f1b:2:features", *FSDP, "fsdp-sharded", "fsdp-empty",
                    *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
 
@@ -313,6 +313,27 @@ def test_stages_sharded_by_fsdp_save_and_resume_sharded_checkpoints_like_one_dev
     for key, value in resumed.state_dict().items():
         torch.testing.assert_close(final[f"state_dict.{key}"], value, rtol=1e-5, atol=1e-6, msg=key)
         torch.testing.assert_close(plain.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_a_model_built_on_the_meta_device_is_sharded_by_fsdp_and_trains_and_validates_like_one_device(four_ranks):
+    """trainer.init_module(empty_init=True) at pp=2 x dp=2 with data_parallel="fsdp": the
+    values are those of the whole model materialised in one process, training matches one
+    device, and every rank validates the trained, sharded stages as one device does."""
+    _, data = make("unet")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = UNet()
+    materialize(model, torch.device("cpu"))
+    trainer = Trainer(**empty_trainer(None, steps=3))
+    trainer.fit(model, loader(data, BATCH), loader(data, BATCH))
+    state = torch.load(four_ranks.path("fsdp-empty.ckpt"), weights_only=False)["state_dict"]
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    expected = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
+    for rank in range(4):
+        got = json.loads(four_ranks.path(f"fsdp-empty-rank{rank}.json").read_text())["val"]
+        assert got == pytest.approx(expected, rel=1e-5), rank
 
 
 @pytest.mark.slow
