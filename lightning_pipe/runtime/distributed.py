@@ -50,6 +50,7 @@ from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSched
 from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.fsdp import (
     MixedPrecisionPolicy,
+    check_one_unit_each,
     full_value,
     is_sharded,
     reshard_value,
@@ -476,6 +477,9 @@ class DistributedPipeline:
             raise ValueError(f"{self.num_stages} stages do not loop evenly over {self.ranks} pipeline ranks.")
         self.mesh = mesh
         modules = [StageModule(program, s, root, boundaries) for s in range(self.num_stages)]
+        if fsdp is not None and not fake:  # on every rank, before any collective
+            names = {id(t): name for name, t in root.named_parameters()}
+            check_one_unit_each([[m.tensors() for m in modules[p :: self.ranks]] for p in range(self.ranks)], names)
         self.failure = StageFailure()  # this rank's stages' training step ran out of memory
         for module in modules:
             module.failure = self.failure

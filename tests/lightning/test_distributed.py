@@ -34,7 +34,7 @@ from lightning_pipe.lightning.distributed import DistributedEngine
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.memory import StagePeak
 from lightning_pipe.plan.plan import Plan, StageReport
-from lightning_pipe.runtime.fsdp import check_shardable, mixed_precision
+from lightning_pipe.runtime.fsdp import check_one_unit_each, check_shardable, mixed_precision
 from lightning_pipe.runtime.materialize import materialize
 from tests.lightning.distributed_fit import (
     ACCUMULATE,
@@ -499,6 +499,11 @@ def test_a_parameter_fsdp_cannot_shard_is_named_with_the_fix():
         check_shardable(model)
     with pytest.raises(ValueError, match="precision='bf16-mixed'"):
         mixed_precision("16-mixed")
+    # a tied weight read by two virtual stages of one rank: each stage is its own FSDP root
+    tied = model.tok_emb.weight
+    check_one_unit_each([[[tied], [model.pos_emb]], [[tied]]], {id(tied): "tok_emb.weight"})  # two ranks: fine
+    with pytest.raises(ValueError, match=r"'tok_emb.weight' is read by two stages of pipeline rank 0.*=1"):
+        check_one_unit_each([[[tied], [model.pos_emb, tied]]], {id(tied): "tok_emb.weight"})
 
 
 def test_a_balance_needs_an_entry_per_stage_of_every_process():
