@@ -1284,7 +1284,8 @@ class DistributedEngine(Engine):
             self._partial_state = module.register_state_dict_post_hook(warning)  # type: ignore[no-untyped-call]
         if self._empty and module is not None:  # Lightning's module.cpu(), but what has no storage stays on meta
             module_apply(module, lambda t: t if t.is_meta else t.cpu())
-            set_lightning_module(strategy, None)
+        if module is not None and (self._empty or (self.pipe is not None and self.pipe.sharded)):
+            set_lightning_module(strategy, None)  # (FSDP's shards stay where they are, as Lightning's FSDP leaves them)
         try:
             lightning_teardown()
         finally:

@@ -72,8 +72,10 @@ MEMORY_PP2 = ["gpt-gpipe-2", "unet-1f1b-2", "hf-1f1b-2"]
 # a step drawing noise before self(...): pp=4 under GPipe and 1F1B, interleaved at pp=2 x dp=2; pp=2 (1F1B)
 DENOISER_PP4 = ["denoiser:gpipe:4", "denoiser:1f1b:4", "denoiser:1f1b:2:v2"]
 DENOISER_PP2 = ["denoiser:1f1b:2"]
-# data_parallel="fsdp" at pp=2 x dp=2: the tied GPT and the encoder-decoder, each schedule
-FSDP = ["gpt:gpipe:2:fsdp", "gpt:1f1b:2:fsdp", "encdec:gpipe:2:fsdp", "encdec:1f1b:2:fsdp"]
+# data_parallel="fsdp" at pp=2 x dp=2: the tied GPT and the encoder-decoder, each schedule (the
+# GPT's 1F1B run accumulating, clipping by norm and decaying the learning rate: FSDP_FEATURES)
+FSDP = ["gpt:gpipe:2:fsdp", "encdec:gpipe:2:fsdp", "encdec:1f1b:2:fsdp"]
+FSDP_FEATURES = "gpt:1f1b:2:features:fsdp"
 
 
 @dataclass
@@ -124,7 +126,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     # (a memory run needs two steps: the second has the first's optimizer state)
     return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, RECOVER_DP,
                    f"shrink:gpt:{SHRINK_LIMIT_DP}:p2", "2", "hf:1f1b:4:metered",
-                   str(STEPS), "gpt:1f1b:2:features", *FSDP, "fsdp-sharded", "fsdp-empty",
+                   str(STEPS), "gpt:1f1b:2:features", *FSDP, FSDP_FEATURES, "fsdp-sharded", "fsdp-empty",
                    *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
 
@@ -278,12 +280,16 @@ def test_pp4_and_pp2_dp2_equal_single_device(four_ranks):
 def test_stages_sharded_by_fsdp_over_their_replicas_train_as_one_device(four_ranks):
     """data_parallel="fsdp" at pp=2 x dp=2: every replica holds half of each parameter of its
     stage (dim 0), the tied embedding and head one parameter across the stages, and the weights
-    after three steps are single-device training's on the union batch; the full checkpoint
-    gathers the plain module's keys."""
+    after three steps are single-device training's on the union batch (under 1F1B, with
+    accumulation, clipping by norm over the shards and a step-wise LR decay); the full
+    checkpoint gathers the plain module's keys."""
     for config in FSDP:
         _check(four_ranks, 4, config)
+    state = torch.load(four_ranks.path("gpt-1f1b-2-fsdp-features.ckpt"), weights_only=False)
+    for key, value in _reference("gpt", 2, features=True).items():
+        torch.testing.assert_close(state["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     for rank in range(4):  # (rank = stage * 2 + replica; the head's weight is the embedding's)
-        shapes = json.loads(four_ranks.path(f"gpt-1f1b-2-fsdp-rank{rank}.json").read_text())["local_shapes"]
+        shapes = json.loads(four_ranks.path(f"gpt-gpipe-2-fsdp-rank{rank}.json").read_text())["local_shapes"]
         assert shapes["tok_emb.weight"] == [48, 32] and shapes[f"blocks.{3 * (rank // 2)}.mlp.0.weight"] == [64, 32]
 
 
