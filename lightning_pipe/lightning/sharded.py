@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from torch.optim import Optimizer
 
 from lightning_pipe.lightning.internals import METADATA_FILENAME
-from lightning_pipe.runtime.fsdp import is_sharded as is_fsdp_shard
+from lightning_pipe.runtime.fsdp import is_shard
 
 __all__ = ["is_sharded", "load_meta", "load_optimizer", "load_tensors", "save_sharded"]
 
@@ -81,7 +81,7 @@ def load_optimizer(path: Path, index: int, optimizer: Optimizer, held: Iterable[
             param = params[int(parts[1])]
             if not isinstance(meta, TensorStorageMetadata):
                 target[key] = None  # an object: replaced
-            elif is_fsdp_shard(param) and tuple(meta.size) == tuple(param.shape):
+            elif is_shard(param) and tuple(meta.size) == tuple(param.shape):
                 target[key] = torch.empty_like(param.detach(), dtype=meta.properties.dtype)
             else:
                 target[key] = _empty(meta)

@@ -51,11 +51,11 @@ from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.fsdp import (
     MixedPrecisionPolicy,
     check_one_unit_each,
+    fsdp_roots,
     full_value,
-    is_sharded,
+    is_shard,
     reshard_value,
     shard_stages,
-    unsharded,
 )
 from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, to_meta
 
@@ -357,7 +357,7 @@ class PipelineRank:
 def _gathered(module: nn.Module) -> Iterator[None]:
     """A stage's root FSDP unit gathered around a run outside the schedule (its blocks'
     units gather themselves, when called); nothing for an unsharded stage."""
-    roots = unsharded([module])
+    roots = fsdp_roots([module])
     for root in roots:
         root.unshard()
     try:
@@ -656,7 +656,7 @@ class DistributedPipeline:
         for group, params in self._tied:
             all_reduce_grads(params, group, average=False)
         if self.replicas > 1:
-            params = [p for p in self.held if isinstance(p, nn.Parameter) and p.requires_grad and not is_sharded(p)]
+            params = [p for p in self.held if isinstance(p, nn.Parameter) and p.requires_grad and not is_shard(p)]
             all_reduce_grads(params, self.mesh.get_group("dp"), average=True)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -664,7 +664,7 @@ class DistributedPipeline:
         once (at the stage owning it), the norm reduced over the pipeline's ranks."""
         owned = [p for p in self.held if isinstance(p, nn.Parameter) and p.grad is not None and self._owns(p)]
         grads = [cast(Tensor, p.grad) for p in owned]
-        parts = [[_local(g) for g in grads if is_sharded(g) == shards] for shards in (False, True)]
+        parts = [[_local(g) for g in grads if is_shard(g) == shards] for shards in (False, True)]
         inf = norm_type == float("inf")
         whole, shards = (
             max((g.abs().max().float() for g in part), default=torch.zeros(())) if inf
@@ -705,7 +705,7 @@ class DistributedPipeline:
         owned = {name: t.detach() for name, t in self.names.items() if self._owns(t)}
         if gather:
             owned = {name: full_value(t) for name, t in owned.items()}
-        return {name: t for name, t in owned.items() if not self.replica or is_sharded(t)}
+        return {name: t for name, t in owned.items() if not self.replica or is_shard(t)}
 
     def _owns(self, tensor: Tensor) -> bool:
         """Whether one of this rank's stages owns ``tensor`` (the first stage reading it; a
@@ -790,7 +790,7 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, a
 
 def _local(t: Tensor) -> Tensor:
     """This rank's part of a sharded tensor (written through), or ``t``."""
-    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
+    return t.to_local() if is_shard(t) else t  # type: ignore[attr-defined]
 
 
 def _buckets(grads: Sequence[Tensor]) -> list[list[Tensor]]:

@@ -25,8 +25,8 @@ from torch.optim import Optimizer
 from lightning_pipe.internals import parameter_table
 
 __all__ = [
-    "MixedPrecisionPolicy", "Sharding", "check_one_unit_each", "check_shardable", "full_value", "is_sharded",
-    "mixed_precision", "reshard_value", "shard_optimizer", "shard_stages", "sharding", "unsharded",
+    "MixedPrecisionPolicy", "Sharding", "check_one_unit_each", "check_shardable", "fsdp_roots", "full_value",
+    "is_shard", "mixed_precision", "reshard_value", "shard_optimizer", "shard_stages", "sharding",
 ]
 
 
@@ -171,7 +171,7 @@ def _places(root: nn.Module, stages: Sequence[nn.Module]) -> list[tuple[nn.Modul
     ]
 
 
-def is_sharded(t: Tensor) -> bool:
+def is_shard(t: Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
@@ -208,6 +208,6 @@ def _shard_like(param: Tensor, value: object) -> object:
     return value
 
 
-def unsharded(stages: Iterable[nn.Module]) -> list[FSDPModule]:
+def fsdp_roots(stages: Iterable[nn.Module]) -> list[FSDPModule]:
     """The root units among ``stages``: a run outside the schedule gathers them first."""
     return [s for s in stages if isinstance(s, FSDPModule)]
