@@ -105,6 +105,7 @@ from lightning_pipe.runtime.distributed import (
     to_device,
     to_host,
 )
+from lightning_pipe.runtime.fsdp import check_shardable, full_value, mixed_precision, shard_optimizer
 from lightning_pipe.runtime.materialize import check_resettable, has_meta, materialize_module
 
 __all__ = ["DistributedEngine"]
@@ -216,6 +217,12 @@ class DistributedEngine(Engine):
         environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        if self.options.data_parallel == "fsdp" and self.world_size == self.num_stages:  # before any process starts
+            raise ValueError(
+                f"data_parallel='fsdp' shards each stage over its data-parallel replicas, but {self.world_size} "
+                f"processes for stages={self.num_stages} leave one replica per stage: nothing to shard over. Give "
+                f"more devices (a multiple of stages), fewer stages, or data_parallel='ddp'."
+            )
 
     def setup_environment(self) -> None:
         reset_seed()
@@ -281,6 +288,9 @@ class DistributedEngine(Engine):
             self._partial_state.remove()
             self._partial_state = None
         self._empty = has_meta(module)
+        if self.options.data_parallel == "fsdp":  # on every rank, before any collective
+            check_shardable(module)
+            mixed_precision(self.precision_plugin.precision)
         if self._empty:
             check_resettable(module)
             cuda = self.root_device.type == "cuda"
@@ -352,7 +362,7 @@ class DistributedEngine(Engine):
                 program, module, boundaries, self.device_mesh, self.options.schedule,  # type: ignore[arg-type]
                 self.options.chunks, self._loss, self.root_device, release=final, timeout=self.options.timeout,
                 previous=old.held_by_rank if old else None, init=partial(materialize_module, device=self.root_device),
-                shapes=old.shapes if old else None,
+                shapes=old.shapes if old else None, fsdp=self._fsdp if final else None,
             )
         self.pipe.failure.on_failure = self._stop_enforcing
         self._load_deferred(final)
@@ -376,10 +386,16 @@ class DistributedEngine(Engine):
             self._metering.enter_context(self.meter.saved_tensors_hooks())
         if final:
             for optimizer in self.optimizers:  # state of tensors another rank holds
+                shard_optimizer(optimizer, self.pipe.swapped)
                 for param in [p for p in optimizer.state if p.numel() == 0 or p.is_meta]:
                     del optimizer.state[param]
             self._load_sharded_optimizers()
         return self.pipe
+
+    @property
+    def _fsdp(self) -> Any:
+        """FSDP's mixed precision policy where the stages are sharded, else ``None``."""
+        return mixed_precision(self.precision_plugin.precision) if self.options.data_parallel == "fsdp" else None
 
     @contextmanager
     def _initialising(self) -> Iterator[None]:
@@ -406,6 +422,7 @@ class DistributedEngine(Engine):
         if final:
             for optimizer, saved in zip(self.optimizers, optimizer_states or []):
                 optimizer.load_state_dict(saved)
+                shard_optimizer(optimizer, {})
             self._deferred = None
 
     def _limits(self, limits: list[int] | None) -> list[int] | None:
@@ -596,7 +613,7 @@ class DistributedEngine(Engine):
         """Whether the planner made the split and so may make it again (no user ``balance``)."""
         o = self.options
         return (self._planned and self.plan is not None and o.planner is not None and o.balance is None
-                and o.plan is None)
+                and o.plan is None and o.data_parallel == "ddp")  # (sharded stages are never rebuilt)
 
     def replans(self) -> bool:
         return self._planner_splits and self.options.max_replans > 0
@@ -1107,7 +1124,7 @@ class DistributedEngine(Engine):
             return self.module.state_dict() if self.global_rank == 0 or not self._sharded else {}
         if self._sharded:
             return self.pipe.owned_state()
-        return self.pipe.state_dict() or {}
+        return self.pipe.state_dict() or {}  # (FSDP's shards gathered on every replica)
 
     @property
     def _sharded(self) -> bool:
@@ -1120,9 +1137,13 @@ class DistributedEngine(Engine):
         state = optimizer.state_dict()
         if self.pipe is None:
             return state if self.global_rank == 0 or not self._sharded else {**state, "state": {}}
-        mine = state["state"] if self.pipe.replica == 0 else {}
+        sharded = self.pipe.sharded  # each replica holds a shard of the state
+        mine = state["state"] if self.pipe.replica == 0 or (sharded and self._sharded) else {}
         if self._sharded:
             return {**state, "state": mine}
+        if sharded:  # every replica gathers each whole state tensor
+            gathered = {k: {key: full_value(v) for key, v in s.items()} for k, s in state["state"].items()}
+            mine = gathered if self.pipe.replica == 0 else {}
         mine = to_host(mine)
         parts: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
         dist.gather_object(mine, parts if self.global_rank == 0 else None, dst=0)
@@ -1176,6 +1197,7 @@ class DistributedEngine(Engine):
             return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
+            shard_optimizer(optimizer, {})
             for param in [p for p in optimizer.state if p.numel() == 0]:
                 del optimizer.state[param]  # another rank holds it
 
@@ -1262,7 +1284,8 @@ class DistributedEngine(Engine):
             self._partial_state = module.register_state_dict_post_hook(warning)  # type: ignore[no-untyped-call]
         if self._empty and module is not None:  # Lightning's module.cpu(), but what has no storage stays on meta
             module_apply(module, lambda t: t if t.is_meta else t.cpu())
-            set_lightning_module(strategy, None)
+        if module is not None and (self._empty or (self.pipe is not None and self.pipe.sharded)):
+            set_lightning_module(strategy, None)  # (FSDP's shards stay where they are, as Lightning's FSDP leaves them)
         try:
             lightning_teardown()
         finally:

@@ -16,10 +16,11 @@ from lightning_pipe.plan.request import check_settings
 from lightning_pipe.plan.schedule import Schedule
 from lightning_pipe.units import MemorySize, parse_bytes
 
-__all__ = ["PipeOptions", "Runtime", "StateDictType", "check_balance_entries", "limits_per_stage"]
+__all__ = ["DataParallel", "PipeOptions", "Runtime", "StateDictType", "check_balance_entries", "limits_per_stage"]
 
 Runtime = Literal["local", "distributed"]
 StateDictType = Literal["full", "sharded"]
+DataParallel = Literal["ddp", "fsdp"]
 
 
 @dataclass
@@ -45,6 +46,7 @@ class PipeOptions:
     state_dict_type: StateDictType = "full"
     max_replans: int = 3
     plan: Plan | None = None  # a saved plan to follow: no profiling, no planning
+    data_parallel: DataParallel = "ddp"
 
     @classmethod
     def checked(
@@ -69,6 +71,7 @@ class PipeOptions:
         state_dict_type: StateDictType,
         max_replans: int,
         plan: "str | os.PathLike[str] | None" = None,
+        data_parallel: DataParallel = "ddp",
     ) -> "PipeOptions":
         """The options, each checked; a bad one raises an error naming it and the fix.
 
@@ -100,6 +103,7 @@ class PipeOptions:
             )
         if balance is not None and any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
+        _check_data_parallel(data_parallel, runtime, schedule)  # (before 2bw's own check: named for FSDP)
         _check_runtime(runtime, stages, schedule, timeout, virtual_stages)
         if runtime == "distributed" and stages is not None:  # else the processes are counted at the first batch
             check_balance_entries(balance, stages, virtual_stages)
@@ -111,7 +115,7 @@ class PipeOptions:
             measure_memory=measure_memory, deferred_batch_norm=deferred_batch_norm,
             plan_shapes={k: tuple(v) for k, v in (plan_shapes or {}).items()}, loss_reduction=loss_reduction,
             runtime=runtime, stages=stages, virtual_stages=virtual_stages, timeout=timeout or timedelta(minutes=30),
-            state_dict_type=state_dict_type, max_replans=max_replans, plan=saved,
+            state_dict_type=state_dict_type, max_replans=max_replans, plan=saved, data_parallel=data_parallel,
         )
 
 
@@ -205,6 +209,26 @@ def _check_state_dict_type(runtime: Runtime, state_dict_type: StateDictType) -> 
         raise ValueError(
             "state_dict_type='sharded' writes one shard per process: it needs runtime='distributed'. With "
             "runtime='local' one process holds every stage; leave state_dict_type='full'."
+        )
+
+
+def _check_data_parallel(data_parallel: DataParallel, runtime: Runtime, schedule: Schedule) -> None:
+    """How a stage's replicas share its work: a whole copy each (``"ddp"``), or shards (``"fsdp"``),
+    which needs processes (the replicas) and one version of every weight."""
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(
+            f"data_parallel must be 'ddp' (each replica of a stage holds it whole) or 'fsdp' (the replicas shard it), "
+            f"got {data_parallel!r}."
+        )
+    if data_parallel == "fsdp" and runtime != "distributed":
+        raise ValueError(
+            "data_parallel='fsdp' shards each stage over its data-parallel replicas, which are processes: it needs "
+            "runtime='distributed' (with more devices than stages). With runtime='local' leave data_parallel='ddp'."
+        )
+    if data_parallel == "fsdp" and schedule == "2bw":
+        raise ValueError(
+            "schedule='2bw' keeps two versions of every weight, which data_parallel='fsdp' does not shard. Use "
+            "schedule='1f1b' or 'gpipe' with data_parallel='fsdp', or data_parallel='ddp'."
         )
 
 

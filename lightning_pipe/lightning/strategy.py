@@ -32,7 +32,7 @@ from lightning_pipe.lightning.internals import PATH, ConfiguresLauncher, FitLoop
 from lightning_pipe.lightning.local import LocalEngine
 from lightning_pipe.lightning.metrics import logs_this_step
 from lightning_pipe.lightning.microlog import LossReduction
-from lightning_pipe.lightning.options import PipeOptions, Runtime, StateDictType, parse_limits
+from lightning_pipe.lightning.options import DataParallel, PipeOptions, Runtime, StateDictType, parse_limits
 from lightning_pipe.lightning.recovery import RecoveryError
 from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
 from lightning_pipe.plan.partitioners import Partitioner
@@ -111,6 +111,12 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
             must be the one it was made for, and micro-batches at most its size (a clear error
             names what differs); under ``runtime="distributed"`` one stage per process and
             virtual stage.
+        data_parallel: under ``runtime="distributed"``, how the data-parallel replicas of a
+            stage share it: ``"ddp"`` (default), each holds the whole stage and gradients are
+            averaged; ``"fsdp"``, each holds ``1 / replicas`` of its parameters, gradients and
+            optimizer state (``torch.distributed.fsdp.fully_shard`` over the replicas), and
+            gathers them per layer block for its forward and backward. Needs more processes
+            than ``stages``; ``precision="bf16-mixed"`` gathers in bfloat16.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend: as for Lightning's own strategies (``DDPStrategy``); the
             Trainer fills them in when they are not given. ``process_group_backend`` (default:
@@ -143,6 +149,7 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
         state_dict_type: StateDictType = "full",
         max_replans: int = 3,
         plan: "str | os.PathLike[str] | None" = None,
+        data_parallel: DataParallel = "ddp",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -163,6 +170,7 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
             measure_memory=measure_memory, deferred_batch_norm=deferred_batch_norm, plan_shapes=plan_shapes,
             loss_reduction=loss_reduction, runtime=runtime, stages=stages, virtual_stages=virtual_stages,
             timeout=timeout, state_dict_type=state_dict_type, max_replans=max_replans, plan=plan,
+            data_parallel=data_parallel,
         )
         if process_group_backend is not None and runtime != "distributed":
             raise ValueError(

@@ -19,8 +19,8 @@ computing (:class:`StageFailure`: zeros where it sends, no backward), and after 
 rank learns of the failure together.
 """
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import InitVar, dataclass
 from datetime import timedelta
 from typing import Any, cast
@@ -48,6 +48,15 @@ from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
 from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSchedule
 from lightning_pipe.runtime.build import Program, Stage
+from lightning_pipe.runtime.fsdp import (
+    MixedPrecisionPolicy,
+    check_one_unit_each,
+    fsdp_roots,
+    full_value,
+    is_shard,
+    reshard_value,
+    shard_stages,
+)
 from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, to_meta
 
 __all__ = [
@@ -135,16 +144,26 @@ class StageRunner(nn.Module):
         self.is_last = self.sends is None
         # the running step's non-tensor forward arguments: they do not travel, every rank knows them
         self.arguments: dict[str, Any] = {}
+        # the stage module holding the parameters read by attribute, where FSDP shards them (hold_attributes)
+        self.attribute_source: list[StageModule] = []  # (in a list: not a child)
 
     def run(self, received: dict[str, Any]) -> Any:
         """What this stage sends on (by name), or on the last stage the forward's output."""
         env = dict(received)
         env.update((n, v) for n, v in self.arguments.items() if n in env)
-        env.update((n, v) for n, v in self.program.attribute_values(self._root[0]).items() if n in self.stage.inputs)
+        env.update((n, v) for n, v in self._attribute_values().items() if n in self.stage.inputs)
         env.update(zip(self.stage.outputs, self.stage(*[env[n] for n in self.stage.inputs])))
         if self.sends is None:
             return map_aggregate(self.program.output, lambda n: env[cast(str, n)])
         return {n: env[n] for n in self.sends}
+
+    def _attribute_values(self) -> dict[str, Tensor]:
+        values = self.program.attribute_values(self._root[0])
+        for source in self.attribute_source:
+            held = source.held_attributes
+            values.update((n, getattr(held, source.attribute_names[q])) for n, q in self.program.attributes.items()
+                          if q in source.attribute_names)
+        return values
 
     def tensors(self) -> list[Tensor]:
         """Every parameter and buffer the stage reads, by attribute or inside its modules."""
@@ -191,6 +210,18 @@ class StageModule(StageRunner):
         # around training_step, which on every rank but the last never calls a stage's forward
         self.step_context: Callable[[], AbstractContextManager[Any]] = nullcontext
         self.failure = StageFailure()  # the rank's, shared by its stages (DistributedPipeline)
+        self.held_attributes = nn.Module()  # the parameters the stage reads by attribute, once held
+        self.attribute_names: dict[str, str] = {}  # qualified name in the model -> name in held_attributes
+
+    def hold_attributes(self) -> None:
+        """Register the parameters this stage reads by attribute (not inside its modules) as
+        its own, so that FSDP shards them with the stage and gathers them for its forward."""
+        for name, qualname in self.program.attributes.items():
+            value = get_attr(self._root[0], qualname)
+            if name in self.stage.inputs and isinstance(value, nn.Parameter) and qualname not in self.attribute_names:
+                self.attribute_names[qualname] = f"p{len(self.attribute_names)}"
+                self.held_attributes.register_parameter(self.attribute_names[qualname], value)
+        self.attribute_source = [self]
 
     def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
         if self.failure.error is None:
@@ -305,7 +336,7 @@ class PipelineRank:
                     received = microbatches[i]
                 else:
                     received = self._recv((index - 1) % self.ranks)
-                with torch.no_grad():
+                with torch.no_grad(), _gathered(self.modules[self.indices.index(index)]):
                     result = runner.run(received)
                 if runner.is_last:
                     outputs.append(result)
@@ -320,6 +351,20 @@ class PipelineRank:
         box: list[Any] = [None]
         dist.recv_object_list(box, group_src=rank, group=self.group, device=self.device)
         return to_device(box[0], self.device)
+
+
+@contextmanager
+def _gathered(module: nn.Module) -> Iterator[None]:
+    """A stage's root FSDP unit gathered around a run outside the schedule (its blocks'
+    units gather themselves, when called); nothing for an unsharded stage."""
+    roots = fsdp_roots([module])
+    for root in roots:
+        root.unshard()
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.reshard()
 
 
 class _TimedStage(PipelineStage):
@@ -398,6 +443,11 @@ class DistributedPipeline:
     released pipeline this one replaces (its ``held_by_rank``); a rank then receives what it
     lacks from the rank of its replica that held it. ``shapes``: that pipeline's
     :attr:`shapes`, the shape of each tensor by ``id`` (a released one's storage is empty).
+
+    ``fsdp`` (a mixed precision policy): shard this rank's stages over its replicas
+    (:mod:`~lightning_pipe.runtime.fsdp`) in place of reducing whole gradients across them;
+    :attr:`swapped` maps each old parameter's ``id`` to its sharded one, which the
+    optimizer must take (:func:`~lightning_pipe.runtime.fsdp.shard_optimizer`).
     """
 
     def __init__(
@@ -416,6 +466,7 @@ class DistributedPipeline:
         init: Callable[[nn.Module], None] | None = None,
         fake: bool = False,
         shapes: Mapping[int, torch.Size] | None = None,
+        fsdp: MixedPrecisionPolicy | None = None,
     ) -> None:
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
@@ -426,6 +477,9 @@ class DistributedPipeline:
             raise ValueError(f"{self.num_stages} stages do not loop evenly over {self.ranks} pipeline ranks.")
         self.mesh = mesh
         modules = [StageModule(program, s, root, boundaries) for s in range(self.num_stages)]
+        if fsdp is not None and not fake:  # on every rank, before any collective
+            names = {id(t): name for name, t in root.named_parameters()}
+            check_one_unit_each([[m.tensors() for m in modules[p :: self.ranks]] for p in range(self.ranks)], names)
         self.failure = StageFailure()  # this rank's stages' training step ran out of memory
         for module in modules:
             module.failure = self.failure
@@ -447,6 +501,10 @@ class DistributedPipeline:
         else:
             self._distribute(root, held, previous, init, device, meta_built)
             self._tied = self._tied_groups(root, held, timeout)
+        self.swapped: dict[int, nn.Parameter] = {}
+        self.sharded = fsdp is not None and not fake
+        if fsdp is not None and not fake:
+            self._shard(root, fsdp)
         self.rank = PipelineRank(
             self.modules, self.stages, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn, fake
         )
@@ -478,6 +536,8 @@ class DistributedPipeline:
             RuntimeError: such a stage reads a tensor this rank released.
         """
         runners = [StageRunner(program, s, root) for s in self.stages]
+        for runner, module in zip(runners, self.modules):  # parameters read by attribute, where FSDP holds them
+            runner.attribute_source = list(module.attribute_source)
         if self.released:
             held = {id(t) for t in self.held}
             reads = {id(t) for runner in runners for t in runner.tensors()}
@@ -489,6 +549,21 @@ class DistributedPipeline:
                     f"training graph. Give forward the same parameter order in both modes, or use runtime='local'."
                 )
         return runners
+
+    def _shard(self, root: nn.Module, policy: MixedPrecisionPolicy) -> None:
+        """FSDP over this stage's replicas; every record of a parameter follows it to its sharded one.
+        A stage reads a tied parameter it does not own as its own (not lent: a copy of the
+        unsharded parameter would take its gradient away from FSDP)."""
+        for module in self.modules:
+            module.hold_attributes()
+            for segment in module.stage.segments:
+                segment.borrowed.clear()
+        swapped = self.swapped = shard_stages(self.modules, root, self.mesh["dp"], policy)
+        self.held = [swapped.get(id(t), t) for t in self.held]
+        self.names = {name: swapped.get(id(t), t) for name, t in self.names.items()}
+        self.owner.update({id(p): self.owner[old] for old, p in swapped.items() if old in self.owner})
+        self.shapes.update({id(p): p.shape for p in swapped.values()})
+        self._tied = [(group, [swapped.get(id(p), p) for p in params]) for group, params in self._tied]
 
     def _global_rank(self, position: int, replica: int) -> int:
         return position * self.replicas + replica
@@ -576,11 +651,12 @@ class DistributedPipeline:
 
     def sync_gradients(self) -> None:
         """Sum tied parameters' gradients over the stages holding them, then average every
-        gradient over the data-parallel replicas of this stage."""
+        gradient over the data-parallel replicas of this stage (FSDP averaged its own already,
+        each replica's shard: the tied sum is of shards alike on every stage)."""
         for group, params in self._tied:
             all_reduce_grads(params, group, average=False)
         if self.replicas > 1:
-            params = [p for p in self.held if isinstance(p, nn.Parameter) and p.requires_grad]
+            params = [p for p in self.held if isinstance(p, nn.Parameter) and p.requires_grad and not is_shard(p)]
             all_reduce_grads(params, self.mesh.get_group("dp"), average=True)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -588,25 +664,31 @@ class DistributedPipeline:
         once (at the stage owning it), the norm reduced over the pipeline's ranks."""
         owned = [p for p in self.held if isinstance(p, nn.Parameter) and p.grad is not None and self._owns(p)]
         grads = [cast(Tensor, p.grad) for p in owned]
-        if norm_type == float("inf"):
-            local = max((g.abs().max() for g in grads), default=torch.zeros(()))
-            total = local.detach().clone().float()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.mesh.get_group("pp"))
-        else:
-            local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros(()))
-            total = local.detach().clone()
-            dist.all_reduce(total, group=self.mesh.get_group("pp"))
+        parts = [[_local(g) for g in grads if is_shard(g) == shards] for shards in (False, True)]
+        inf = norm_type == float("inf")
+        whole, shards = (
+            max((g.abs().max().float() for g in part), default=torch.zeros(())) if inf
+            else sum((g.float().norm(norm_type) ** norm_type for g in part), torch.zeros(()))
+            for part in parts
+        )
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        if self.sharded:  # each replica holds a shard of a sharded gradient
+            shards = shards.detach().clone()
+            dist.all_reduce(shards, op=op, group=self.mesh.get_group("dp"))
+        total = (torch.maximum(whole, shards) if inf else whole + shards).detach().clone()
+        dist.all_reduce(total, op=op, group=self.mesh.get_group("pp"))
+        if not inf:
             total = total ** (1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.held:
             if isinstance(p, nn.Parameter) and p.grad is not None:
-                p.grad.mul_(coefficient.to(p.grad.dtype))
+                _local(p.grad).mul_(coefficient.to(p.grad.dtype))
         return total
 
     def state_dict(self) -> dict[str, Tensor] | None:
         """The plain module's ``state_dict``, gathered on global rank 0 (``None`` elsewhere)
         from replica 0's ranks, each sending what its stages own."""
-        mine = to_host(self.owned_state())
+        mine = to_host(self.owned_state(gather=True))
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
         dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:
@@ -616,12 +698,14 @@ class DistributedPipeline:
             merged.update(part)
         return {name: merged[name] for name in self.names}
 
-    def owned_state(self) -> dict[str, Tensor]:
+    def owned_state(self, gather: bool = False) -> dict[str, Tensor]:
         """This rank's part of the plain module's ``state_dict``: what its stages own, on
-        replica 0 (the other replicas hold copies)."""
-        if self.replica:
-            return {}
-        return {name: t.detach() for name, t in self.names.items() if self._owns(t)}
+        replica 0 (the other replicas hold copies). Sharded by FSDP, each replica's shards;
+        ``gather``: whole, on replica 0 (every replica gathers)."""
+        owned = {name: t.detach() for name, t in self.names.items() if self._owns(t)}
+        if gather:
+            owned = {name: full_value(t) for name, t in owned.items()}
+        return {name: t for name, t in owned.items() if not self.replica or is_shard(t)}
 
     def _owns(self, tensor: Tensor) -> bool:
         """Whether one of this rank's stages owns ``tensor`` (the first stage reading it; a
@@ -638,7 +722,7 @@ class DistributedPipeline:
         with torch.no_grad():
             for name, tensor in self.held_state().items():
                 if name in state:
-                    tensor.copy_(state[name])
+                    tensor.copy_(reshard_value(tensor, state[name]))
 
 
 def pipeline_mesh(
@@ -693,7 +777,7 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, a
         by_dtype.setdefault(p.dtype, []).append(p)
     size = dist.get_world_size(group)
     for ps in by_dtype.values():
-        for bucket in _buckets([cast(Tensor, p.grad) for p in ps]):
+        for bucket in _buckets([_local(cast(Tensor, p.grad)) for p in ps]):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=group)
             if average:
@@ -702,6 +786,11 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, a
             for grad in bucket:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of a sharded tensor (written through), or ``t``."""
+    return t.to_local() if is_shard(t) else t  # type: ignore[attr-defined]
 
 
 def _buckets(grads: Sequence[Tensor]) -> list[list[Tensor]]:

@@ -34,6 +34,7 @@ from lightning_pipe.lightning.distributed import DistributedEngine
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.memory import StagePeak
 from lightning_pipe.plan.plan import Plan, StageReport
+from lightning_pipe.runtime.fsdp import check_one_unit_each, check_shardable, mixed_precision
 from lightning_pipe.runtime.materialize import materialize
 from tests.lightning.distributed_fit import (
     ACCUMULATE,
@@ -71,6 +72,10 @@ MEMORY_PP2 = ["gpt-gpipe-2", "unet-1f1b-2", "hf-1f1b-2"]
 # a step drawing noise before self(...): pp=4 under GPipe and 1F1B, interleaved at pp=2 x dp=2; pp=2 (1F1B)
 DENOISER_PP4 = ["denoiser:gpipe:4", "denoiser:1f1b:4", "denoiser:1f1b:2:v2"]
 DENOISER_PP2 = ["denoiser:1f1b:2"]
+# data_parallel="fsdp" at pp=2 x dp=2: the tied GPT and the encoder-decoder, each schedule (the
+# GPT's 1F1B run accumulating, clipping by norm and decaying the learning rate: FSDP_FEATURES)
+FSDP = ["gpt:gpipe:2:fsdp", "encdec:gpipe:2:fsdp", "encdec:1f1b:2:fsdp"]
+FSDP_FEATURES = "gpt:1f1b:2:features:fsdp"
 
 
 @dataclass
@@ -121,7 +126,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     # (a memory run needs two steps: the second has the first's optimizer state)
     return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, RECOVER_DP,
                    f"shrink:gpt:{SHRINK_LIMIT_DP}:p2", "2", "hf:1f1b:4:metered",
-                   str(STEPS), "gpt:1f1b:2:features",
+                   str(STEPS), "gpt:1f1b:2:features", *FSDP, FSDP_FEATURES, "fsdp-sharded", "fsdp-empty",
                    *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
 
@@ -198,7 +203,7 @@ def _reference(family: str, replicas: int, features: bool = False, precision: st
 def _check(launch: Launch, devices: int, config: str) -> None:
     family, schedule, stages, *flags = config.split(":")
     replicas = devices // int(stages)
-    name = f"{family}-{schedule}-{stages}" + "".join(f"-{f}" for f in flags if f.startswith("v"))
+    name = f"{family}-{schedule}-{stages}" + "".join(f"-{f}" for f in flags if f.startswith("v") or f == "fsdp")
     expected = _reference(family, replicas)
     state = torch.load(launch.path(f"{name}.ckpt"), weights_only=False)["state_dict"]
     assert list(state) == list(expected), name  # the plain module's keys
@@ -269,6 +274,72 @@ def test_pp4_and_pp2_dp2_equal_single_device(four_ranks):
     for key, value in _reference("gpt", 2, features=True).items():
         torch.testing.assert_close(state["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert state["lr_schedulers"][0]["last_epoch"] == STEPS
+
+
+@pytest.mark.slow
+def test_stages_sharded_by_fsdp_over_their_replicas_train_as_one_device(four_ranks):
+    """data_parallel="fsdp" at pp=2 x dp=2: every replica holds half of each parameter of its
+    stage (dim 0), the tied embedding and head one parameter across the stages, and the weights
+    after three steps are single-device training's on the union batch (under 1F1B, with
+    accumulation, clipping by norm over the shards and a step-wise LR decay); the full
+    checkpoint gathers the plain module's keys."""
+    for config in FSDP:
+        _check(four_ranks, 4, config)
+    state = torch.load(four_ranks.path("gpt-1f1b-2-fsdp-features.ckpt"), weights_only=False)
+    for key, value in _reference("gpt", 2, features=True).items():
+        torch.testing.assert_close(state["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for rank in range(4):  # (rank = stage * 2 + replica; the head's weight is the embedding's)
+        shapes = json.loads(four_ranks.path(f"gpt-gpipe-2-fsdp-rank{rank}.json").read_text())["local_shapes"]
+        assert shapes["tok_emb.weight"] == [48, 32] and shapes[f"blocks.{3 * (rank // 2)}.mlp.0.weight"] == [64, 32]
+
+
+@pytest.mark.slow
+def test_stages_sharded_by_fsdp_save_and_resume_sharded_checkpoints_like_one_device(four_ranks, tmp_path):
+    """The same sharded checkpoint as without FSDP (each key once, every replica writing its
+    shard), resumed by a fresh model for two more steps as one device resumes; the full
+    checkpoint saved then loads into the plain module."""
+    model, data = make("gpt")
+    Trainer(**sharded_trainer(None, steps=2)).fit(model, loader(data, BATCH))
+    saved, files = _sharded(four_ranks.path("fsdp-sharded"))
+    momentum = model.trainer.optimizers[0].state
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(saved[f"state_dict.{key}"], value, rtol=1e-5, atol=1e-6, msg=key)
+    for i, param in enumerate(model.parameters()):
+        torch.testing.assert_close(saved[f"optimizer_0.state.{i}.momentum_buffer"], momentum[param]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-6)
+    assert {files["state_dict.blocks.0.attn.qkv.weight"], files["state_dict.blocks.3.attn.qkv.weight"]} <= {
+        "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"}
+    model.trainer.save_checkpoint(tmp_path / "reference.ckpt")
+    resumed, _ = make("gpt", seed=1)
+    Trainer(**sharded_trainer(None, steps=4)).fit(resumed, loader(data, BATCH), ckpt_path=tmp_path / "reference.ckpt")
+    final, _ = _sharded(four_ranks.path("fsdp-sharded-resumed"))
+    full = torch.load(four_ranks.path("fsdp-sharded-resumed.ckpt"), weights_only=False)["state_dict"]
+    plain, _ = make("gpt")
+    plain.load_state_dict(full)
+    for key, value in resumed.state_dict().items():
+        torch.testing.assert_close(final[f"state_dict.{key}"], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(plain.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_a_model_built_on_the_meta_device_is_sharded_by_fsdp_and_trains_and_validates_like_one_device(four_ranks):
+    """trainer.init_module(empty_init=True) at pp=2 x dp=2 with data_parallel="fsdp": the
+    values are those of the whole model materialised in one process, training matches one
+    device, and every rank validates the trained, sharded stages as one device does."""
+    _, data = make("unet")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = UNet()
+    materialize(model, torch.device("cpu"))
+    trainer = Trainer(**empty_trainer(None, steps=3))
+    trainer.fit(model, loader(data, BATCH), loader(data, BATCH))
+    state = torch.load(four_ranks.path("fsdp-empty.ckpt"), weights_only=False)["state_dict"]
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    expected = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
+    for rank in range(4):
+        got = json.loads(four_ranks.path(f"fsdp-empty-rank{rank}.json").read_text())["val"]
+        assert got == pytest.approx(expected, rel=1e-5), rank
 
 
 @pytest.mark.slow
@@ -406,11 +477,39 @@ def test_runtime_distributed_runs_on_the_distributed_engine():
         ({"runtime": "distributed", "schedule": "gpipe", "virtual_stages": 2}, "schedule='1f1b'"),
         ({"schedule": "1f1b", "virtual_stages": 2}, "runtime='distributed'"),
         ({"runtime": "distributed", "schedule": "1f1b", "virtual_stages": 0}, "positive int"),
+        ({"data_parallel": "fsdp"}, "needs runtime='distributed'"),
+        ({"runtime": "distributed", "schedule": "2bw", "data_parallel": "fsdp"}, "schedule='1f1b' or 'gpipe' with "
+                                                                                  "data_parallel='fsdp'"),
+        ({"runtime": "distributed", "data_parallel": "zero3"}, "data_parallel must be 'ddp'"),
     ],
 )
 def test_bad_runtime_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MemoryPipeStrategy(**kwargs)
+
+
+def test_fsdp_with_one_replica_a_stage_is_named_before_any_process_starts():
+    strategy = MemoryPipeStrategy(runtime="distributed", stages=2, data_parallel="fsdp")
+    with pytest.raises(ValueError, match=r"2 processes for stages=2 leave one replica per stage.*more devices"):
+        Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+
+
+def test_a_parameter_fsdp_cannot_shard_is_named_with_the_fix():
+    model, _ = make("gpt")
+    check_shardable(model)
+    model.scale = torch.nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"Parameter 'scale' is a scalar .* shape \(1,\), or use data_parallel='ddp'"):
+        check_shardable(model)
+    model.scale = torch.nn.Parameter(torch.ones(4, 3).t())
+    with pytest.raises(ValueError, match=r"Parameter 'scale' is not contiguous .*\.contiguous\(\)"):
+        check_shardable(model)
+    with pytest.raises(ValueError, match="precision='bf16-mixed'"):
+        mixed_precision("16-mixed")
+    # a tied weight read by two virtual stages of one rank: each stage is its own FSDP root
+    tied = model.tok_emb.weight
+    check_one_unit_each([[[tied], [model.pos_emb]], [[tied]]], {id(tied): "tok_emb.weight"})  # two ranks: fine
+    with pytest.raises(ValueError, match=r"'tok_emb.weight' is read by two stages of pipeline rank 0.*=1"):
+        check_one_unit_each([[[tied], [model.pos_emb, tied]]], {id(tied): "tok_emb.weight"})
 
 
 def test_a_balance_needs_an_entry_per_stage_of_every_process():
