@@ -4,7 +4,7 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 
     python tests/lightning/distributed_fit.py OUT DEVICES SCENARIO...
 
-A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16|:fp16]`` (a few steps with
+A scenario is ``family:schedule:stages[:metered][:features][:vN][:cN][:bf16|:fp16]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut[:pN][:vN]``
@@ -56,19 +56,22 @@ ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping
 
 
 def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages: int, metered: bool,
-        features: bool, virtual: int = 1, saved: bool = False, precision: str = "32-true") -> None:
+        features: bool, virtual: int | None = None, saved: bool = False, precision: str = "32-true",
+        chunks: int = CHUNKS) -> None:
     """``metered``: plan (rank 0 profiles), measure memory and log per-stage metrics to a CSV
     logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
     and decay the learning rate every step (:func:`with_scheduler`). ``virtual``: stages per
-    process (Interleaved 1F1B). ``saved``: the plan ``out/saved-plan.json`` (written by the
+    process (``None``: the schedule's default). ``chunks``: micro-batches per batch (``-cN`` in the
+    tag where not :data:`CHUNKS`). ``saved``: the plan ``out/saved-plan.json`` (written by the
     test), followed as is. ``precision``: the Trainer's (``bf16-mixed``, ``16-mixed``: named in the tag)."""
     model, data = _make(family)
     if features:
         with_scheduler(model)
-    strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
+    strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=chunks,
                                   planner="dawnpiper" if metered else None, measure_memory=metered,
                                   virtual_stages=virtual, plan=out / "saved-plan.json" if saved else None)
-    tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual > 1 else "") + \
+    tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual else "") + \
+        (f"-c{chunks}" if chunks != CHUNKS else "") + \
         {"bf16-mixed": "-bf16", "16-mixed": "-fp16"}.get(precision, "")
     # (on the CPU, Lightning runs 16-mixed as bf16-mixed, without the grad scaler a GPU has: given here)
     mixed = {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]} \
@@ -94,7 +97,7 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     mesh = model.device_mesh
     result = {"logged": logged, "mesh": list(mesh.shape), "balance": strategy.plan.balance if strategy.plan else None,
               "policies": strategy.plan.policies if strategy.plan else None, "linear_dtypes": sorted(dtypes)}
-    if virtual > 1 and replicas == 1:  # evaluation through every rank's stages in turn (one replica: all data)
+    if strategy.options.virtual_stages > 1 and replicas == 1:  # evaluation through every rank's stages in turn
         result["val"] = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(result))
 
@@ -599,6 +602,7 @@ if __name__ == "__main__":
             metrics(out, devices, steps, schedule, int(stages))
         else:
             family, schedule, stages, *flags = scenario.split(":")
-            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
+            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), None)
             fit(out, devices, steps, family, schedule, int(stages), "metered" in flags, "features" in flags, virtual,
-                "saved" in flags, "bf16-mixed" if "bf16" in flags else "16-mixed" if "fp16" in flags else "32-true")
+                "saved" in flags, "bf16-mixed" if "bf16" in flags else "16-mixed" if "fp16" in flags else "32-true",
+                next((int(f[1:]) for f in flags if f.startswith("c")), CHUNKS))
