@@ -19,7 +19,7 @@ computing (:class:`StageFailure`: zeros where it sends, no backward), and after 
 rank learns of the failure together.
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import InitVar, dataclass
 from datetime import timedelta
@@ -217,6 +217,13 @@ class StageModule(StageRunner):
         self.step_context: Callable[[], AbstractContextManager[Any]] = nullcontext
         self.failure = StageFailure()  # the rank's, shared by its stages (DistributedPipeline)
 
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Every parameter the stage reads, by attribute too (a graph torch.export captured reads
+        them so): the zero-bubble schedules make the weights' gradients for these alone."""
+        for tensor in self.tensors():
+            if isinstance(tensor, nn.Parameter):
+                yield tensor
+
     def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
         if self.failure.error is None:
             try:
@@ -252,7 +259,9 @@ class _Alias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad
+        # (a received input's gradient is sent back, and gloo sends only contiguous tensors: the
+        # zero-bubble schedules send what autograd.grad made, which may be an expanded view)
+        return grad.contiguous()
 
 
 @dataclass(eq=False)

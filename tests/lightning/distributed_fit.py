@@ -36,6 +36,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.faults import Cut, cases, run
@@ -64,7 +65,7 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     process (``None``: the schedule's default). ``chunks``: micro-batches per batch (``-cN`` in the
     tag where not :data:`CHUNKS`). ``saved``: the plan ``out/saved-plan.json`` (written by the
     test), followed as is. ``precision``: the Trainer's (``bf16-mixed``, ``16-mixed``: named in the tag)."""
-    model, data = _make(family)
+    model, data = make_model(family)
     if features:
         with_scheduler(model)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=chunks,
@@ -97,7 +98,8 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     mesh = model.device_mesh
     result = {"logged": logged, "mesh": list(mesh.shape), "balance": strategy.plan.balance if strategy.plan else None,
               "policies": strategy.plan.policies if strategy.plan else None, "linear_dtypes": sorted(dtypes)}
-    if strategy.options.virtual_stages > 1 and replicas == 1:  # evaluation through every rank's stages in turn
+    if strategy.options.virtual_stages > 1 and replicas == 1 and is_overridden("validation_step", model):
+        # evaluation through every rank's stages in turn (one replica: all data)
         result["val"] = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(result))
 
@@ -108,10 +110,11 @@ def overflow_at_second_step(model: LightningModule, step: Any) -> None:
     model.ln_f.weight.register_hook(lambda grad: grad * float("inf") if step() == 1 else grad)
 
 
-def _make(family: str) -> tuple[LightningModule, Any]:
-    """A model of :data:`tests.models.FAMILIES`, or ``hf``: a Hugging Face GPT-2 from a config
-    (torch.export captures it), with its dataset."""
+def make_model(family: str) -> tuple[LightningModule, Any]:
+    """A freshly seeded model of :data:`tests.models.FAMILIES`, or ``hf``: a Hugging Face GPT-2
+    from a config (torch.export captures it; its head tied to its embedding), with its dataset."""
     if family == "hf":
+        torch.manual_seed(0)
         return GPT2LM(layers=2, dim=32, heads=2, vocab=256, context=16, dropout=0.0), Counting(64, 256, 16)
     return make(family)
 
@@ -136,7 +139,7 @@ def recover(out: Path, devices: int, steps: int, family: str, schedule: str, sta
     the step runs out of memory there, every rank plans again and runs it again. Every rank
     saves the split before and after, its peak and capacity, the parameters it holds at the
     end, and the re-plans warned."""
-    model, data = _make(family)
+    model, data = make_model(family)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
                                   planner="dawnpiper", measure_memory=True, virtual_stages=virtual,
                                   timeout=timedelta(minutes=1))

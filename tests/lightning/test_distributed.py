@@ -47,6 +47,7 @@ from tests.lightning.distributed_fit import (
     empty_trainer,
     exported_trainer,
     features_trainer,
+    make_model,
     overflow_at_second_step,
     sharded_trainer,
 )
@@ -165,7 +166,7 @@ def _reference(family: str, replicas: int, features: bool = False, precision: st
     ``features``: accumulation, clipping and a learning rate decayed every step.
     ``precision``: ``bf16-mixed`` or ``16-mixed`` run each step under autocast, the second
     with a grad scaler, as Lightning does."""
-    model, data = make(family)
+    model, data = make_model(family)
     optimizer = model.configure_optimizers()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=GAMMA)
     accumulate = ACCUMULATE if features else 1
@@ -180,7 +181,7 @@ def _reference(family: str, replicas: int, features: bool = False, precision: st
             optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16 if precision == "16-mixed" else torch.bfloat16,
                             cache_enabled=False, enabled=precision != "32-true"):
-            loss = model.loss(batch)
+            loss = model.loss(batch) if family != "hf" else model(**batch).loss
         (scaler.scale(loss / accumulate) if scaler else loss / accumulate).backward()
         if (k + 1) % accumulate == 0:
             if features:
@@ -202,14 +203,18 @@ def _check(launch: Launch, devices: int, config: str) -> None:
     expected = _reference(family, replicas)
     state = torch.load(launch.path(f"{name}.ckpt"), weights_only=False)["state_dict"]
     assert list(state) == list(expected), name  # the plain module's keys
+    # AdamW's first steps divide a gradient by its own size: one near zero that differs in the
+    # 7th digit moves its weight by up to the learning rate. Hugging Face GPT-2's c_fc is 5.0e-6
+    # off under every schedule, 1F1B too; 1e-5 is the issue's bound
+    atol = 1e-5 if family == "hf" else 1e-6
     for key, value in expected.items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=atol, msg=f"{name} {key}")
     ranks = [json.loads(launch.path(f"{name}-rank{r}.json").read_text()) for r in range(devices)]
     assert all(r["mesh"] == [int(stages), replicas] for r in ranks)
     assert all("train_loss" in r["logged"] for r in ranks), name  # logged on every rank
     for r in range(devices):  # the ranks of one pipeline log the same (its last stage's) values
         assert ranks[r]["logged"] == ranks[r % replicas]["logged"], name
-    model, data = make(family)
+    model, data = make_model(family)
     model.load_state_dict(state)  # loads into the plain LightningModule
     if "val" in ranks[0]:  # every rank returns the validation loss of the trained model
         plain = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
@@ -403,9 +408,21 @@ def test_runtime_distributed_runs_on_the_distributed_engine():
         ({"runtime": "mpi"}, "runtime must be"),
         ({"state_dict_type": "sharded"}, "needs runtime='distributed'"),
         ({"runtime": "distributed", "state_dict_type": "dcp"}, "'full' or 'sharded'"),
-        ({"runtime": "distributed", "schedule": "gpipe", "virtual_stages": 2}, "schedule='1f1b'"),
+        ({"runtime": "distributed", "schedule": "gpipe", "virtual_stages": 2}, "schedule='interleaved-1f1b'"),
         ({"schedule": "1f1b", "virtual_stages": 2}, "runtime='distributed'"),
         ({"runtime": "distributed", "schedule": "1f1b", "virtual_stages": 0}, "positive int"),
+        *[({"schedule": s}, f"schedule='{s}' runs only with runtime='distributed'.*Pass runtime='distributed'")
+          for s in ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")],
+        *[({"runtime": "distributed", "schedule": s, "virtual_stages": 3},
+           f"schedule='{s}' always holds 2 stages per process.*leave virtual_stages unset")
+          for s in ("zbv", "dualpipev")],
+        ({"runtime": "distributed", "schedule": "interleaved-zb", "virtual_stages": 3, "balance": [2] * 4},
+         r"balance has 4 stages, which virtual_stages=3 \(stages per process\) does not divide"),
+        ({"runtime": "distributed", "schedule": "zbv", "balance": [2] * 3}, "virtual_stages=2"),
+        ({"runtime": "distributed", "stages": 4, "schedule": "dualpipev", "chunks": 4},
+         "needs at least one micro-batch per stage: chunks=4 < 8 stages"),
+        ({"runtime": "distributed", "stages": 2, "schedule": "interleaved-zb", "chunks": 5},
+         "which must divide chunks=5"),
     ],
 )
 def test_bad_runtime_arguments_are_named(kwargs, message):
@@ -422,6 +439,21 @@ def test_a_balance_needs_an_entry_per_stage_of_every_process():
         MemoryPipeStrategy(balance=[6, 6], **interleaved)
     # stages=None: a stage a process, counted once they start (the torchrun launch below)
     MemoryPipeStrategy(runtime="distributed", balance=[6])
+    with pytest.raises(ValueError, match=r"runs 4 stages \(4 processes x virtual_stages=1; stage s on process s % 4\)"):
+        MemoryPipeStrategy(runtime="distributed", schedule="1f1b", stages=4, balance=[6, 6])
+    v_shaped = MemoryPipeStrategy(runtime="distributed", schedule="zbv", stages=2, balance=[3] * 4).options
+    assert (v_shaped.virtual_stages, v_shaped.balance) == (2, [3] * 4)
+    with pytest.raises(ValueError, match=r"runs 8 stages \(4 processes x virtual_stages=2; stages r and 7 - r on "
+                                         r"process r\)"):
+        MemoryPipeStrategy(runtime="distributed", schedule="dualpipev", stages=4, chunks=8, balance=[3] * 4)
+
+
+def test_the_interleaved_schedules_hold_two_stages_per_process_unless_told():
+    options = {s: MemoryPipeStrategy(runtime="distributed", schedule=s).options.virtual_stages
+               for s in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")}
+    assert options == {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "interleaved-zb": 2, "zbv": 2, "dualpipev": 2}
+    three = MemoryPipeStrategy(runtime="distributed", schedule="interleaved-zb", virtual_stages=3)
+    assert three.options.virtual_stages == 3
 
 
 def test_a_directory_that_is_no_sharded_checkpoint_is_named(tmp_path):
