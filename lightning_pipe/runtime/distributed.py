@@ -243,8 +243,9 @@ class StageModule(StageRunner):
             outputs = tuple(t.contiguous() for t in self.outputs.flatten(self.run(self.inputs.unflatten(tensors))))
         # the zero-bubble schedules detach a stage's outputs in place once their input gradients
         # are made, and the weights' gradients come later: an output an operator saved for its
-        # backward (a ReLU's, a cut after it) leaves as an alias, which may be detached
-        outputs = tuple(_Alias.apply(t) if t.requires_grad else t for t in outputs)  # type: ignore[no-untyped-call]
+        # backward (a ReLU's, a cut after it) leaves as an alias, which may be detached, and one
+        # without gradient as a detached tensor (no view: an expanded mask cannot be detached)
+        outputs = tuple(_Alias.apply(t) if t.requires_grad else t.detach() for t in outputs)  # type: ignore[no-untyped-call]
         if self.meter is not None:
             self.meter.tag_backward(outputs, 0)  # the backward's allocations are this stage's
         return outputs

@@ -63,14 +63,14 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
     and decay the learning rate every step (:func:`with_scheduler`). ``virtual``: stages per
     process (``None``: the schedule's default). ``chunks``: micro-batches per batch (``-cN`` in the
-    tag where not :data:`CHUNKS`). ``saved``: the plan ``out/saved-plan.json`` (written by the
+    tag where not :data:`CHUNKS`). ``saved``: the plan ``out/saved-plan-SCHEDULE.json`` (written by the
     test), followed as is. ``precision``: the Trainer's (``bf16-mixed``, ``16-mixed``: named in the tag)."""
     model, data = make_model(family)
     if features:
         with_scheduler(model)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=chunks,
                                   planner="dawnpiper" if metered else None, measure_memory=metered,
-                                  virtual_stages=virtual, plan=out / "saved-plan.json" if saved else None)
+                                  virtual_stages=virtual, plan=out / f"saved-plan-{schedule}.json" if saved else None)
     tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual else "") + \
         (f"-c{chunks}" if chunks != CHUNKS else "") + \
         {"bf16-mixed": "-bf16", "16-mixed": "-fp16"}.get(precision, "")
@@ -98,8 +98,8 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     mesh = model.device_mesh
     result = {"logged": logged, "mesh": list(mesh.shape), "balance": strategy.plan.balance if strategy.plan else None,
               "policies": strategy.plan.policies if strategy.plan else None, "linear_dtypes": sorted(dtypes)}
-    if strategy.options.virtual_stages > 1 and replicas == 1 and is_overridden("validation_step", model):
-        # evaluation through every rank's stages in turn (one replica: all data)
+    if ((virtual or 1) > 1 or schedule == "zbv") and replicas == 1 and is_overridden("validation_step", model):
+        # evaluation through every rank's stages in turn (one replica: all data), in a loop or a V
         result["val"] = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(result))
 

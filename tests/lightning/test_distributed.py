@@ -1,6 +1,7 @@
 """MemoryPipeStrategy(runtime="distributed"): Lightning's launcher starts a process per device
 (gloo on CPU); after a few optimizer steps on the same global batches the parameters equal
-single-device training, at pp=4 and pp=2 x dp=2 (every family under GPipe or 1F1B) and pp=2.
+single-device training, at pp=4 and pp=2 x dp=2 (every family under GPipe or 1F1B) and pp=2,
+and under every multi-stage schedule (interleaved, zero-bubble, V-shape) at pp=2 and pp=4.
 
 A launch's start-up is most of a short run's time, so one launch serves several tests: four
 ranks train every configuration and recover at pp=2 x dp=2, then one rank never answers; two
@@ -69,6 +70,13 @@ PP2 = ["gpt:gpipe:2:metered", "unet:1f1b:2:metered", "unet:1f1b:2:metered:v2"]
 MEMORY_PP4 = ["gpt-1f1b-4", "unet-gpipe-4", "encdec-1f1b-4", "hf-1f1b-4"]
 MEMORY_PP2_DP2 = ["gpt-gpipe-2", "unet-1f1b-2", "encdec-gpipe-2"]
 MEMORY_PP2 = ["gpt-gpipe-2", "unet-1f1b-2", "hf-1f1b-2"]
+# the multi-stage schedules (two stages per process), each family with tied weights, skips or
+# torch.export's graph, on an even split: at pp=2 on two ranks, at pp=4 on four (DualPipeV
+# needs a micro-batch per stage there: 8)
+SCHEDULES = ["interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
+SCHEDULES_PP2 = [f"{family}:{s}:2" for family in ("gpt", "unet", "hf") for s in SCHEDULES]
+SCHEDULES_PP4 = [f"{family}:{s}:4" + (":c8" if s == "dualpipev" else "") for family in ("gpt", "unet", "hf")
+                 for s in SCHEDULES]
 # a step drawing noise before self(...): pp=4 under GPipe and 1F1B, interleaved at pp=2 x dp=2; pp=2 (1F1B)
 DENOISER_PP4 = ["denoiser:gpipe:4", "denoiser:1f1b:4", "denoiser:1f1b:2:v2"]
 DENOISER_PP2 = ["denoiser:1f1b:2"]
@@ -122,21 +130,24 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     # (a memory run needs two steps: the second has the first's optimizer state)
     return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, RECOVER_DP,
                    f"shrink:gpt:{SHRINK_LIMIT_DP}:p2", "2", "hf:1f1b:4:metered",
-                   str(STEPS), "gpt:1f1b:2:features",
+                   str(STEPS), "gpt:1f1b:2:features", *SCHEDULES_PP4,
                    *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    scenarios = [str(STEPS), *PP2, SAVED, BF16, FP16, "2", "hf:1f1b:2:metered", str(STEPS), *DENOISER_PP2,
-                 str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded", "empty", str(STEPS), RECOVER,
-                 RECOVER_V2, f"shrink:gpt:{SHRINK_LIMIT}", "drift", "replans", f"faults:{FAULTS}", "exported"]
+    scenarios = [str(STEPS), *PP2, *SCHEDULES_PP2, SAVED, SAVED_ZBV, BF16, FP16, "2", "hf:1f1b:2:metered", str(STEPS),
+                 *DENOISER_PP2, str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded", "empty",
+                 str(STEPS), RECOVER, RECOVER_V2, f"shrink:gpt:{SHRINK_LIMIT}", "drift", "replans", f"faults:{FAULTS}",
+                 "exported"]
     out = tmp_path_factory.mktemp("two_ranks")
-    (out / "saved-plan.json").write_text(_saved_plan().to_json())
+    for schedule in ("1f1b", "zbv"):
+        (out / f"saved-plan-{schedule}.json").write_text(_saved_plan(schedule).to_json())
     return _launch(out, 2, *scenarios)
 
 
 SAVED = "gpt:1f1b:2:saved"  # the plan _saved_plan writes, followed as is
+SAVED_ZBV = "gpt:zbv:2:saved"  # its four-stage V twin: recompute under the split backward
 RECOVER = "recover:gpt:1f1b:1:1:0.1"  # the last rank's meter cut to 90% of its peak at batch 1: out mid-step
 RECOVER_DP = RECOVER + ":p2"  # at pp=2 x dp=2, replica 0's alone
 RECOVER_V2 = RECOVER + ":v2"  # Interleaved 1F1B, two stages a process
@@ -145,18 +156,22 @@ BF16 = "gpt:1f1b:2:metered:bf16"  # Trainer(precision="bf16-mixed")
 FP16 = "gpt:1f1b:2:fp16"  # 16-mixed, with the grad scaler a GPU has
 
 
-def _saved_plan() -> Plan:
+def _saved_plan(schedule: str = "1f1b") -> Plan:
     """A plan for the GPT family, as a dry run would save it: a split far from the even one,
-    the first stage's attention recomputed."""
+    the first stage's attention recomputed (under ``"zbv"``: four stages, the attention of all
+    but the last recomputed, which the split backward runs twice: input, then weights)."""
     model, _ = make("gpt")
     names = [n.name for n in capture(model).nodes]
-    even = balance_by_weight(capture(model).param_bytes(), 2)
-    balance = [even[0] + 9, even[1] - 9]
-    policies = ["recompute" if i < balance[0] and "attn" in name else "keep" for i, name in enumerate(names)]
-    stages = [StageReport(0, balance[0], 0, StagePeak(0, 0, 0, 0), 1.0, 1.0, 0.0, 0.0, 0, 0),
-              StageReport(balance[0], len(names), 0, StagePeak(0, 0, 0, 0), 1.0, 1.0, 0.0, 0.0, 0, 0)]
-    return Plan("dawnpiper", "1f1b", [1 << 30] * 2, BATCH // CHUNKS, CHUNKS, None, balance, policies, stages, 1.0, 0.5,
-                nodes=names)
+    count = 4 if schedule == "zbv" else 2
+    balance = balance_by_weight(capture(model).param_bytes(), count)
+    balance[0] += 9
+    balance[1 if schedule == "zbv" else -1] -= 9  # (the V's last stage is the head alone)
+    bounds = [sum(balance[:s]) for s in range(count + 1)]
+    policies = ["recompute" if i < bounds[-2] and "attn" in name else "keep" for i, name in enumerate(names)]
+    stages = [StageReport(bounds[s], bounds[s + 1], 0, StagePeak(0, 0, 0, 0), 1.0, 1.0, 0.0, 0.0, 0, 0)
+              for s in range(count)]
+    return Plan("dawnpiper", schedule, [1 << 30] * count, BATCH // CHUNKS, CHUNKS, None, balance, policies, stages,
+                1.0, 0.5, nodes=names)
 
 
 def _reference(family: str, replicas: int, features: bool = False, precision: str = "32-true", steps: int = STEPS
@@ -199,7 +214,7 @@ def _reference(family: str, replicas: int, features: bool = False, precision: st
 def _check(launch: Launch, devices: int, config: str) -> None:
     family, schedule, stages, *flags = config.split(":")
     replicas = devices // int(stages)
-    name = f"{family}-{schedule}-{stages}" + "".join(f"-{f}" for f in flags if f.startswith("v"))
+    name = f"{family}-{schedule}-{stages}" + "".join(f"-{f}" for f in flags if f.startswith(("v", "c")))
     expected = _reference(family, replicas)
     state = torch.load(launch.path(f"{name}.ckpt"), weights_only=False)["state_dict"]
     assert list(state) == list(expected), name  # the plain module's keys
@@ -277,13 +292,26 @@ def test_pp4_and_pp2_dp2_equal_single_device(four_ranks):
 
 
 @pytest.mark.slow
+def test_every_schedule_trains_as_one_device_at_pp4(four_ranks):
+    for config in SCHEDULES_PP4:
+        _check(four_ranks, 4, config)
+
+
+def test_every_schedule_trains_as_one_device_at_pp2_and_evaluates_through_a_v(two_ranks):
+    for config in SCHEDULES_PP2:
+        _check(two_ranks, 2, config)
+    for family in ("gpt", "unet"):  # evaluation handed the middle stages' values on within process 1
+        assert "val" in json.loads(two_ranks.path(f"{family}-zbv-2-rank0.json").read_text())
+
+
 def test_a_saved_plan_is_followed_by_every_rank_and_trains_as_one_device(two_ranks):
-    _check(two_ranks, 2, SAVED)
-    saved = _saved_plan()
-    for rank in range(2):
-        got = json.loads(two_ranks.path(f"gpt-1f1b-2-rank{rank}.json").read_text())
-        assert (got["balance"], got["policies"]) == (saved.balance, saved.policies)
-    assert "recompute" in saved.policies
+    for config, schedule in ((SAVED, "1f1b"), (SAVED_ZBV, "zbv")):
+        _check(two_ranks, 2, config)
+        saved = _saved_plan(schedule)
+        for rank in range(2):
+            got = json.loads(two_ranks.path(f"gpt-{schedule}-2-rank{rank}.json").read_text())
+            assert (got["balance"], got["policies"]) == (saved.balance, saved.policies)
+        assert "recompute" in saved.policies
 
 
 @pytest.mark.slow
