@@ -132,20 +132,20 @@ def with_scheduler(model: LightningModule) -> None:
 
 
 def recover(out: Path, devices: int, steps: int, family: str, schedule: str, stage: int, step: int, cut: float,
-            stages: int | None = None, virtual: int = 1) -> None:
+            stages: int | None = None, virtual: int | None = None) -> None:
     """``family`` planned at pp=``stages`` (every process: ``None``; the rest replicas) with
-    ``virtual`` stages a process (no memory limit); at batch ``step`` the meter of pipeline rank
-    ``stage`` of replica 0 alone is cut to ``1 - cut`` of its peak so far (:class:`_CutReplica`):
-    the step runs out of memory there, every rank plans again and runs it again. Every rank
-    saves the split before and after, its peak and capacity, the parameters it holds at the
-    end, and the re-plans warned."""
+    ``virtual`` stages a process (``None``: the schedule's; no memory limit); at batch ``step``
+    the meter of pipeline rank ``stage`` of replica 0 alone is cut to ``1 - cut`` of its peak so
+    far (:class:`_CutReplica`): the step runs out of memory there, every rank plans again and
+    runs it again. Every rank saves the split before and after, its peak and capacity, the
+    parameters it holds at the end, and the re-plans warned."""
     model, data = make_model(family)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
                                   planner="dawnpiper", measure_memory=True, virtual_stages=virtual,
                                   timeout=timedelta(minutes=1))
     splits = _Splits(strategy)
     tag = f"recover-{family}-{schedule}-{stage}-{step}" + (f"-p{stages}" if stages else "") + \
-        (f"-v{virtual}" if virtual > 1 else "")
+        (f"-v{virtual}" if virtual else "")
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[_CutReplica(strategy, stage, step, 1 - cut, of_peak=True), splits])
@@ -591,7 +591,7 @@ if __name__ == "__main__":
         elif scenario.startswith("recover:"):
             _, family, schedule, stage, step, cut, *flags = scenario.split(":")
             pp = next((int(f[1:]) for f in flags if f.startswith("p")), None)
-            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
+            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), None)
             recover(out, devices, steps, family, schedule, int(stage), int(step), float(cut), pp, virtual)
         elif scenario == "drift":
             drift(out, devices, steps)
