@@ -46,7 +46,7 @@ class PipeOptions:
     loss_reduction: LossReduction = "mean"
     runtime: Runtime = "local"
     stages: int | None = None
-    virtual_stages: int = 1  # stages per process (resolved: 2 under a V-shape schedule)
+    virtual_stages: int = 1  # stages per process, resolved (plan.schedule.stages_per_process)
     timeout: timedelta = timedelta(minutes=30)
     state_dict_type: StateDictType = "full"
     max_replans: int = 3
