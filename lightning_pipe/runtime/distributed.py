@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import InitVar, dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -366,39 +367,32 @@ class PipelineRank:
 
 
 class _TimedStage(PipelineStage):
-    """Times each micro-batch's backward on the stage module's clock; after this rank ran out
-    of memory in the step (:class:`StageFailure`), skips it, sending zero gradients."""
+    """Times each micro-batch's backward (both halves of a split one: zero-bubble, V-shape) on
+    the stage module's clock; after this rank ran out of memory in the step
+    (:class:`StageFailure`), skips it, sending zero gradients."""
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        inputs = len(cast(StageModule, self.submod).inputs.examples(False))
+        self._timed(partial(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs),
+                    partial(skip_backward, self, bwd_chunk_id, inputs))
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        self._timed(partial(super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs),
+                    partial(skip_weight_backward, self, bwd_chunk_id))
+
+    def _timed(self, run: Callable[[], None], skip: Callable[[], None]) -> None:
         module = cast(StageModule, self.submod)
         if module.failure.error is None:
             try:
                 with module.clock.backward(0, self.device) if module.clock else nullcontext():
-                    super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+                    run()
                 return
             except RuntimeError as error:  # (pipelining raises its own, from the backward's)
                 cause = error if isinstance(error, OUT_OF_MEMORY) else error.__cause__
                 if not isinstance(cause, OUT_OF_MEMORY):
                     raise
                 module.failure.fail(cause)
-        skip_backward(self, bwd_chunk_id, len(module.inputs.examples(False)))
-
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
-        """The weight-gradient half of a split backward (zero-bubble, V-shape), timed as the
-        backward; skipped after this rank ran out of memory in the step."""
-        module = cast(StageModule, self.submod)
-        if module.failure.error is None:
-            try:
-                with module.clock.backward(0, self.device) if module.clock else nullcontext():
-                    super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-                return
-            except RuntimeError as error:
-                cause = error if isinstance(error, OUT_OF_MEMORY) else error.__cause__
-                if not isinstance(cause, OUT_OF_MEMORY):
-                    raise
-                module.failure.fail(cause)
-        skip_weight_backward(self, bwd_chunk_id)
+        skip()
 
 
 class _SilentStage(NoWarmupVotes, _TimedStage):
