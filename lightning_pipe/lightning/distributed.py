@@ -91,7 +91,7 @@ from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.headroom import checked, flat
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.schedule import actions
+from lightning_pipe.plan.schedule import actions, check_microbatches, placement, process_stages
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.distributed import (
@@ -199,6 +199,15 @@ class DistributedEngine(Engine):
     @property
     def num_stages(self) -> int:
         return self.options.stages or self.world_size
+
+    @property
+    def _placement(self) -> list[int]:
+        """The pipeline rank of each stage (:func:`~lightning_pipe.plan.schedule.placement`)."""
+        return placement(self.options.schedule, self.num_stages, self.options.virtual_stages)
+
+    def _stages_of(self, position: int) -> list[int]:
+        """The stages pipeline rank ``position`` runs, in order: they share its memory."""
+        return process_stages(self.options.schedule, self.num_stages, self.options.virtual_stages)[position]
 
     @property
     def sampler_kwargs(self) -> dict[str, Any]:
@@ -313,7 +322,9 @@ class DistributedEngine(Engine):
         captured = self._graphs.training_graph((args, kwargs))
         check_buffer_writes(captured, module, self.options.chunks)  # on every rank, before any collective
         stages = self.num_stages * self.options.virtual_stages  # a process's stages share its memory
-        check_balance_entries(self.options.balance, self.num_stages, self.options.virtual_stages)  # on every rank
+        o = self.options  # on every rank, before any collective:
+        check_balance_entries(o.balance, self.num_stages, o.virtual_stages, o.schedule)
+        check_microbatches(o.schedule, o.chunks, self.num_stages, o.virtual_stages)
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
         saved = self.options.plan
@@ -432,7 +443,7 @@ class DistributedEngine(Engine):
     def _rank_limit(self) -> int | None:
         """What ``memory_limit`` gives this rank's stages together (the meter enforces it)."""
         limits = self._limits(self.options.memory_limit)
-        return None if limits is None else sum(limits[self._position() :: self.num_stages])
+        return None if limits is None else sum(limits[s] for s in self._stages_of(self._position()))
 
     def _position(self) -> int:
         coordinate = self.device_mesh.get_coordinate()
@@ -444,7 +455,6 @@ class DistributedEngine(Engine):
         the stage's process has (``device_memory``; the host's RAM shared by the processes on
         it), shared by the process's stages; less where a rank's meter enforces less (memory
         another job took, :meth:`_build`). On every rank: a collective."""
-        stages = self.num_stages * self.options.virtual_stages
         limits = self._limits(self.options.memory_limit)
         device = self.root_device
         memory = device_memory(device) // (1 if device.type == "cuda" else max(1, self.num_processes))
@@ -455,12 +465,12 @@ class DistributedEngine(Engine):
         ranks = [every[p * replicas : (p + 1) * replicas] for p in range(self.num_stages)]
         if limits is None:
             process = [min(m for m, _ in rank) for rank in ranks]
-            limits = [process[s % self.num_stages] // self.options.virtual_stages for s in range(stages)]
+            limits = [process[p] // self.options.virtual_stages for p in self._placement]
         for p, rank in enumerate(ranks):
             least = min((e for _, e in rank if e is not None), default=None)
-            total = sum(limits[p :: self.num_stages])
+            total = sum(limits[s] for s in self._stages_of(p))
             if least is not None and least < total:  # shared by the rank's stages as the limits share it
-                for s in range(p, stages, self.num_stages):
+                for s in self._stages_of(p):
                     limits[s] = limits[s] * least // total
         return limits
 
@@ -473,7 +483,7 @@ class DistributedEngine(Engine):
         (:func:`~lightning_pipe.plan.headroom.checked`). The plan on rank 0, ``None`` elsewhere."""
         capacities = self._stage_capacities()
         if self._corrections is not None:  # below what training showed each rank takes beyond its check
-            capacities = [int(c / self._corrections.factors[s % self.num_stages]) for s, c in enumerate(capacities)]
+            capacities = [int(c / self._corrections.factors[p]) for p, c in zip(self._placement, capacities)]
         self._silent = self._silent or silent_mesh(self.num_stages, self.world_size // self.num_stages)
         shapes = self.pipe.shapes if self.pipe is not None and self.pipe.released else None
         check = partial(self._check_rank, captured, batch, batch_idx, arguments, shapes)
@@ -588,9 +598,8 @@ class DistributedEngine(Engine):
         predicted, rank_peaks = [s.peak.total for s in plan.stages], self._checked_peaks
         assert rank_peaks is not None
         peaks = []
-        for s, stage in enumerate(predicted):
-            position = s % self.num_stages
-            mine = predicted[position :: self.num_stages]
+        for stage, position in zip(predicted, self._placement):
+            mine = [predicted[t] for t in self._stages_of(position)]
             peaks.append(round(rank_peaks[position] * stage / max(1, sum(mine))))
         return peaks
 
@@ -672,7 +681,7 @@ class DistributedEngine(Engine):
         they share its memory, which the meter counts as one); ``None``: its one stage."""
         if self.options.virtual_stages == 1:
             return None
-        *others, last = range(position, self.num_stages * self.options.virtual_stages, self.num_stages)
+        *others, last = self._stages_of(position)
         return f"Pipeline rank {position} (stages {', '.join(map(str, others))} and {last}, which share its memory)"
 
     def failure_of(self, error: BaseException) -> Failure:
@@ -686,7 +695,7 @@ class DistributedEngine(Engine):
         assert self.plan is not None
         if self._checked_peaks is not None:
             return list(self._checked_peaks)
-        return [sum(s.peak.total for s in self.plan.stages[p :: self.num_stages]) for p in range(self.num_stages)]
+        return [sum(self.plan.stages[s].peak.total for s in self._stages_of(p)) for p in range(self.num_stages)]
 
     def recover(self, failure: Failure) -> None:
         """Plan again below the memory the failed step showed its rank takes, and rebuild; on
@@ -705,8 +714,8 @@ class DistributedEngine(Engine):
             return
         corrections = self._corrections_so_far()
         p, peak, checked_peaks = self._position(), meter.stages[0].peak, self._rank_checked()
-        predicted = sum(s.peak.total for s in plan.stages[p :: self.num_stages])
-        target = sum(plan.targets[p :: self.num_stages])
+        predicted = sum(plan.stages[s].peak.total for s in self._stages_of(p))
+        target = sum(plan.targets[s] for s in self._stages_of(p))
         mine = peak > (1 + DRIFT) * predicted and peak > target and peak > corrections.factors[p] * checked_peaks[p]
         drifting = torch.tensor([1.0 if mine else 0.0], device=self.root_device)
         dist.all_reduce(drifting, op=dist.ReduceOp.MAX)
@@ -1025,7 +1034,7 @@ class DistributedEngine(Engine):
         """``value`` as the last stage of this rank's pipeline has it."""
         box = [to_host(value)]
         pp = self.device_mesh.get_group("pp")
-        dist.broadcast_object_list(box, group_src=self.num_stages - 1, group=pp)
+        dist.broadcast_object_list(box, group_src=self._placement[-1], group=pp)
         return to_device(box[0], self.root_device)
 
     def _eval_step(self, hook: str, batch: Any, batch_idx: int, *args: Any) -> Any:
@@ -1100,11 +1109,11 @@ class DistributedEngine(Engine):
                 if key in part:
                     metrics[f"pipe/stage{s}/{key}"] = part[key]
             if self.plan is not None:  # the rank's stages' peaks added: they need not coincide
-                rank_stages = self.plan.stages[s :: self.num_stages]
-                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = sum(stage.peak.total for stage in rank_stages)
+                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = sum(self.plan.stages[t].peak.total
+                                                                    for t in self._stages_of(s))
             if self._checked_peaks is not None:  # the fake step of the plan, on that rank
                 metrics[f"pipe/stage{s}/checked_peak_bytes"] = self._checked_peaks[s]
-        if self.options.virtual_stages == 1:  # the simulator knows no interleaved schedule
+        if self.options.virtual_stages == 1 and self.options.schedule in ("gpipe", "1f1b"):  # the orders it knows
             chunks = self.options.chunks
             times = [StageTime(p["forward_ms"] / chunks, p["backward_ms"] / chunks) for p in stages]
             order = actions(self.options.schedule, chunks, self.num_stages)
@@ -1265,7 +1274,10 @@ class DistributedEngine(Engine):
             return None
         position, replica = coordinate
         ranks, replicas = self._mesh.size(0), self._mesh.size(1)
-        peers = [str(q * replicas + replica) for q in (position - 1, position + 1) if 0 <= q < ranks]
+        where = placement(self.options.schedule, ranks, self.options.virtual_stages)
+        neighbours = {where[t] for s, p in enumerate(where) if p == position for t in (s - 1, s + 1)
+                      if 0 <= t < len(where)} - {position}
+        peers = [str(q * replicas + replica) for q in sorted(neighbours)]
         operation = re.search(r"for (\w+) operation", text)
         return (
             f"rank {self.global_rank} (pipeline rank {position} of {ranks}, replica {replica}) timed out after "

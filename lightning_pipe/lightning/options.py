@@ -13,7 +13,13 @@ from lightning_pipe.lightning.microlog import LossReduction
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
 from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.request import check_settings
-from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.plan.schedule import (
+    DISTRIBUTED_ONLY,
+    V_SHAPED,
+    Schedule,
+    check_microbatches,
+    stages_per_process,
+)
 from lightning_pipe.units import MemorySize, parse_bytes
 
 __all__ = ["DataParallel", "PipeOptions", "Runtime", "StateDictType", "check_balance_entries", "limits_per_stage"]
@@ -41,7 +47,7 @@ class PipeOptions:
     loss_reduction: LossReduction = "mean"
     runtime: Runtime = "local"
     stages: int | None = None
-    virtual_stages: int = 1
+    virtual_stages: int = 1  # stages per process, resolved (plan.schedule.stages_per_process)
     timeout: timedelta = timedelta(minutes=30)
     state_dict_type: StateDictType = "full"
     max_replans: int = 3
@@ -66,7 +72,7 @@ class PipeOptions:
         loss_reduction: LossReduction,
         runtime: Runtime,
         stages: int | None,
-        virtual_stages: int,
+        virtual_stages: int | None,
         timeout: timedelta | None,
         state_dict_type: StateDictType,
         max_replans: int,
@@ -105,8 +111,21 @@ class PipeOptions:
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
         _check_data_parallel(data_parallel, runtime, schedule)  # (before 2bw's own check: named for FSDP)
         _check_runtime(runtime, stages, schedule, timeout, virtual_stages)
+        virtual_stages = stages_per_process(schedule, virtual_stages)
+        if data_parallel == "fsdp" and virtual_stages > 1:
+            raise ValueError(
+                f"data_parallel='fsdp' shards one stage per process; schedule={schedule!r} holds {virtual_stages} "
+                f"stages per process, each its own FSDP root (a weight two of them read would be sharded apart). Use "
+                f"schedule='gpipe' or '1f1b' with virtual_stages=1, or data_parallel='ddp'."
+            )
+        if balance is not None and len(balance) % virtual_stages:
+            raise ValueError(
+                f"balance has {len(balance)} stages, which virtual_stages={virtual_stages} (stages per process) does "
+                f"not divide: give {virtual_stages} entries for each process."
+            )
         if runtime == "distributed" and stages is not None:  # else the processes are counted at the first batch
-            check_balance_entries(balance, stages, virtual_stages)
+            check_balance_entries(balance, stages, virtual_stages, schedule)
+            check_microbatches(schedule, chunks, stages, virtual_stages)
         _check_state_dict_type(runtime, state_dict_type)
         saved = _check_plan(plan, balance, schedule, chunks)
         return cls(
@@ -160,24 +179,26 @@ def limits_per_stage(limits: list[int] | None, stages: int, what: str) -> list[i
     return list(limits)
 
 
-def check_balance_entries(balance: list[int] | None, processes: int, virtual_stages: int) -> None:
+def check_balance_entries(balance: list[int] | None, processes: int, virtual_stages: int, schedule: Schedule) -> None:
     """A balance under ``runtime="distributed"`` needs one entry per stage: ``processes`` (a
-    pipeline's) times ``virtual_stages``.
+    pipeline's) times ``virtual_stages``, placed on the processes by ``schedule``
+    (:func:`~lightning_pipe.plan.schedule.placement`).
 
     Raises:
         ValueError: it has another number of entries.
     """
     stages = processes * virtual_stages
     if balance is not None and len(balance) != stages:
+        where = (f"stages r and {stages - 1} - r on process r" if schedule in V_SHAPED
+                 else f"stage s on process s % {processes}")
         raise ValueError(
             f"balance has {len(balance)} entries, but runtime='distributed' runs {stages} stages ({processes} "
-            f"processes x virtual_stages={virtual_stages}; stage s on process s % {processes}). Give one node "
-            f"count per stage, in order."
+            f"processes x virtual_stages={virtual_stages}; {where}). Give one node count per stage, in order."
         )
 
 
 def _check_runtime(
-    runtime: Runtime, stages: int | None, schedule: Schedule, timeout: timedelta | None, virtual_stages: int
+    runtime: Runtime, stages: int | None, schedule: Schedule, timeout: timedelta | None, virtual_stages: int | None
 ) -> None:
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime must be 'local' (one process) or 'distributed' (one per stage), got {runtime!r}.")
@@ -193,12 +214,26 @@ def _check_runtime(
             "schedule='2bw' runs only with runtime='local': torch.distributed.pipelining flushes the pipeline every "
             "step and has no two-version weights. Use schedule='1f1b' or 'gpipe' with runtime='distributed'."
         )
+    if runtime == "local" and schedule in DISTRIBUTED_ONLY:
+        raise ValueError(
+            f"schedule={schedule!r} runs only with runtime='distributed': it places several stages on each process, "
+            f"on torch.distributed.pipelining. Pass runtime='distributed', or use 'gpipe', '1f1b' or '2bw' locally."
+        )
+    if virtual_stages is None:
+        return
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"virtual_stages must be a positive int (stages per process), got {virtual_stages!r}.")
-    if virtual_stages > 1 and (runtime != "distributed" or schedule != "1f1b"):
+    if schedule in V_SHAPED and virtual_stages != 2:
         raise ValueError(
-            f"virtual_stages={virtual_stages} interleaves stages over processes, which Interleaved 1F1B needs: "
-            f"use runtime='distributed' and schedule='1f1b', or leave virtual_stages=1."
+            f"schedule={schedule!r} always holds 2 stages per process (a V: process r runs stages r and 2p - 1 - r), "
+            f"got virtual_stages={virtual_stages}: leave virtual_stages unset, or use schedule='interleaved-1f1b' or "
+            f"'interleaved-zb' for {virtual_stages} stages per process."
+        )
+    if virtual_stages > 1 and (runtime != "distributed" or schedule not in ("1f1b", *DISTRIBUTED_ONLY)):
+        raise ValueError(
+            f"virtual_stages={virtual_stages} puts several stages on each process, which only runtime='distributed' "
+            f"runs, under schedule='interleaved-1f1b' (or '1f1b', its alias then) or 'interleaved-zb': use those, "
+            f"or leave virtual_stages unset."
         )
 
 

@@ -21,6 +21,7 @@ from lightning_pipe.plan.schedule import (
     backward_states,
     gradient_waits,
     in_flight,
+    planned_order,
     weight_versions,
 )
 from lightning_pipe.plan.simulate import StageTime, simulate
@@ -234,7 +235,7 @@ def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list
             )
         )
         times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, send))
-    sim = simulate(times, actions(request.schedule, model.chunks, stages.count))
+    sim = simulate(times, actions(planned_order(request.schedule), model.chunks, stages.count))
     return Plan(
         partitioner=request.partitioner,
         schedule=request.schedule,
@@ -324,16 +325,16 @@ def _largest(profile: Profile, request: PlanRequest, at_least: int,
 def planning_stages(profile: Profile, request: PlanRequest) -> Stages:
     """What :func:`make_plan` hands its partitioner (:func:`~lightning_pipe.plan.partitioners.split`)."""
     r = request
-    count = len(r.capacities)
+    count, order = len(r.capacities), planned_order(r.schedule)
     return Stages(
-        CostModel(profile, r.link_bandwidth, schedule=r.schedule, chunks=r.chunks, carry=r.chunks if r.carry else 0,
+        CostModel(profile, r.link_bandwidth, schedule=order, chunks=r.chunks, carry=r.chunks if r.carry else 0,
                   replicas=r.replicas),
         list(r.capacities),
-        in_flight(r.schedule, r.chunks, count),
-        weight_versions(r.schedule), r.host_bandwidth, gradient_waits(r.schedule, r.chunks, count),
-        actions(r.schedule, r.chunks, count), optimise_memory=r.optimise_memory,
+        in_flight(order, r.chunks, count),
+        weight_versions(order), r.host_bandwidth, gradient_waits(order, r.chunks, count),
+        actions(order, r.chunks, count), optimise_memory=r.optimise_memory,
         # the distributed runtime sends a stage's input gradients back at once: none wait
-        backward_states=() if r.carry else backward_states(r.schedule, r.chunks, count),
+        backward_states=() if r.carry else backward_states(order, r.chunks, count),
     )
 
 

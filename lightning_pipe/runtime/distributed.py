@@ -1,14 +1,14 @@
-"""Distributed: one pipeline stage per process, on ``torch.distributed.pipelining``.
+"""Distributed: one pipeline stage (or a few) per process, on ``torch.distributed.pipelining``.
 
 The one adapter around ``torch.distributed.pipelining``: nothing else imports it. A rank builds
 the same :class:`~lightning_pipe.runtime.build.Program` as the one-process runtime and keeps
-only its own stage (recompute and swap segments included). ``PipelineStage`` and the
-schedules (``ScheduleGPipe``, ``Schedule1F1B``) only talk between adjacent stages and only
-send tensors, so what crosses a cut is flattened: every value a later stage reads (a U-Net
-skip, the encoder output every decoder stage reads, a forward argument the last stage reads)
-is carried through the stages in between, and non-tensor leaves (sizes, flags) are constants
-taken from one example micro-batch. Shapes are static, as ``pipelining`` requires: the cut
-metadata is given to ``PipelineStage`` so that it runs no shape-inference pass of its own.
+only its own stages (recompute and swap segments included). ``PipelineStage`` and the
+schedules (:data:`SCHEDULES`) only talk between adjacent stages and only send tensors, so
+what crosses a cut is flattened: every value a later stage reads (a U-Net skip, the encoder
+output every decoder stage reads, a forward argument the last stage reads) is carried through
+the stages in between, and non-tensor leaves (sizes, flags) are constants taken from one
+example micro-batch. Shapes are static, as ``pipelining`` requires: the cut metadata is given
+to ``PipelineStage`` so that it runs no shape-inference pass of its own.
 
 Forward-only runs (validation, test, predict) take any batch size: they send each cut's
 values as objects, micro-batch by micro-batch.
@@ -23,13 +23,22 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import InitVar, dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.fx.node import map_aggregate
 
 from lightning_pipe.graph.capture import get_attr
@@ -40,17 +49,17 @@ from lightning_pipe.internals import (
     TreeSpec,
     fake_process_group,
     skip_backward,
+    skip_weight_backward,
     tree_flatten,
     tree_map,
     tree_unflatten,
 )
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
-from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSchedule
+from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSchedule, placement, process_stages
 from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.fsdp import (
     MixedPrecisionPolicy,
-    check_one_unit_each,
     fsdp_roots,
     full_value,
     is_shard,
@@ -66,6 +75,22 @@ __all__ = [
 
 #: What a step that ran out of memory raises: the meter's limit, or the device's.
 OUT_OF_MEMORY = (StageOutOfMemoryError, torch.OutOfMemoryError)
+
+#: ``torch.distributed.pipelining``'s schedule for each of ours: one stage per process, or
+#: several (``"1f1b"`` with several is Interleaved 1F1B). The zero-bubble and V-shape ones split
+#: each backward into the input gradients' and, later, the weights' (``stage_backward_input``,
+#: ``stage_backward_weight``).
+SCHEDULES: dict[tuple[DistributedSchedule, bool], type] = {
+    ("gpipe", False): ScheduleGPipe,
+    ("1f1b", False): Schedule1F1B,
+    ("1f1b", True): ScheduleInterleaved1F1B,
+    ("interleaved-1f1b", True): ScheduleInterleaved1F1B,
+    ("interleaved-1f1b", False): ScheduleInterleaved1F1B,
+    ("interleaved-zb", True): ScheduleInterleavedZeroBubble,
+    ("interleaved-zb", False): ScheduleInterleavedZeroBubble,
+    ("zbv", True): ScheduleZBVZeroBubble,
+    ("dualpipev", True): ScheduleDualPipeV,
+}
 
 
 
@@ -223,6 +248,13 @@ class StageModule(StageRunner):
                 self.held_attributes.register_parameter(self.attribute_names[qualname], value)
         self.attribute_source = [self]
 
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Every parameter the stage reads, by attribute too (a graph torch.export captured reads
+        them so): the zero-bubble schedules make the weights' gradients for these alone."""
+        for tensor in self.tensors():
+            if isinstance(tensor, nn.Parameter):
+                yield tensor
+
     def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
         if self.failure.error is None:
             try:
@@ -240,6 +272,11 @@ class StageModule(StageRunner):
         with self.step_context(), self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
             # (gloo sends only contiguous tensors: a transposed view leaving the stage is copied)
             outputs = tuple(t.contiguous() for t in self.outputs.flatten(self.run(self.inputs.unflatten(tensors))))
+        # the zero-bubble schedules detach a stage's outputs in place once their input gradients
+        # are made, and the weights' gradients come later: an output an operator saved for its
+        # backward (a ReLU's, a cut after it) leaves as an alias, which may be detached, and one
+        # without gradient as a detached tensor (no view: an expanded mask cannot be detached)
+        outputs = tuple(_Alias.apply(t) if t.requires_grad else t.detach() for t in outputs)  # type: ignore[no-untyped-call]
         if self.meter is not None:
             self.meter.tag_backward(outputs, 0)  # the backward's allocations are this stage's
         return outputs
@@ -254,7 +291,9 @@ class _Alias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad
+        # (a received input's gradient is sent back, and gloo sends only contiguous tensors: the
+        # zero-bubble schedules send what autograd.grad made, which may be an expanded view)
+        return grad.contiguous()
 
 
 @dataclass(eq=False)
@@ -262,7 +301,7 @@ class PipelineRank:
     """One rank's stages in one pipeline replica: training steps on a ``pipelining`` schedule,
     forward-only runs over object point-to-point, and the gradient reductions across ranks.
     ``modules``: the rank's stages, in order; ``indices``: their places among all
-    ``num_stages`` (a loop over the ranks: several run Interleaved 1F1B)."""
+    ``num_stages`` (placed on the ranks by ``schedule``, :func:`~lightning_pipe.plan.schedule.placement`)."""
 
     modules: list[StageModule]
     indices: list[int]
@@ -286,11 +325,12 @@ class PipelineRank:
             )
             for module, index in zip(self.modules, self.indices)
         ]
-        if len(stages) > 1:  # only 1F1B interleaves (checked where a schedule is chosen)
-            self._schedule: Any = ScheduleInterleaved1F1B(stages, self.chunks, loss_fn=self._loss, scale_grads=False)
+        kind = SCHEDULES[schedule, len(stages) > 1]  # (the options allow only these)
+        if kind in (ScheduleGPipe, Schedule1F1B):
+            self._schedule: Any = kind(stages[0], self.chunks, loss_fn=self._loss, scale_grads=False)
         else:
-            kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-            self._schedule = kind(stages[0], self.chunks, loss_fn=self._loss, scale_grads=False)
+            self._schedule = kind(stages, self.chunks, loss_fn=self._loss, scale_grads=False)
+        self._placement = placement(schedule, self.ranks, len(stages))
 
     @property
     def is_first(self) -> bool:
@@ -328,20 +368,23 @@ class PipelineRank:
         program of the model), one micro-batch at a time through every stage, any shapes: the
         first stage's rank passes them (by name); the last stage's rank returns the merged
         output, the others ``None``."""
-        outputs = []
+        outputs, rank = [], dist.get_rank(self.group)
         for i in range(count):
-            for runner, index in zip(runners, self.indices):
+            result: Any = None  # the previous stage's, when this rank runs it too (a V's turn)
+            for runner, index, module in zip(runners, self.indices, self.modules):
                 if index == 0:
                     assert microbatches is not None, "stage 0 needs the forward's arguments"
                     received = microbatches[i]
+                elif self._placement[index - 1] == rank:
+                    received = result
                 else:
-                    received = self._recv((index - 1) % self.ranks)
-                with torch.no_grad(), _gathered(self.modules[self.indices.index(index)]):
+                    received = self._recv(self._placement[index - 1])
+                with torch.no_grad(), _gathered(module):
                     result = runner.run(received)
                 if runner.is_last:
                     outputs.append(result)
-                else:
-                    self._send(result, (index + 1) % self.ranks)
+                elif self._placement[index + 1] != rank:
+                    self._send(result, self._placement[index + 1])
         return gather(outputs, self.device) if outputs else None
 
     def _send(self, value: Any, rank: int) -> None:
@@ -368,22 +411,32 @@ def _gathered(module: nn.Module) -> Iterator[None]:
 
 
 class _TimedStage(PipelineStage):
-    """Times each micro-batch's backward on the stage module's clock; after this rank ran out
-    of memory in the step (:class:`StageFailure`), skips it, sending zero gradients."""
+    """Times each micro-batch's backward (both halves of a split one: zero-bubble, V-shape) on
+    the stage module's clock; after this rank ran out of memory in the step
+    (:class:`StageFailure`), skips it, sending zero gradients."""
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        inputs = len(cast(StageModule, self.submod).inputs.examples(False))
+        self._timed(partial(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs),
+                    partial(skip_backward, self, bwd_chunk_id, inputs))
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        self._timed(partial(super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs),
+                    partial(skip_weight_backward, self, bwd_chunk_id))
+
+    def _timed(self, run: Callable[[], None], skip: Callable[[], None]) -> None:
         module = cast(StageModule, self.submod)
         if module.failure.error is None:
             try:
                 with module.clock.backward(0, self.device) if module.clock else nullcontext():
-                    super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+                    run()
                 return
             except RuntimeError as error:  # (pipelining raises its own, from the backward's)
                 cause = error if isinstance(error, OUT_OF_MEMORY) else error.__cause__
                 if not isinstance(cause, OUT_OF_MEMORY):
                     raise
                 module.failure.fail(cause)
-        skip_backward(self, bwd_chunk_id, len(module.inputs.examples(False)))
+        skip()
 
 
 class _SilentStage(NoWarmupVotes, _TimedStage):
@@ -420,8 +473,8 @@ def _indices(chunks: int) -> Tensor:
 class DistributedPipeline:
     """This process's part of a pipeline of ``ranks`` processes times ``replicas``
     data-parallel copies, on a ``("pp", "dp")`` device mesh (pipeline outermost: global rank
-    = ``position * replicas + replica``). A program of more stages than ranks loops over them:
-    stage ``s`` runs on the rank at position ``s % ranks`` (Interleaved 1F1B).
+    = ``position * replicas + replica``). A program of more stages than ranks is placed on them
+    as ``schedule`` places it (:func:`~lightning_pipe.plan.schedule.placement`: a loop, or a V).
 
     Every rank builds the same program from the same plan and keeps only the tensors its
     stages read; the rest become empty. Global rank 0's values are the model's: it sends
@@ -477,20 +530,19 @@ class DistributedPipeline:
             raise ValueError(f"{self.num_stages} stages do not loop evenly over {self.ranks} pipeline ranks.")
         self.mesh = mesh
         modules = [StageModule(program, s, root, boundaries) for s in range(self.num_stages)]
-        if fsdp is not None and not fake:  # on every rank, before any collective
-            names = {id(t): name for name, t in root.named_parameters()}
-            check_one_unit_each([[m.tensors() for m in modules[p :: self.ranks]] for p in range(self.ranks)], names)
         self.failure = StageFailure()  # this rank's stages' training step ran out of memory
         for module in modules:
             module.failure = self.failure
         self.shapes = {id(t): (shapes or {}).get(id(t), t.shape) for t in _unique(root)}
-        self.stages = list(range(self.position, self.num_stages, self.ranks))  # stage s runs on rank s % ranks
+        self.placement = placement(schedule, self.ranks, self.num_stages // self.ranks)  # each stage's rank
+        by_rank = process_stages(schedule, self.ranks, self.num_stages // self.ranks)
+        self.stages = by_rank[self.position]
         self.modules = [modules[s] for s in self.stages]
         self.names = dict(root.state_dict(keep_vars=True))  # name -> tensor, tied ones under each name
         self.owner = {id(t): stage.index for stage in reversed(program.stages) for t in stage.owned}
         by_stage = [{id(t) for t in m.tensors()} | {k for k, s in self.owner.items() if s == m.stage.index}
                     for m in modules]
-        held = [set().union(*by_stage[p :: self.ranks]) for p in range(self.ranks)]
+        held = [set().union(*(by_stage[s] for s in stages)) for stages in by_rank]
         self.held = [t for t in _unique(root) if id(t) in held[self.position]]
         self.held_by_rank = held
         meta_built = has_meta(root)
@@ -710,7 +762,7 @@ class DistributedPipeline:
     def _owns(self, tensor: Tensor) -> bool:
         """Whether one of this rank's stages owns ``tensor`` (the first stage reading it; a
         tensor no stage reads belongs to the first)."""
-        return self.owner.get(id(tensor), 0) % self.ranks == self.position
+        return self.placement[self.owner.get(id(tensor), 0)] == self.position
 
     def held_state(self) -> dict[str, Tensor]:
         """The tensors this rank holds, by every name of the plain module's ``state_dict``."""

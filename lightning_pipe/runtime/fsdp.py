@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from lightning_pipe.internals import parameter_table
 
 __all__ = [
-    "MixedPrecisionPolicy", "Sharding", "check_one_unit_each", "check_shardable", "fsdp_roots", "full_value",
+    "MixedPrecisionPolicy", "Sharding", "check_shardable", "fsdp_roots", "full_value",
     "is_shard", "mixed_precision", "reshard_value", "shard_optimizer", "shard_stages", "sharding",
 ]
 
@@ -76,25 +76,6 @@ def _block(name: str) -> str | None:
     parts = name.split(".")
     index = next((k for k, part in enumerate(parts) if part.isdigit()), None)
     return None if index is None else ".".join(parts[: index + 1])
-
-
-def check_one_unit_each(ranks: Sequence[Sequence[Iterable[Tensor]]], names: Mapping[int, str]) -> None:
-    """Raise where two stages of one rank (``ranks[p]``: each stage's tensors on pipeline rank
-    ``p``) read one parameter: each stage is its own FSDP root, and would shard it apart.
-
-    Raises:
-        ValueError: naming the parameter and the fix.
-    """
-    for position, stages in enumerate(ranks):
-        seen: dict[int, int] = {}
-        for k, tensors in enumerate(stages):
-            for t in tensors:
-                if isinstance(t, nn.Parameter) and seen.setdefault(id(t), k) != k:
-                    raise ValueError(
-                        f"Parameter {names.get(id(t), '?')!r} is read by two stages of pipeline rank {position} "
-                        f"(virtual stages), which data_parallel='fsdp' would shard as two parameters. Use "
-                        f"virtual_stages=1, or data_parallel='ddp'."
-                    )
 
 
 def check_shardable(root: nn.Module) -> None:
