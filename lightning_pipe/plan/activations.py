@@ -26,7 +26,7 @@ from lightning_pipe.plan.recompute import recomputed_regions, recomputing, regio
 __all__ = ["LiveBytes", "backward_gradients", "kept_live_bytes", "live_bytes"]
 
 
-@dataclass
+@dataclass(slots=True)
 class LiveBytes:
     """One micro-batch on a stage: its stash, the values still to be read after its forward,
     and the most bytes alive in its forward and in its backward (each as stash, other)."""
