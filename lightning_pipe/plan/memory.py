@@ -721,10 +721,9 @@ _BATCH_POSITIONS = 1 << 14
 def _highest(peaks: Sequence[StagePeak]) -> StagePeak:
     """The first of ``peaks`` with the largest total (``max`` by total, without a key function:
     a search composes thousands of peaks)."""
-    highest = peaks[0]
-    most = highest.static + highest.activations + highest.transient + highest.boundary
-    for peak in peaks[1:]:  # (each total summed here: the property's call costs as much as the sum)
-        if (total := peak.static + peak.activations + peak.transient + peak.boundary) > most:
+    highest, most = peaks[0], peaks[0].total
+    for peak in peaks[1:]:
+        if (total := peak.total) > most:
             highest, most = peak, total
     return highest
 
