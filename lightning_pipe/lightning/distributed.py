@@ -91,7 +91,7 @@ from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.headroom import checked, flat
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.schedule import actions, check_microbatches, placement, process_stages
+from lightning_pipe.plan.schedule import actions, check_schedule, placement, process_stages
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.distributed import (
@@ -324,7 +324,7 @@ class DistributedEngine(Engine):
         stages = self.num_stages * self.options.virtual_stages  # a process's stages share its memory
         o = self.options  # on every rank, before any collective:
         check_balance_entries(o.balance, self.num_stages, o.virtual_stages, o.schedule)
-        check_microbatches(o.schedule, o.chunks, self.num_stages, o.virtual_stages)
+        check_schedule(o.schedule, o.chunks, self.num_stages * o.virtual_stages, o.virtual_stages, distributed=True)
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
         saved = self.options.plan
