@@ -139,6 +139,16 @@ class Plan:
         """The process (device) running ``stage``."""
         return self.placement[stage] if self.placement else stage
 
+    def process_peaks(self) -> list[int]:
+        """Each process's predicted peak (bytes): :attr:`device_peaks`, or where the plan has none
+        (made by hand, or saved without them) its stages' peaks added, which is at least it."""
+        if self.device_peaks:
+            return list(self.device_peaks)
+        peaks = [0] * (1 + max(map(self.process, range(len(self.stages))), default=-1))
+        for s, stage in enumerate(self.stages):
+            peaks[self.process(s)] += stage.peak.total
+        return peaks
+
     @property
     def time_ms(self) -> float:
         """The slowest stage's time per micro-batch."""

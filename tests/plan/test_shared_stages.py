@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from lightning_pipe.plan.headroom import checked
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, fitting_plan, largest_plan, make_plan
 from lightning_pipe.plan.profile import NodeProfile, Profile
 from lightning_pipe.plan.request import PlanRequest
@@ -40,6 +41,34 @@ def test_a_process_peaks_below_the_sum_of_its_stages_peaks(schedule):
     for d, peak in enumerate(plan.device_peaks):
         own = [s.peak.total for k, s in enumerate(plan.stages) if plan.process(k) == d]
         assert max(own) < peak < sum(own)
+
+
+def test_a_plan_without_process_peaks_adds_its_stages_peaks():
+    """A plan made by hand or saved without ``device_peaks``: each process's stages' peaks added,
+    at least what its action order predicts."""
+    plan = _plan("zbv")
+    added = replace(plan, device_peaks=[]).process_peaks()
+    assert added == [sum(s.peak.total for k, s in enumerate(plan.stages) if plan.process(k) == d) for d in range(4)]
+    assert plan.process_peaks() == plan.device_peaks and all(a > p for a, p in zip(added, plan.device_peaks))
+
+
+def test_a_check_over_a_process_plans_that_process_lower():
+    """headroom.checked with one target per process: a process whose fake step went over is
+    planned below its limit by its error, the others at theirs."""
+    request = replace(UNCAPPED, capacities=[400_000] * 4, schedule="zbv")
+    targets, checks = [], []
+
+    def plan_for(capacities):
+        targets.append(capacities)
+        return make_plan(uniform(), replace(request, capacities=capacities))
+
+    def check(plan):
+        checks.append(plan.process_peaks())
+        return [int(p * (1.2 if d == 0 and len(checks) == 1 else 1.0)) for d, p in enumerate(plan.process_peaks())]
+
+    plan = checked(plan_for, request.capacities, check, always=True)
+    assert len(checks) == 2 and targets[1][1:] == [400_000] * 3 and targets[1][0] < 400_000
+    assert all(p <= 400_000 for p in plan.device_peaks)
 
 
 def _stash(plan):
