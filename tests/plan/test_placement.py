@@ -36,6 +36,9 @@ def test_stages_per_process_default_to_two_for_the_interleaved_and_are_two_for_a
                                       r"use chunks=4, any multiple of 2, or fewer than 4"),
         ("interleaved-zb", 9, 4, 2, r"rounds of chunks // processes = 2, which must divide chunks=9"),
         ("1f1b", 14, 4, 2, r"schedule='1f1b' runs micro-batches in rounds"),  # interleaved
+        ("zbv", 8, 4, 3, r"schedule='zbv' holds exactly 2 stages per process"),
+        ("gpipe", 8, 4, 2, r"schedule='gpipe' runs one stage per process, got virtual_stages=2"),
+        ("interleaved-1f1b", 8, 2, 0, r"virtual_stages must be >= 1"),
     ],
 )
 def test_too_few_or_uneven_micro_batches_are_named_with_the_fix(schedule, chunks, processes, virtual, message):
@@ -54,3 +57,8 @@ def test_micro_batch_counts_torch_runs_pass(schedule, chunks, processes, virtual
 
 def test_the_local_runtimes_1f1b_takes_fewer_micro_batches_than_stages():
     check_schedule("1f1b", 3, 4, 1)
+
+
+def test_virtual_stages_that_do_not_divide_the_stages_are_named():
+    with pytest.raises(ValueError, match="virtual_stages=4 does not divide the 6 stages"):
+        check_schedule("interleaved-1f1b", 8, 6, 4)
