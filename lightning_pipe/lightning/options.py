@@ -127,7 +127,9 @@ class PipeOptions:
             check_balance_entries(balance, stages, virtual_stages, schedule)
             check_schedule(schedule, chunks, stages * virtual_stages, virtual_stages, distributed=True)
         _check_state_dict_type(runtime, state_dict_type)
-        saved = _check_plan(plan, balance, schedule, chunks)
+        # (a plan names "1f1b" with several stages per process by what it is: "interleaved-1f1b")
+        planned = "interleaved-1f1b" if schedule == "1f1b" and virtual_stages > 1 else schedule
+        saved = _check_plan(plan, balance, planned, chunks)
         return cls(
             chunks=chunks, schedule=schedule, balance=balance, leaf_modules=list(leaf_modules or []), planner=planner,
             memory_limit=parse_limits(memory_limit), host_bandwidth=host_bandwidth, link_bandwidth=link_bandwidth,
