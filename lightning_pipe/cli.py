@@ -37,10 +37,10 @@ from lightning_pipe.plan import report
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec, parse_devices
 from lightning_pipe.plan.headroom import Check, checked_largest_plan
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
-from lightning_pipe.plan.plan import InfeasiblePlanError, Plan
+from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.profile import Profile
-from lightning_pipe.plan.request import PlanRequest, check_settings
-from lightning_pipe.plan.schedule import DISTRIBUTED_ONLY, SCHEDULES, Schedule
+from lightning_pipe.plan.request import PlanRequest, PlanSchedule, check_settings
+from lightning_pipe.plan.schedule import MULTI_STAGE, SCHEDULES, Schedule
 from lightning_pipe.plan.search import CHUNKS_PER_STAGE, SEARCHED_SCHEDULES, Cluster, Configuration, candidates, search
 from lightning_pipe.progress import progress_bar, tracker
 from lightning_pipe.runtime.build import Policy
@@ -134,7 +134,7 @@ class _Setup:
     inputs: tuple[tuple[Any, ...], dict[str, Any]]
     limits: list[int]
     chunks: int
-    schedule: Schedule
+    schedule: PlanSchedule
     host_bandwidth: float | None
     leaf_modules: list[str]
     precision: Precision
@@ -177,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                                         "Default with --config: trainer.devices x the strategy's memory_limit")
     plan.add_argument("--memory-limit", help="with a named GPU, each stage's memory limit instead of the GPU's memory")
     plan.add_argument("--chunks", type=int, help=f"micro-batches per batch (default {_CHUNKS})")
-    plan.add_argument("--schedule", choices=[s for s in SCHEDULES if s not in DISTRIBUTED_ONLY],
-                      help=f"pipeline schedule, one stage per device (default {_SCHEDULE})")
+    plan.add_argument("--schedule", choices=(*SCHEDULES, "auto"),
+                      help=f"pipeline schedule (default {_SCHEDULE}); auto: the planner picks the fastest for "
+                           f"runtime='distributed' and lists the others")
     plan.add_argument("--precision", choices=PRECISIONS, help="the Trainer's precision the plan is for: activations, "
                                                               "parameters and optimizer state in its dtypes (default "
                                                               "with --config: trainer.precision, else 32-true)")
@@ -290,8 +291,9 @@ def _check_search(args: argparse.Namespace, setup: _Setup) -> None:
         raise ValueError(f"--search regroups the GPUs into pipelines of any depth, so they must be alike: --devices "
                          f"gives stages of {_sizes(setup.limits)}. Give COUNTxGPU or COUNTxSIZE, e.g. 32xA100-80GB.")
     if args.schedule is not None and args.schedule not in SEARCHED_SCHEDULES:
-        why = ("runs only with runtime='local', one process without data-parallel replicas" if args.schedule == "2bw"
-               else "holds several stages per process, which --search does not lay out")
+        why = {"2bw": "runs only with runtime='local', one process without data-parallel replicas",
+               "auto": "weighs schedules holding several stages per process, which --search does not lay out"}.get(
+            args.schedule, "holds several stages per process, which --search does not lay out")
         raise ValueError(f"--schedule {args.schedule} {why}; with --search give one of "
                          f"{', '.join(SEARCHED_SCHEDULES)}, or leave --schedule out to search them.")
     if args.batch:
@@ -397,7 +399,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     for name, rate in (("host_bandwidth", host_bandwidth), ("link_bandwidth", link_bandwidth)):
         if rate is not None and not isinstance(rate, (int, float)):
             raise ValueError(f"{name} must be a positive number of bytes per second, got {rate!r}.")
-    check_settings(chunks, schedule, host_bandwidth, link_bandwidth)
+    check_settings(chunks, schedule, host_bandwidth, link_bandwidth, (*SCHEDULES, "auto"))
     return _Setup(path, model, precision.convert(_inputs(args.input, model, path)), limits, chunks, schedule,
                   host_bandwidth, list(settings.get("leaf_modules") or []), precision, device, link_bandwidth,
                   config=config)
@@ -671,9 +673,12 @@ def _config_limits(path: str, devices: Any, limit: Any) -> list[int]:
 def _plan(profile: Profile, name: Partitioner, setup: _Setup, check: Check) -> Plan | InfeasiblePlanError:
     """The partitioner's plan at its largest micro-batch, checked as the strategy checks its
     plan, or why not even one sample fits."""
-    request = PlanRequest(setup.limits, name, setup.schedule, setup.chunks, setup.host_bandwidth, setup.link_bandwidth)
+    processes = setup.schedule == "auto" or setup.schedule in MULTI_STAGE  # only runtime='distributed' runs them
+    request = PlanRequest(setup.limits, name, setup.schedule, setup.chunks, setup.host_bandwidth, setup.link_bandwidth,
+                          carry=processes)
     try:
-        return checked_largest_plan(profile, request, check)
+        # at the input's micro-batch and unchecked: the one-process fake step runs no multi-stage schedule
+        return make_plan(profile, request) if processes else checked_largest_plan(profile, request, check)
     except InfeasiblePlanError as err:
         return err
 

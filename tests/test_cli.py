@@ -496,3 +496,14 @@ def test_lightning_pipe_plan_search_where_nothing_fits_says_so_and_exits_1(capsy
     assert "no configuration fits: add GPUs or memory, or give a smaller global batch." in capsys.readouterr().out
     saved = json.loads((tmp_path / "search.json").read_text())
     assert saved["configurations"] == [] and saved["infeasible"] == saved["planned"] > 0
+
+
+def test_lightning_pipe_plan_schedule_auto_prints_its_pick_and_the_runners_up(capsys):
+    from lightning_pipe.cli import main
+
+    assert main(["plan", "--model", "examples.models.UNet", "--input", "image=float32[8,3,32,32]", "--chunks", "4",
+                 "--devices", "2xA100-40GB", "--schedule", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert out.count('schedule="auto" weighed (fastest simulated step that fits, first):') == 5  # per partitioner
+    assert all(f"  {name} x" in out for name in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv",
+                                                 "dualpipev"))

@@ -91,7 +91,7 @@ from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.headroom import checked, flat
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.schedule import actions, check_microbatches, placement, process_stages
+from lightning_pipe.plan.schedule import actions, check_schedule, placement, process_stages
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.distributed import (
@@ -324,7 +324,7 @@ class DistributedEngine(Engine):
         stages = self.num_stages * self.options.virtual_stages  # a process's stages share its memory
         o = self.options  # on every rank, before any collective:
         check_balance_entries(o.balance, self.num_stages, o.virtual_stages, o.schedule)
-        check_microbatches(o.schedule, o.chunks, self.num_stages, o.virtual_stages)
+        check_schedule(o.schedule, o.chunks, self.num_stages * o.virtual_stages, o.virtual_stages, distributed=True)
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
         saved = self.options.plan
@@ -450,11 +450,11 @@ class DistributedEngine(Engine):
         assert coordinate is not None, "this rank is in the mesh"
         return coordinate[0]
 
-    def _stage_capacities(self) -> list[int]:
-        """Each stage's memory limit: ``memory_limit``, else the least memory any replica of
-        the stage's process has (``device_memory``; the host's RAM shared by the processes on
-        it), shared by the process's stages; less where a rank's meter enforces less (memory
-        another job took, :meth:`_build`). On every rank: a collective."""
+    def _process_capacities(self) -> list[int]:
+        """Each pipeline process's memory limit, which its stages share: ``memory_limit`` (its
+        stages' added), else the least memory any replica of the process has (``device_memory``;
+        the host's RAM shared by the processes on it); less where a rank's meter enforces less
+        (memory another job took, :meth:`_build`). On every rank: a collective."""
         limits = self._limits(self.options.memory_limit)
         device = self.root_device
         memory = device_memory(device) // (1 if device.type == "cuda" else max(1, self.num_processes))
@@ -462,17 +462,12 @@ class DistributedEngine(Engine):
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, (memory, enforced))
         replicas = self.world_size // self.num_stages
-        ranks = [every[p * replicas : (p + 1) * replicas] for p in range(self.num_stages)]
-        if limits is None:
-            process = [min(m for m, _ in rank) for rank in ranks]
-            limits = [process[p] // self.options.virtual_stages for p in self._placement]
-        for p, rank in enumerate(ranks):
-            least = min((e for _, e in rank if e is not None), default=None)
-            total = sum(limits[s] for s in self._stages_of(p))
-            if least is not None and least < total:  # shared by the rank's stages as the limits share it
-                for s in self._stages_of(p):
-                    limits[s] = limits[s] * least // total
-        return limits
+        capacities = []
+        for p in range(self.num_stages):
+            rank = every[p * replicas : (p + 1) * replicas]
+            given = min(m for m, _ in rank) if limits is None else sum(limits[s] for s in self._stages_of(p))
+            capacities.append(min([given, *(e for _, e in rank if e is not None)]))
+        return capacities
 
     def _plan(
         self, captured: Captured, batch: Any, batch_idx: int, arguments: Inputs
@@ -481,9 +476,9 @@ class DistributedEngine(Engine):
         fake training step of its own stages (:func:`~lightning_pipe.lightning.check.fake_rank_peak`),
         and rank 0 plans again below the limits where a rank went over
         (:func:`~lightning_pipe.plan.headroom.checked`). The plan on rank 0, ``None`` elsewhere."""
-        capacities = self._stage_capacities()
+        capacities = self._process_capacities()
         if self._corrections is not None:  # below what training showed each rank takes beyond its check
-            capacities = [int(c / self._corrections.factors[p]) for p, c in zip(self._placement, capacities)]
+            capacities = [int(c / f) for c, f in zip(capacities, self._corrections.factors)]
         self._silent = self._silent or silent_mesh(self.num_stages, self.world_size // self.num_stages)
         shapes = self.pipe.shapes if self.pipe is not None and self.pipe.released else None
         check = partial(self._check_rank, captured, batch, batch_idx, arguments, shapes)
@@ -524,11 +519,11 @@ class DistributedEngine(Engine):
         def checked_on_every_rank(plan: Plan) -> list[int]:
             # with the workspaces of the operators rank 0 ran for real: the fake steps charge them
             dist.broadcast_object_list([("check", plan, observed_workspaces())], src=0)
-            return self._stage_peaks(plan, self._gather_checks(check(plan)))
+            return self._rank_peaks(plan, self._gather_checks(check(plan)))
 
         # a check is one fake step on each rank at once: every plan is checked
         request = PlanRequest(capacities, o.planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth,
-                              carry=True, replicas=self.world_size // self.num_stages)
+                              carry=True, replicas=self.world_size // self.num_stages, virtual_stages=o.virtual_stages)
         return checked(lambda targets: make_plan(profile, replace(request, capacities=targets)),
                        capacities, checked_on_every_rank, always=True)
 
@@ -581,10 +576,9 @@ class DistributedEngine(Engine):
         dist.all_gather_object(every, mine)
         return every
 
-    def _stage_peaks(self, plan: Plan, checks: list[int | str]) -> list[int]:
-        """Each stage's share of its process's checked peak, by the stages' predicted peaks
-        (the largest of its replicas'); where a rank could not check, the flat
-        headroom (:func:`~lightning_pipe.plan.headroom.flat`), said once."""
+    def _rank_peaks(self, plan: Plan, checks: list[int | str]) -> list[int]:
+        """Each pipeline process's checked peak (the largest of its replicas'); where a rank
+        could not check, the flat headroom (:func:`~lightning_pipe.plan.headroom.flat`), said once."""
         why = next((c for c in checks if isinstance(c, str)), None)
         replicas = self.world_size // self.num_stages
         self._checked_peaks = None if why else [
@@ -595,13 +589,8 @@ class DistributedEngine(Engine):
                 self._warned_unchecked = True
                 rank_zero_warn(unchecked_warning(why))
             return flat(plan)
-        predicted, rank_peaks = [s.peak.total for s in plan.stages], self._checked_peaks
-        assert rank_peaks is not None
-        peaks = []
-        for stage, position in zip(predicted, self._placement):
-            mine = [predicted[t] for t in self._stages_of(position)]
-            peaks.append(round(rank_peaks[position] * stage / max(1, sum(mine))))
-        return peaks
+        assert self._checked_peaks is not None
+        return list(self._checked_peaks)
 
     def set_memory_limit(self, limits: list[int] | None) -> None:
         """Enforce ``limits`` on this rank from now on and, with a planner, plan for them at
@@ -690,12 +679,12 @@ class DistributedEngine(Engine):
         return agreed or super().failure_of(error)
 
     def _rank_checked(self) -> list[int]:
-        """What the plan's check said each pipeline rank peaks at (its stages' predictions
-        where the step could not be checked)."""
+        """What the plan's check said each pipeline rank peaks at (its prediction where the step
+        could not be checked)."""
         assert self.plan is not None
         if self._checked_peaks is not None:
             return list(self._checked_peaks)
-        return [sum(self.plan.stages[s].peak.total for s in self._stages_of(p)) for p in range(self.num_stages)]
+        return self.plan.process_peaks()
 
     def recover(self, failure: Failure) -> None:
         """Plan again below the memory the failed step showed its rank takes, and rebuild; on
@@ -714,8 +703,7 @@ class DistributedEngine(Engine):
             return
         corrections = self._corrections_so_far()
         p, peak, checked_peaks = self._position(), meter.stages[0].peak, self._rank_checked()
-        predicted = sum(plan.stages[s].peak.total for s in self._stages_of(p))
-        target = sum(plan.targets[s] for s in self._stages_of(p))
+        predicted, target = plan.process_peaks()[p], plan.targets[p]
         mine = peak > (1 + DRIFT) * predicted and peak > target and peak > corrections.factors[p] * checked_peaks[p]
         drifting = torch.tensor([1.0 if mine else 0.0], device=self.root_device)
         dist.all_reduce(drifting, op=dist.ReduceOp.MAX)
@@ -1108,17 +1096,26 @@ class DistributedEngine(Engine):
             for key in ("forward_ms", "backward_ms", "peak_bytes", "activation_bytes", "cuda_peak_bytes"):
                 if key in part:
                     metrics[f"pipe/stage{s}/{key}"] = part[key]
-            if self.plan is not None:  # the rank's stages' peaks added: they need not coincide
-                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = sum(self.plan.stages[t].peak.total
-                                                                    for t in self._stages_of(s))
+            if self.plan is not None:  # the process's, over its stages' action order
+                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = self.plan.process_peaks()[s]
             if self._checked_peaks is not None:  # the fake step of the plan, on that rank
                 metrics[f"pipe/stage{s}/checked_peak_bytes"] = self._checked_peaks[s]
-        if self.options.virtual_stages == 1 and self.options.schedule in ("gpipe", "1f1b"):  # the orders it knows
-            chunks = self.options.chunks
-            times = [StageTime(p["forward_ms"] / chunks, p["backward_ms"] / chunks) for p in stages]
-            order = actions(self.options.schedule, chunks, self.num_stages)
-            metrics["pipe/bubble_fraction"] = simulate(times, order).bubble
+        metrics["pipe/bubble_fraction"] = self._bubble([(p["forward_ms"], p["backward_ms"]) for p in stages])
         log_step_metrics(trainer, metrics)
+
+    def _bubble(self, ranks: list[tuple[float, float]]) -> float:
+        """The step's bubble fraction, simulated on the schedule's action order from each rank's
+        measured forward and backward time (ms, all its micro-batches), dealt to its stages as
+        the plan's times share them (evenly without a plan)."""
+        o, stages = self.options, self.num_stages * self.options.virtual_stages
+        share = [1.0] * stages
+        if self.plan is not None and len(self.plan.stages) == stages:
+            share = [max(r.forward_ms + r.backward_ms, 1e-9) for r in self.plan.stages]
+        times = []
+        for s, p in enumerate(self._placement):
+            part = share[s] / sum(share[t] for t in self._stages_of(p)) / o.chunks
+            times.append(StageTime(ranks[p][0] * part, ranks[p][1] * part))
+        return simulate(times, actions(o.schedule, o.chunks, stages, o.virtual_stages)).bubble
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         assert self.pipe is not None

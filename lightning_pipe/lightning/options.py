@@ -14,10 +14,10 @@ from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
 from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.request import check_settings
 from lightning_pipe.plan.schedule import (
-    DISTRIBUTED_ONLY,
+    MULTI_STAGE,
     V_SHAPED,
     Schedule,
-    check_microbatches,
+    check_schedule,
     stages_per_process,
 )
 from lightning_pipe.units import MemorySize, parse_bytes
@@ -125,9 +125,11 @@ class PipeOptions:
             )
         if runtime == "distributed" and stages is not None:  # else the processes are counted at the first batch
             check_balance_entries(balance, stages, virtual_stages, schedule)
-            check_microbatches(schedule, chunks, stages, virtual_stages)
+            check_schedule(schedule, chunks, stages * virtual_stages, virtual_stages, distributed=True)
         _check_state_dict_type(runtime, state_dict_type)
-        saved = _check_plan(plan, balance, schedule, chunks)
+        # (a plan names "1f1b" with several stages per process by what it is: "interleaved-1f1b")
+        planned = "interleaved-1f1b" if schedule == "1f1b" and virtual_stages > 1 else schedule
+        saved = _check_plan(plan, balance, planned, chunks)
         return cls(
             chunks=chunks, schedule=schedule, balance=balance, leaf_modules=list(leaf_modules or []), planner=planner,
             memory_limit=parse_limits(memory_limit), host_bandwidth=host_bandwidth, link_bandwidth=link_bandwidth,
@@ -214,7 +216,7 @@ def _check_runtime(
             "schedule='2bw' runs only with runtime='local': torch.distributed.pipelining flushes the pipeline every "
             "step and has no two-version weights. Use schedule='1f1b' or 'gpipe' with runtime='distributed'."
         )
-    if runtime == "local" and schedule in DISTRIBUTED_ONLY:
+    if runtime == "local" and schedule in MULTI_STAGE:
         raise ValueError(
             f"schedule={schedule!r} runs only with runtime='distributed': it places several stages on each process, "
             f"on torch.distributed.pipelining. Pass runtime='distributed', or use 'gpipe', '1f1b' or '2bw' locally."
@@ -229,7 +231,7 @@ def _check_runtime(
             f"got virtual_stages={virtual_stages}: leave virtual_stages unset, or use schedule='interleaved-1f1b' or "
             f"'interleaved-zb' for {virtual_stages} stages per process."
         )
-    if virtual_stages > 1 and (runtime != "distributed" or schedule not in ("1f1b", *DISTRIBUTED_ONLY)):
+    if virtual_stages > 1 and (runtime != "distributed" or schedule not in ("1f1b", *MULTI_STAGE)):
         raise ValueError(
             f"virtual_stages={virtual_stages} puts several stages on each process, which only runtime='distributed' "
             f"runs, under schedule='interleaved-1f1b' (or '1f1b', its alias then) or 'interleaved-zb': use those, "

@@ -26,7 +26,8 @@ from lightning_pipe.plan.request import PlanRequest
 
 __all__ = ["Check", "checked", "checked_largest_plan", "flat"]
 
-#: Each stage's peak (bytes) when a plan trains, as a fake training step of it meters them.
+#: Each process's peak (bytes) when a plan trains, as a fake training step of it meters them
+#: (one stage per process: each stage's).
 Check = Callable[[Plan], list[int]]
 
 #: Plans checked before giving up.
@@ -42,8 +43,9 @@ def checked(
     plan_for: Callable[[list[int]], Plan], limits: Sequence[int], check: Check, *, always: bool = False
 ) -> Plan:
     """The plan ``plan_for(targets)`` makes for the first targets whose plan fits ``limits``
-    (bytes per stage) when ``check`` runs it: the limits themselves, then each stage that went
-    over planned below its limit by its own under-prediction (the largest seen at that stage);
+    (bytes per process, :meth:`~lightning_pipe.plan.plan.Plan.process_peaks`; one stage per
+    process: per stage) when ``check`` runs it: the limits themselves, then each process that went
+    over planned below its limit by its own under-prediction (the largest seen at that process);
     where no plan fits those, each half as far (the error was one plan's: another split may be
     predicted better). A plan made again that a check already rejected is not checked again:
     its stages over are planned further below. A first plan within the flat headroom is taken
@@ -67,7 +69,7 @@ def checked(
                 raise
             errors = [(w + e) / 2 for w, e in zip(went_over, errors)]
             continue
-        predicted = [s.peak.total for s in plan.stages]
+        predicted = plan.process_peaks()
         if not always and not peaks and all(p <= limit * PLANNING_HEADROOM for p, limit in zip(predicted, limits)):
             return plan  # the flat headroom covers it, and no error of this model says otherwise
         key = (tuple(plan.balance), tuple(plan.policies))
@@ -115,7 +117,7 @@ def checked_largest_plan(profile: Profile, request: PlanRequest, check: Check) -
 
 
 def flat(plan: Plan) -> list[int]:
-    """The check of a training step that cannot run on fake tensors: each stage's prediction
+    """The check of a training step that cannot run on fake tensors: each process's prediction
     plus the memory model's worst under-prediction measured over the model families
     (:data:`~lightning_pipe.plan.plan.PREDICTION_ERROR`), which plans to the flat headroom."""
-    return [math.ceil(s.peak.total * (1 + PREDICTION_ERROR)) for s in plan.stages]
+    return [math.ceil(peak * (1 + PREDICTION_ERROR)) for peak in plan.process_peaks()]

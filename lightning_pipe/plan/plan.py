@@ -8,6 +8,7 @@ can be made offline from a saved profile and checked in.
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -17,20 +18,23 @@ from lightning_pipe.plan.partitioners import Partitioner, fitting_split, floor, 
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import (
+    MULTI_STAGE,
+    Schedule,
     actions,
     backward_states,
     gradient_waits,
     in_flight,
-    planned_order,
+    placement,
     weight_versions,
 )
+from lightning_pipe.plan.sharing import device_peaks
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.plan.stages import Stages
 from lightning_pipe.units import format_bytes
 
 __all__ = [
-    "PLANNING_HEADROOM", "PLAN_FORMAT", "PREDICTION_ERROR", "InfeasiblePlanError", "Plan", "StageReport",
-    "fitting_plan", "largest_plan", "make_plan", "max_microbatch", "plan_fits", "planning_stages",
+    "PLANNING_HEADROOM", "PLAN_FORMAT", "PREDICTION_ERROR", "Considered", "InfeasiblePlanError", "Plan",
+    "StageReport", "fitting_plan", "largest_plan", "make_plan", "max_microbatch", "plan_fits", "planning_stages",
 ]
 
 #: How far the memory model may under-predict a stage, over models it was not checked on.
@@ -82,6 +86,18 @@ class StageReport:
         return self.forward_ms + self.backward_ms + self.recompute_ms + self.swap_ms + self.send_ms
 
 
+@dataclass
+class Considered:
+    """A schedule ``schedule="auto"`` planned and weighed: its simulated step (ms) and each
+    process's predicted peak, or why it has no plan (``step_ms`` ``None``)."""
+
+    schedule: str
+    virtual_stages: int
+    step_ms: float | None
+    device_peaks: list[int] = field(default_factory=list)
+    why: str = ""
+
+
 #: The meaning of a plan.json's fields; raised whenever a version of lightning_pipe reads one
 #: differently, so that a plan made by another is refused rather than followed wrongly.
 PLAN_FORMAT = 1
@@ -91,9 +107,13 @@ PLAN_FORMAT = 1
 class Plan:
     """A balance with per-node policies (``keep``/``recompute``/``swap``) and predictions.
     ``targets`` are the bytes each stage was planned to fit: the planning target, not the
-    device's limit (:data:`PLANNING_HEADROOM`). ``input_shapes``: the training batch's tensor
-    shapes (by path) the strategy planned for. ``nodes``: the graph's node names, in order, so
-    that a saved plan is only followed on the graph it was made for."""
+    device's limit (:data:`PLANNING_HEADROOM`), one per process. ``input_shapes``: the training
+    batch's tensor shapes (by path) the strategy planned for. ``nodes``: the graph's node names,
+    in order, so that a saved plan is only followed on the graph it was made for.
+    ``virtual_stages``: stages per process, placed by ``placement`` (each stage's process;
+    empty: stage ``s`` on process ``s``); ``device_peaks``: each process's predicted peak, its
+    stages' together over its action order (:func:`~lightning_pipe.plan.sharing.device_peaks`).
+    ``considered``: under ``schedule="auto"``, every schedule it weighed, the pick first."""
 
     partitioner: str
     schedule: str
@@ -110,6 +130,24 @@ class Plan:
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     nodes: list[str] = field(default_factory=list)
     precision: str = "32-true"  # the Trainer precision whose bytes it planned
+    virtual_stages: int = 1
+    placement: list[int] = field(default_factory=list)
+    device_peaks: list[int] = field(default_factory=list)
+    considered: list[Considered] = field(default_factory=list)
+
+    def process(self, stage: int) -> int:
+        """The process (device) running ``stage``."""
+        return self.placement[stage] if self.placement else stage
+
+    def process_peaks(self) -> list[int]:
+        """Each process's predicted peak (bytes): :attr:`device_peaks`, or where the plan has none
+        (made by hand, or saved without them) its stages' peaks added, which is at least it."""
+        if self.device_peaks:
+            return list(self.device_peaks)
+        peaks = [0] * (1 + max(map(self.process, range(len(self.stages))), default=-1))
+        for s, stage in enumerate(self.stages):
+            peaks[self.process(s)] += stage.peak.total
+        return peaks
 
     @property
     def time_ms(self) -> float:
@@ -124,6 +162,7 @@ class Plan:
         data = json.loads(text)
         data.pop("format", None)
         data["stages"] = [StageReport(**{**s, "peak": StagePeak(**s["peak"])}) for s in data["stages"]]
+        data["considered"] = [Considered(**c) for c in data.get("considered", [])]
         return cls(**data)
 
     @classmethod
@@ -157,8 +196,8 @@ class Plan:
         bytes recomputed and swapped (every term of the peak: :meth:`to_json`)."""
         head = ["stage", "nodes", "params", "activ", "peak", "target", "ms", "recomp", "swap"]
         rows = [head]
-        for s, (r, target) in enumerate(zip(self.stages, self.targets)):
-            sizes = (r.param_bytes, r.peak.activations, r.peak.total, target)
+        for s, r in enumerate(self.stages):
+            sizes = (r.param_bytes, r.peak.activations, r.peak.total, self.targets[self.process(s)])
             rows.append(
                 [str(s), f"{r.start}-{r.stop - 1}"]
                 + [format_bytes(v) for v in sizes]
@@ -166,10 +205,23 @@ class Plan:
             )
         widths = [max(len(row[k]) for row in rows) for k in range(len(head))]
         lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+        if self.virtual_stages > 1:
+            for d, peak in enumerate(self.device_peaks):
+                held = ", ".join(str(s) for s in range(len(self.stages)) if self.process(s) == d)
+                lines.append(f"process {d} (stages {held}): peak {format_bytes(peak)} of "
+                             f"{format_bytes(self.targets[d])}")
         lines.append(
-            f"{self.partitioner}, {self.schedule}, {self.chunks} micro-batches of {self.microbatch_size}: "
+            f"{self.partitioner}, {self.schedule}"
+            + (f" x{self.virtual_stages} stages per process" if self.virtual_stages > 1 else "")
+            + f", {self.chunks} micro-batches of {self.microbatch_size}: "
             f"step {self.step_ms:.2f} ms, bubble {self.bubble:.1%}"
         )
+        if self.considered:
+            lines.append("schedule=\"auto\" weighed (fastest simulated step that fits, first):")
+            for c in self.considered:
+                what = (f"step {c.step_ms:.2f} ms, peaks {', '.join(map(format_bytes, c.device_peaks))}"
+                        if c.step_ms is not None else c.why)
+                lines.append(f"  {c.schedule} x{c.virtual_stages}: {what}")
         return "\n".join(lines)
 
 
@@ -181,10 +233,63 @@ def make_plan(profile: Profile, request: PlanRequest) -> Plan:
     Raises:
         InfeasiblePlanError: a stage does not fit even with memory optimisation.
     """
+    if request.schedule == "auto":
+        from lightning_pipe.plan.auto import auto_plan  # which plans each schedule it weighs here
+
+        found: Plan = auto_plan(profile, request)
+        return found
+    if request.virtual > 1:  # several stages per process
+        if isinstance(shared := _shared_plan(profile, request), Plan):
+            return shared
+        raise _infeasible(shared[0], request.partitioner, shared[1], shared[2])
     stages, balance, optima = _attempt(profile, request)
     if not all(o.fits for o in optima):
         raise _infeasible(stages, request.partitioner, balance, optima)
     return _plan(stages, request, balance, optima)
+
+
+#: How far the stages of one process may together be planned over its target: they peak at
+#: different tasks, so the sum of their peaks overstates the process's; a plan made so is kept
+#: only where each process's peak (:func:`~lightning_pipe.plan.sharing.device_peaks`) fits.
+OVERCOMMIT = (1.0, 1.5, 2.0, 3.0)
+#: Rounds of sharing a process's target among its stages, each by what they needed in the
+#: round before (BERT-large on 8 A100s, ZB-V: the second round's plans go over some process,
+#: the third's fit it at micro-batch 40).
+SHARE_ROUNDS = 3
+
+
+def _shared_plan(
+    profile: Profile, request: PlanRequest
+) -> Plan | tuple[Stages, list[int], list[StageOptimum]]:
+    """:func:`make_plan` for several stages per process (else the first attempt that did not
+    fit, for :func:`_infeasible`): the fastest of the plans whose
+    processes fit, their stages sharing each process's target :data:`OVERCOMMIT` times over,
+    first by the micro-batches each holds, then :data:`SHARE_ROUNDS` - 1 times by what each
+    needed in the round before's first plan (a last stage holding one micro-batch may need
+    much for its loss)."""
+    r, schedule = request, _schedule(request)
+    where = placement(schedule, len(r.capacities), r.virtual)
+    weights = [h + 1 for h in in_flight(schedule, r.chunks, r.stage_count, r.virtual)]
+    best: Plan | None = None
+    failed: tuple[Stages, list[int], list[StageOptimum]] | None = None
+    for _ in range(SHARE_ROUNDS):
+        needs: list[int] = []
+        for factor in OVERCOMMIT:
+            stages = planning_stages(profile, r, _shares(r.capacities, where, weights, factor))
+            balance, optima = _chosen(stages, r.partitioner)
+            needs = needs or [o.peak.total for o in optima]
+            if not all(o.fits for o in optima):
+                failed = failed or (stages, balance, optima)
+                continue
+            plan = _plan(stages, r, balance, optima)
+            fits = all(p <= c for p, c in zip(plan.device_peaks, r.capacities))
+            if fits and (best is None or plan.step_ms < best.step_ms):
+                best = plan
+        weights = needs
+    if best is None:
+        assert failed is not None  # the stages of the first plan fit a process together
+        return failed
+    return best
 
 
 def fitting_plan(profile: Profile, request: PlanRequest) -> Plan | None:
@@ -192,6 +297,8 @@ def fitting_plan(profile: Profile, request: PlanRequest) -> Plan | None:
     lowest peak that :class:`InfeasiblePlanError` reports (on a large model it costs more than
     the plan): for a caller trying sizes that needs no reason (:func:`plan_fits` where it
     needs no plan either)."""
+    if request.virtual > 1:  # several stages per process
+        return shared if isinstance(shared := _shared_plan(profile, request), Plan) else None
     stages, balance, optima = _attempt(profile, request)
     return _plan(stages, request, balance, optima) if all(o.fits for o in optima) else None
 
@@ -203,8 +310,12 @@ def plan_fits(profile: Profile, request: PlanRequest) -> bool:
 
 
 def _probed(profile: Profile, request: PlanRequest) -> Stages | None:
-    """:func:`plan_fits`' stages where a split fits, with what it found (``None``: none fits)."""
+    """:func:`plan_fits`' stages where a split fits, with what it found (``None``: none fits).
+    Several stages per process: where :func:`fitting_plan` finds a plan (their shares are
+    its choice)."""
     stages = planning_stages(profile, request)
+    if request.virtual > 1:  # several stages per process
+        return stages if fitting_plan(profile, request) is not None else None
     return stages if fitting_split(request.partitioner, stages) is not None else None
 
 
@@ -235,11 +346,14 @@ def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list
             )
         )
         times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, send))
-    sim = simulate(times, actions(planned_order(request.schedule), model.chunks, stages.count))
+    schedule, virtual = _schedule(request), request.virtual
+    order = actions(schedule, model.chunks, stages.count, virtual)
+    sim = simulate(times, order)
+    chosen = {i: p for o in optima for i, p in o.policies.items()}
     return Plan(
         partitioner=request.partitioner,
-        schedule=request.schedule,
-        targets=list(stages.capacities),
+        schedule=schedule,
+        targets=list(request.capacities),
         microbatch_size=model.profile.microbatch_size,
         chunks=model.chunks,
         host_bandwidth=stages.host_bandwidth,
@@ -250,6 +364,9 @@ def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list
         bubble=sim.bubble,
         link_bandwidth=model.link_bandwidth,
         nodes=[n.name for n in model.profile.nodes],
+        virtual_stages=virtual,
+        placement=placement(schedule, len(request.capacities), virtual) if schedule in MULTI_STAGE else [],
+        device_peaks=device_peaks(model, balance, chosen, [o.peak for o in optima], stages.in_flight, order),
     )
 
 
@@ -280,6 +397,8 @@ def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1, n
         InfeasiblePlanError: not even a micro-batch of one fits.
     """
     size, stages = _largest(profile, request, at_least, near)
+    if request.virtual > 1:  # several stages per process
+        return make_plan(profile.scaled(size), request)
     if stages is None:  # at_least, never probed
         stages = planning_stages(profile.scaled(size), request)
     balance, optima = _chosen(stages, request.partitioner)
@@ -322,20 +441,50 @@ def _largest(profile: Profile, request: PlanRequest, at_least: int,
     return low, found
 
 
-def planning_stages(profile: Profile, request: PlanRequest) -> Stages:
-    """What :func:`make_plan` hands its partitioner (:func:`~lightning_pipe.plan.partitioners.split`)."""
-    r = request
-    count, order = len(r.capacities), planned_order(r.schedule)
+def planning_stages(profile: Profile, request: PlanRequest, shares: Sequence[int] | None = None) -> Stages:
+    """What :func:`make_plan` hands its partitioner (:func:`~lightning_pipe.plan.partitioners.split`).
+
+    Several stages on a process share its planning target: ``shares`` gives each stage its
+    part (bytes), else each gets the part its held micro-batches ask (:func:`_shares`), so that
+    their peaks together, and so the process's (:func:`~lightning_pipe.plan.sharing.device_peaks`,
+    at most their sum), fit it."""
+    r, schedule = request, _schedule(request)
+    count, model = r.stage_count, CostModel(profile, r.link_bandwidth, schedule=schedule, chunks=r.chunks,
+                                            carry=r.chunks if r.carry else 0, replicas=r.replicas)
+    held = in_flight(schedule, r.chunks, count, r.virtual)
+    order = actions(schedule, r.chunks, count, r.virtual)
+    if schedule in MULTI_STAGE:  # as processes only: the distributed runtime hands gradients on at once
+        if shares is None:
+            where = placement(schedule, len(r.capacities), r.virtual)
+            shares = _shares(r.capacities, where, [h + 1 for h in held], 1.0)
+        return Stages(model, list(shares), held, 1, r.host_bandwidth, (), order, optimise_memory=r.optimise_memory)
     return Stages(
-        CostModel(profile, r.link_bandwidth, schedule=order, chunks=r.chunks, carry=r.chunks if r.carry else 0,
-                  replicas=r.replicas),
-        list(r.capacities),
-        in_flight(order, r.chunks, count),
-        weight_versions(order), r.host_bandwidth, gradient_waits(order, r.chunks, count),
-        actions(order, r.chunks, count), optimise_memory=r.optimise_memory,
+        model, list(r.capacities), held,
+        weight_versions(schedule), r.host_bandwidth, gradient_waits(schedule, r.chunks, count),
+        order, optimise_memory=r.optimise_memory,
         # the distributed runtime sends a stage's input gradients back at once: none wait
-        backward_states=() if r.carry else backward_states(order, r.chunks, count),
+        backward_states=() if r.carry else backward_states(schedule, r.chunks, count),
     )
+
+
+def _schedule(request: PlanRequest) -> Schedule:
+    """The request's schedule, which a caller planning ``"auto"`` (:mod:`~lightning_pipe.plan.auto`) replaced."""
+    if request.schedule == "auto":
+        raise ValueError("schedule='auto' is planned by make_plan (lightning_pipe.plan.auto.auto_plan), which "
+                         "plans each schedule it weighs; give a schedule to the other entry points.")
+    return request.schedule
+
+
+def _shares(capacities: Sequence[int], where: Sequence[int], weights: Sequence[int], overcommit: float) -> list[int]:
+    """Each stage's part of its process's planning target, ``overcommit`` times, by
+    ``weights``: by default the micro-batches it holds at most plus one (its parameters and
+    state, about alike across stages), so that the V's first stage, holding many, gets more
+    than its last, holding one."""
+    total = [0] * len(capacities)
+    for s, d in enumerate(where):
+        total[d] += weights[s]
+    return [min(capacities[d], round(overcommit * capacities[d] * weights[s] / max(1, total[d])))
+            for s, d in enumerate(where)]
 
 
 def _attempt(profile: Profile, request: PlanRequest) -> tuple[Stages, list[int], list[StageOptimum]]:

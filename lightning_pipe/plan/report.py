@@ -38,7 +38,7 @@ def table(plan: Plan, devices: list[torch.device]) -> Table:
     for name in ("stage", "device", "nodes", "params", "activations", "peak", "target", "ms", "recomputed",
                  "swapped"):
         t.add_column(name, justify="right")
-    for s, (r, target) in enumerate(zip(plan.stages, plan.targets)):
+    for s, (r, target) in enumerate(zip(plan.stages, _targets(plan))):
         t.add_row(
             str(s), str(devices[s]), f"{r.start}-{r.stop - 1}",
             *(format_bytes(v) for v in (r.param_bytes, r.peak.activations, r.peak.total, target)),
@@ -47,6 +47,11 @@ def table(plan: Plan, devices: list[torch.device]) -> Table:
     t.caption = (f"simulated step {plan.step_ms:.1f} ms, bubble {plan.bubble:.0%}; ms per micro-batch; target: the "
                  f"memory limit, less the memory model's error where a fake training step measured one")
     return t
+
+
+def _targets(plan: Plan) -> list[int]:
+    """Each stage's planning target: its process's, which several stages of one process share."""
+    return [plan.targets[plan.process(s)] for s in range(len(plan.stages))]
 
 
 def show(plan: Plan, devices: list[torch.device]) -> None:
@@ -101,20 +106,20 @@ def _memory_axes(ax: "Axes", plan: Plan, metered: Sequence[int]) -> None:
     stage's planning target as a dashed step, and each ``metered`` peak as a mark across its
     bar. A target far above the bars would squash them: the axis stops above the bars, a
     triangle on its top edge marks the stage and the legend gives the size."""
-    peaks = [r.peak.total for r in plan.stages]
-    off = [s for s, t in enumerate(plan.targets) if t > _OFF_SCALE * max(peaks, default=0)]
-    top = max([*peaks, *metered, *(t for s, t in enumerate(plan.targets) if s not in off)]) or 1
+    peaks, targets = [r.peak.total for r in plan.stages], _targets(plan)
+    off = [s for s, t in enumerate(targets) if t > _OFF_SCALE * max(peaks, default=0)]
+    top = max([*peaks, *metered, *(t for s, t in enumerate(targets) if s not in off)]) or 1
     unit, scale = next(((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if top >= f), ("B", 1))
     _stacked(ax, {kind: [getattr(r.peak, kind) / scale for r in plan.stages] for kind in _KINDS})
     ax.set_xticks(range(len(peaks)), [f"{s}\n{format_bytes(p)}" for s, p in enumerate(peaks)])
     ax.set_ylim(0, top * 1.12 / scale)
     label = "planning target"
     if off:
-        sizes = sorted({format_bytes(plan.targets[s]) for s in off})
+        sizes = sorted({format_bytes(targets[s]) for s in off})
         label += f" (\u25b2 off scale: {', '.join(sizes)})"
         ax.plot(off, [top * 1.07 / scale] * len(off), "^", color="black", markersize=9)
     edges = [s - 0.5 for s in range(len(peaks) + 1)]
-    ax.step(edges, [t / scale for t in plan.targets + plan.targets[-1:]], where="post", color="black",
+    ax.step(edges, [t / scale for t in targets + targets[-1:]], where="post", color="black",
             linestyle="--", label=label)
     if metered:
         ax.plot(range(len(metered)), [m / scale for m in metered], "_", color="crimson", markersize=40,

@@ -3,11 +3,16 @@
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
-from lightning_pipe.plan.schedule import SCHEDULES, Schedule
+from lightning_pipe.plan.schedule import MULTI_STAGE, SCHEDULES, Schedule, check_schedule, stages_per_process
 
-__all__ = ["PlanRequest", "check_settings"]
+__all__ = ["PlanRequest", "PlanSchedule", "check_settings"]
+
+#: What a plan may be asked to run: a schedule, or ``"auto"``, the planner's pick
+#: (:func:`~lightning_pipe.plan.auto.auto_plan`).
+PlanSchedule = Schedule | Literal["auto"]
 
 
 @dataclass(frozen=True)
@@ -17,10 +22,13 @@ class PlanRequest:
     (``make_plan(profile, request)``); a caller trying other targets or settings makes another
     with :func:`dataclasses.replace`.
 
-    ``capacities``: one planning target (bytes) per stage, below the device's memory limit by
-    the planning headroom (:data:`~lightning_pipe.plan.plan.PLANNING_HEADROOM`); a list is
-    stored as a tuple. ``partitioner`` splits the nodes over the stages; ``schedule`` orders
-    ``chunks`` micro-batches per step. ``host_bandwidth`` (bytes/s) lets stages swap saved
+    ``capacities``: one planning target (bytes) per process (device), below the device's memory
+    limit by the planning headroom (:data:`~lightning_pipe.plan.plan.PLANNING_HEADROOM`); a list
+    is stored as a tuple. ``partitioner`` splits the nodes over the stages; ``schedule`` orders
+    ``chunks`` micro-batches per step (``"auto"``: the planner picks it), each process holding
+    ``virtual_stages`` stages (``None``: :func:`~lightning_pipe.plan.schedule.stages_per_process`;
+    ``"1f1b"`` with more is ``"interleaved-1f1b"``); the multi-stage schedules run only as
+    processes (``carry``). ``host_bandwidth`` (bytes/s) lets stages swap saved
     activations to the host (``None``: no swap); ``link_bandwidth`` (bytes/s between stage
     devices) prices the values crossing each cut (``None``: free). ``optimise_memory`` false:
     no stage recomputes or swaps. ``carry``: stages run as processes (``runtime="distributed"``)
@@ -33,13 +41,23 @@ class PlanRequest:
 
     capacities: Sequence[int]  # stored as a tuple
     partitioner: Partitioner = "dawnpiper"
-    schedule: Schedule = "1f1b"
+    schedule: PlanSchedule = "1f1b"
     chunks: int = 1
     host_bandwidth: float | None = None
     link_bandwidth: float | None = None
     optimise_memory: bool = True
     carry: bool = False
     replicas: int = 1
+    virtual_stages: int | None = None
+
+    @property
+    def virtual(self) -> int:
+        """Stages per process (``virtual_stages`` or the schedule's default)."""
+        return 1 if self.schedule == "auto" else stages_per_process(self.schedule, self.virtual_stages)
+
+    @property
+    def stage_count(self) -> int:
+        return len(self.capacities) * self.virtual
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacities", tuple(self.capacities))  # frozen: hashable, not shared
@@ -55,7 +73,21 @@ class PlanRequest:
             raise ValueError(
                 f"partitioner must be one of {', '.join(map(repr, PARTITIONERS))}, got {self.partitioner!r}."
             )
-        check_settings(self.chunks, self.schedule, self.host_bandwidth, self.link_bandwidth)
+        check_settings(self.chunks, self.schedule, self.host_bandwidth, self.link_bandwidth, (*SCHEDULES, "auto"))
+        if self.schedule == "1f1b" and self.virtual > 1:
+            object.__setattr__(self, "schedule", "interleaved-1f1b")
+        if self.schedule == "auto":
+            if self.virtual_stages is not None:
+                raise ValueError(f"schedule='auto' picks the virtual stages itself, got virtual_stages="
+                                 f"{self.virtual_stages}: leave it out, or give a schedule.")
+        else:
+            check_schedule(self.schedule, self.chunks, self.stage_count, self.virtual)
+        if self.schedule in MULTI_STAGE and not self.carry:
+            raise ValueError(
+                f"schedule {self.schedule!r} runs only on the distributed engine, one process per device holding "
+                f"{self.virtual} stages: plan it with carry=True (runtime='distributed'), or use 'gpipe', '1f1b' "
+                f"or '2bw' in one process."
+            )
         if self.replicas < 1:
             raise ValueError(
                 f"replicas must be >= 1, got {self.replicas}: give the number of data-parallel copies of the "
@@ -63,16 +95,20 @@ class PlanRequest:
             )
 
 
-def check_settings(chunks: int, schedule: str, host_bandwidth: float | None, link_bandwidth: float | None) -> None:
-    """The settings a plan and the strategy's options both take, checked alike.
+def check_settings(
+    chunks: int, schedule: str, host_bandwidth: float | None, link_bandwidth: float | None,
+    schedules: Sequence[str] = SCHEDULES,
+) -> None:
+    """The settings a plan and the strategy's options both take, checked alike; ``schedules``:
+    the schedule names the caller takes.
 
     Raises:
         ValueError: one out of range, naming it and the fix.
     """
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}: give the number of micro-batches per batch.")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}.")
+    if schedule not in schedules:
+        raise ValueError(f"schedule must be one of {', '.join(map(repr, schedules))}, got {schedule!r}.")
     if host_bandwidth is not None and host_bandwidth <= 0:
         raise ValueError(
             f"host_bandwidth must be positive (bytes per second), got {host_bandwidth}; give None to plan without "

@@ -5,9 +5,9 @@ from functools import lru_cache
 from typing import Literal, NamedTuple, get_args
 
 __all__ = [
-    "DISTRIBUTED_ONLY", "SCHEDULES", "V_SHAPED", "Action", "BackwardState", "DistributedSchedule", "Schedule", "Step",
-    "actions", "backward_states", "check_microbatches", "clock_cycles", "global_order", "gradient_waits", "in_flight",
-    "placement", "planned_order", "process_stages", "stages_per_process", "weight_versions",
+    "HELD_CHANGE", "MULTI_STAGE", "SCHEDULES", "V_SHAPED", "Action", "BackwardState", "DistributedSchedule",
+    "Schedule", "Step", "actions", "backward_states", "check_schedule", "clock_cycles", "global_order",
+    "gradient_waits", "in_flight", "placement", "process_stages", "stages_per_process", "weight_versions",
 ]
 
 
@@ -27,28 +27,89 @@ Schedule = Literal["gpipe", "1f1b", "2bw", "interleaved-1f1b", "interleaved-zb",
 SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
 #: The schedules the distributed runtime runs (it keeps one weight version: no 2BW).
 DistributedSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
-#: The schedules only the distributed runtime runs: several stages per process, on
-#: ``torch.distributed.pipelining``'s multi-stage schedules.
-DISTRIBUTED_ONLY: tuple[Schedule, ...] = ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+#: Schedules that hold several stages per process (torch.distributed.pipelining's multi-stage
+#: schedules), which only the distributed runtime runs; "1f1b" with more than one virtual stage
+#: is "interleaved-1f1b".
+MULTI_STAGE: tuple[Schedule, ...] = ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 #: The V-shape schedules: two stages per process, process ``r`` holding stages ``r`` and ``2p - 1 - r``.
 V_SHAPED: tuple[Schedule, ...] = ("zbv", "dualpipev")
 
+#: The most bytes one flat copy of gradients takes while a distributed step reduces them over
+#: data-parallel replicas: DDP's default bucket (``bucket_cap_mb=25``). One flat copy of them
+#: all would add a stage's whole gradient size to its peak.
+GRADIENT_BUCKET_BYTES = 25 * 2**20
 
-def stages_per_process(schedule: Schedule, virtual_stages: int | None) -> int:
-    """How many stages each process holds: 2 under a V-shape schedule, else ``virtual_stages``
-    (``None``: 2 for the interleaved schedules, 1 for the others)."""
-    if schedule in V_SHAPED:
-        return 2
-    if virtual_stages is None:
-        return 2 if schedule in DISTRIBUTED_ONLY else 1
-    return virtual_stages
+
+class Action(NamedTuple):
+    """One task of one stage: a micro-batch's forward or backward, or the stage's weight update
+    (``microbatch`` is -1 for an update, which covers all micro-batches of the step). Zero-bubble
+    schedules split some backwards in two: ``input`` (the gradients of the stage's inputs, which
+    the stage before waits for) and ``weight`` (its parameters' gradients, run later to fill the
+    bubble; the micro-batch's stash lives until then)."""
+
+    kind: Literal["forward", "backward", "input", "weight", "update"]
+    microbatch: int
+    stage: int
+
+
+def actions(
+    schedule: Schedule, num_microbatches: int, num_stages: int, virtual_stages: int = 1
+) -> list[list[Action]]:
+    """Each process's ordered task list for one training step, ``num_stages`` stages over
+    ``num_stages // virtual_stages`` processes as :func:`placement` places them; with one stage
+    per process, each stage's list.
+
+    GPipe runs all forwards, then all backwards in reverse micro-batch order. 1F1B
+    (PipeDream-Flush) lets stage ``s`` of ``L`` run ``min(L - s - 1, m)`` warm-up forwards,
+    then alternate one forward and one backward, then drain the remaining backwards; it bounds
+    the micro-batches a stage holds by ``L - s`` instead of ``m``. PipeDream-2BW uses the same
+    per-stage order; what differs is that it never flushes and keeps two weight versions
+    (:func:`weight_versions`), which the order itself does not show. The multi-stage schedules
+    (:data:`MULTI_STAGE`) follow torch.distributed.pipelining 2.13's own orders (its
+    ``pipeline_order``, without the idle slots: the order of a process's tasks is what counts).
+    Each list ends with an update of each stage the process holds.
+
+    Raises:
+        ValueError: an unknown schedule, or settings it cannot run (:func:`check_schedule`).
+    """
+    if num_microbatches < 1 or num_stages < 1:
+        raise ValueError(f"need at least one micro-batch and one stage, got {num_microbatches} and {num_stages}.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}.")
+    check_schedule(schedule, num_microbatches, num_stages, virtual_stages)
+    m = num_microbatches
+    if schedule == "1f1b" and virtual_stages > 1:
+        schedule = "interleaved-1f1b"
+    if schedule in MULTI_STAGE:
+        p = num_stages // virtual_stages
+        held = process_stages(schedule, p, virtual_stages)
+        if schedule in V_SHAPED:
+            make = _zbv if schedule == "zbv" else _dualpipev
+            orders = [make(rank, p, m) for rank in range(p)]
+        else:
+            orders = [_interleaved(rank, p, virtual_stages, m, schedule == "interleaved-zb") for rank in range(p)]
+        return [order + [Action("update", -1, s) for s in stages] for order, stages in zip(orders, held)]
+    lists = []
+    for s in range(num_stages):
+        if schedule == "gpipe":
+            order = [Action("forward", i, s) for i in range(m)]
+            order += [Action("backward", i, s) for i in reversed(range(m))]
+        else:
+            warmup = min(num_stages - s - 1, m)
+            order = [Action("forward", i, s) for i in range(warmup)]
+            for i in range(m - warmup):
+                order += [Action("forward", warmup + i, s), Action("backward", i, s)]
+            order += [Action("backward", i, s) for i in range(m - warmup, m)]
+        lists.append(order + [Action("update", -1, s)])
+    return lists
 
 
 def placement(schedule: Schedule, processes: int, virtual_stages: int) -> list[int]:
     """The pipeline process (rank in the pipeline) of each of the ``processes * virtual_stages``
     stages: a loop (stage ``s`` on process ``s % processes``, Interleaved 1F1B's and
     zero-bubble's), or under a V-shape schedule a V (process ``r`` holds stages ``r`` and
-    ``2 * processes - 1 - r``: the first and the last stage on process 0), as
+    ``2 * processes - 1 - r``: the first and the last stage on process 0, so that the last
+    stage's loss and the first backward run where the first stage is), as
     ``torch.distributed.pipelining`` places them."""
     count = processes * virtual_stages
     if schedule in V_SHAPED:
@@ -62,96 +123,218 @@ def process_stages(schedule: Schedule, processes: int, virtual_stages: int) -> l
     return [[s for s, p in enumerate(where) if p == process] for process in range(processes)]
 
 
-def check_microbatches(schedule: Schedule, chunks: int, processes: int, virtual_stages: int) -> None:
-    """What ``torch.distributed.pipelining`` 2.13 needs of the micro-batches per batch: 1F1B at
-    least one per stage; DualPipeV at least one per stage (``2 * processes``); Interleaved 1F1B
-    and interleaved zero-bubble, which run in rounds of ``max(1, chunks // processes)``, a
-    multiple of the rounds (any count below ``2 * processes``); GPipe and ZBV any.
+def stages_per_process(schedule: Schedule, virtual_stages: int | None) -> int:
+    """How many stages each process holds: ``virtual_stages`` where given (:func:`check_schedule`
+    refuses a count the schedule cannot hold), else 2 for the multi-stage schedules (the V-shape
+    ones always hold two) and 1 for the others."""
+    if virtual_stages is not None:
+        return virtual_stages
+    return 2 if schedule in MULTI_STAGE else 1
+
+
+def check_schedule(
+    schedule: Schedule, chunks: int, stages: int, virtual_stages: int, *, distributed: bool = False
+) -> None:
+    """Whether ``schedule`` can run ``chunks`` micro-batches per batch through ``stages`` stages,
+    ``virtual_stages`` on each process: the stages per process it holds, and what
+    ``torch.distributed.pipelining`` 2.13 needs of the micro-batches (its schedules'
+    constructors, checked here before any process starts). DualPipeV needs at least one per
+    stage, and so does 1F1B with one stage per process where it runs on torch (``distributed``;
+    the local runtime's 1F1B takes any); Interleaved 1F1B and interleaved zero-bubble, which run
+    in ``max(1, chunks // processes)`` rounds, a multiple of the rounds (any count below
+    ``2 * processes``); GPipe and ZBV any.
 
     Raises:
-        ValueError: ``chunks`` that the schedule cannot run, naming the requirement and the fix.
+        ValueError: naming the requirement and the fix.
     """
-    stages = processes * virtual_stages
-    if (schedule == "1f1b" and virtual_stages == 1) or schedule == "dualpipev":
-        if chunks < stages:
+    v, m = virtual_stages, chunks
+    if v < 1:
+        raise ValueError(f"virtual_stages must be >= 1, got {v}: give the number of stages each process holds.")
+    if stages % v:
+        raise ValueError(
+            f"virtual_stages={v} does not divide the {stages} stages: each process holds the same number of "
+            f"stages; give a number of stages that is a multiple of {v}, or virtual_stages dividing {stages}."
+        )
+    if v > 1 and schedule in ("gpipe", "2bw"):
+        raise ValueError(
+            f"schedule={schedule!r} runs one stage per process, got virtual_stages={v}: use 'interleaved-1f1b' "
+            f"(or 'interleaved-zb', 'zbv', 'dualpipev') for several stages per process, or virtual_stages=1."
+        )
+    if schedule in V_SHAPED and v != 2:
+        raise ValueError(
+            f"schedule={schedule!r} holds exactly 2 stages per process (a V), got virtual_stages={v}: give "
+            f"virtual_stages=2 (or leave it out), or use 'interleaved-1f1b'/'interleaved-zb' for other counts."
+        )
+    processes = stages // v
+    if (schedule == "1f1b" and v == 1 and distributed) or schedule == "dualpipev":
+        if m < stages:
             raise ValueError(
-                f"schedule={schedule!r} needs at least one micro-batch per stage: chunks={chunks} < {stages} stages "
-                f"({processes} processes x {virtual_stages}). Use chunks >= {stages}, or fewer processes."
+                f"schedule={schedule!r} needs at least one micro-batch per stage: chunks={m} < {stages} stages "
+                f"({processes} processes x {v}). Use chunks >= {stages}, or fewer processes"
+                + (", or schedule='zbv'." if schedule == "dualpipev" else ".")
             )
-    elif schedule in ("1f1b", "interleaved-1f1b", "interleaved-zb"):
-        rounds = max(1, chunks // processes)
-        if chunks % rounds:
+    elif schedule in ("interleaved-1f1b", "interleaved-zb") or (schedule == "1f1b" and v > 1):
+        rounds = max(1, m // processes)
+        if m % rounds:
             raise ValueError(
                 f"schedule={schedule!r} runs micro-batches in rounds of chunks // processes = {rounds}, which must "
-                f"divide chunks={chunks} ({processes} processes): use chunks={rounds * processes}, any multiple of "
+                f"divide chunks={m} ({processes} processes): use chunks={rounds * processes}, any multiple of "
                 f"{processes}, or fewer than {2 * processes}."
             )
 
 
-def planned_order(schedule: Schedule) -> Schedule:
-    """The schedule whose action order the planner (cost model, simulator, fake execution)
-    follows for ``schedule``. A STAND-IN: the interleaved, zero-bubble and V-shape schedules are
-    planned as 1F1B over all their stages (each stage charged its share of its process's
-    memory) until :func:`actions` has their own orders; then this goes."""
-    return "1f1b" if schedule in DISTRIBUTED_ONLY else schedule
+def _interleaved(rank: int, p: int, v: int, m: int, zero_bubble: bool) -> list[Action]:
+    """Process ``rank``'s order under torch's ``ScheduleInterleaved1F1B`` (``zero_bubble``:
+    ``ScheduleInterleavedZeroBubble``, the ZB1P schedule, whose weight-gradient halves trail
+    the input-gradient ones by ``rank`` tasks): warm-up forwards, then one forward and one
+    backward each, then the remaining backwards, stage by stage in rounds of micro-batches."""
+    per_round = m // max(1, m // p)
+    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank), m * v)
+    total = m * v
+
+    def forward_stage(op: int) -> int:
+        return (op // per_round) % v * p + rank
+
+    def backward_stage(op: int) -> int:
+        return (v - 1 - (op - warmup) // per_round % v) * p + rank
+
+    counts: dict[tuple[str, int], int] = {}
+
+    def task(kind: Literal["forward", "backward", "input", "weight"], stage: int) -> Action:
+        counts[kind, stage] = (i := counts.get((kind, stage), 0)) + 1
+        return Action(kind, i, stage)
+
+    order: list[Action] = []
+    backwards: list[int] = []  # the ops of the backwards so far, whose weight halves follow in turn
+    weights = 0
+    for op in range(total + warmup):
+        if op < total:
+            order.append(task("forward", forward_stage(op)))
+        if op >= warmup:
+            order.append(task("input" if zero_bubble else "backward", backward_stage(op)))
+            backwards.append(op)
+            if zero_bubble and op - warmup >= rank:
+                order.append(task("weight", backward_stage(backwards[weights])))
+                weights += 1
+    while zero_bubble and weights < len(backwards):
+        order.append(task("weight", backward_stage(backwards[weights])))
+        weights += 1
+    return order
 
 
-#: The most bytes one flat copy of gradients takes while a distributed step reduces them over
-#: data-parallel replicas: DDP's default bucket (``bucket_cap_mb=25``). One flat copy of them
-#: all would add a stage's whole gradient size to its peak.
-GRADIENT_BUCKET_BYTES = 25 * 2**20
+def _zbv(rank: int, p: int, m: int) -> list[Action]:
+    """Process ``rank``'s order under torch's ``ScheduleZBVZeroBubble`` (ZB-V): it plans for at
+    least ``2p - 1`` micro-batches and leaves out the tasks of those beyond ``m``."""
+    first, second = rank, 2 * p - 1 - rank
+    planned = max(2 * p - 1, m)
+    count = dict.fromkeys(("f0", "f1", "b0", "b1"), 0)
+    order: list[Action] = []
+
+    def add(kind: Literal["forward", "input", "weight"], stage: int, key: str, advance: bool = True) -> None:
+        order.append(Action(kind, count[key], stage))
+        if advance:
+            count[key] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        add("forward", first, "f0")
+    for _ in range(rank):
+        add("forward", second, "f1")
+        add("forward", first, "f0")
+    for _ in range(p - rank):
+        add("forward", second, "f1")
+        add("input", second, "b1", False)
+        add("weight", second, "b1")
+    while count["f1"] < count["f0"] or count["f0"] < planned:
+        if count["f0"] < planned:
+            add("forward", first, "f0")
+        add("input", first, "b0", False)
+        add("weight", first, "b0")
+        add("forward", second, "f1")
+        add("input", second, "b1", False)
+        add("weight", second, "b1")
+    count["w0"], count["w1"] = count["b0"], count["b1"]
+    for _ in range(rank):
+        add("input", first, "b0")
+        add("input", second, "b1")
+    for _ in range(p - rank):
+        add("input", first, "b0")
+        add("weight", first, "w0")
+    while count["w1"] < count["b1"]:
+        add("weight", second, "w1")
+    while count["w0"] < count["b0"]:
+        add("weight", first, "w0")
+    return [a for a in order if a.microbatch < m]
 
 
-class Action(NamedTuple):
-    """One task of one stage: a micro-batch's forward or backward, or the stage's weight update
-    (``microbatch`` is -1 for an update, which covers all micro-batches of the step)."""
+def _dualpipev(rank: int, p: int, m: int) -> list[Action]:
+    """Process ``rank``'s order under torch's ``ScheduleDualPipeV`` (DeepSeek's DualPipe folded
+    into a V): a forward and a backward of the other stage overlap in its main phase (here one
+    after the other, as one process runs them), and only the first and last backwards split
+    into input and weight halves."""
+    first, second = rank, 2 * p - 1 - rank
+    count: dict[tuple[str, int], int] = {}
+    pending: list[tuple[int, int]] = []  # (stage, micro-batch) whose weight half is still to run
+    order: list[Action] = []
 
-    kind: Literal["forward", "backward", "update"]
-    microbatch: int
-    stage: int
+    def add(kind: Literal["forward", "backward", "input"], stage: int) -> None:
+        key = ("forward" if kind == "forward" else "input", stage)
+        order.append(Action(kind, count.get(key, 0), stage))
+        if kind == "input":
+            pending.append((stage, count.get(key, 0)))
+        count[key] = count.get(key, 0) + 1
+
+    def weight() -> None:
+        if pending:
+            stage, i = pending.pop(0)
+            order.append(Action("weight", i, stage))
+
+    for _ in range(2 * (p - rank - 1)):
+        add("forward", first)
+    for _ in range(rank + 1):
+        add("forward", first)
+        add("forward", second)
+    for _ in range(p - rank - 1):
+        add("input", second)
+        weight()
+        add("forward", second)
+    for _ in range(m - 2 * p + rank + 1):
+        add("forward", first)
+        add("backward", second)
+        add("forward", second)
+        add("backward", first)
+    for _ in range(p - rank - 1):
+        add("backward", second)
+        add("forward", second)
+        add("backward", first)
+    split = False
+    for i in range(rank + 1):
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        add("input" if split else "backward", second)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        add("input" if split else "backward", first)
+    for _ in range(p - rank - 1):
+        weight()
+        add("input" if split else "backward", first)
+    for _ in range(rank + 1):
+        weight()
+    return order
 
 
-def actions(schedule: Schedule, num_microbatches: int, num_stages: int) -> list[list[Action]]:
-    """Each stage's ordered task list for one training step.
-
-    GPipe runs all forwards, then all backwards in reverse micro-batch order. 1F1B
-    (PipeDream-Flush) lets stage ``s`` of ``L`` run ``min(L - s - 1, m)`` warm-up forwards,
-    then alternate one forward and one backward, then drain the remaining backwards; it bounds
-    the micro-batches a stage holds by ``L - s`` instead of ``m``. PipeDream-2BW uses the same
-    per-stage order; what differs is that it never flushes and keeps two weight versions
-    (:func:`weight_versions`), which the order itself does not show.
-    """
-    if num_microbatches < 1 or num_stages < 1:
-        raise ValueError(f"need at least one micro-batch and one stage, got {num_microbatches} and {num_stages}.")
-    m = num_microbatches
-    lists = []
-    for s in range(num_stages):
-        if schedule == "gpipe":
-            order = [Action("forward", i, s) for i in range(m)]
-            order += [Action("backward", i, s) for i in reversed(range(m))]
-        elif schedule in ("1f1b", "2bw"):
-            warmup = min(num_stages - s - 1, m)
-            order = [Action("forward", i, s) for i in range(warmup)]
-            for i in range(m - warmup):
-                order += [Action("forward", warmup + i, s), Action("backward", i, s)]
-            order += [Action("backward", i, s) for i in range(m - warmup, m)]
-        else:
-            raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}.")
-        lists.append(order + [Action("update", -1, s)])
-    return lists
-
-
-def in_flight(schedule: Schedule, num_microbatches: int, num_stages: int) -> list[int]:
-    """Per stage, the most micro-batches whose forward ran and whose backward has not, read
-    off the action lists: how many micro-batches' activations the stage stashes at once."""
-    counts = []
-    for order in actions(schedule, num_microbatches, num_stages):
-        held = most = 0
+def in_flight(schedule: Schedule, num_microbatches: int, num_stages: int, virtual_stages: int = 1) -> list[int]:
+    """Per stage, the most micro-batches whose forward ran and whose backward has not (under a
+    split backward: whose weight half has not), read off the action lists: how many
+    micro-batches' activations the stage stashes at once."""
+    held, most = [0] * num_stages, [0] * num_stages
+    for order in actions(schedule, num_microbatches, num_stages, virtual_stages):
         for action in order:
-            held += {"forward": 1, "backward": -1, "update": 0}[action.kind]
-            most = max(most, held)
-        counts.append(most)
-    return counts
+            held[action.stage] += HELD_CHANGE[action.kind]
+            most[action.stage] = max(most[action.stage], held[action.stage])
+    return most
+
+
+#: What a task does to the micro-batches its stage holds: a forward stashes one, a whole
+#: backward or a weight half frees it; an input half keeps it for the weight half.
+HELD_CHANGE = {"forward": 1, "backward": -1, "input": 0, "weight": -1, "update": 0}
 
 
 class Step(NamedTuple):

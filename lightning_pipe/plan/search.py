@@ -41,7 +41,8 @@ CHUNKS_PER_STAGE = 4
 #: in single precision.
 BOUND_ROUNDING = 1e-3
 #: The schedules tried: those of the distributed runtime, which runs data-parallel replicas, with
-#: one stage per process (the search knows no stages per process).
+#: one stage per process (the search knows no stages per process; ``schedule="auto"`` weighs the
+#: multi-stage ones: :mod:`~lightning_pipe.plan.auto`).
 SEARCHED_SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b")
 
 

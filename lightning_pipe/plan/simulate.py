@@ -2,8 +2,8 @@
 
 The closed forms ((m + L - 1) * (f + b) and the like) hold only for equal stages; the planner
 compares plans whose stages differ in compute, recompute, exposed swap and transfer time, so it
-replays the schedule's per-stage action lists (:func:`lightning_pipe.plan.schedule.actions`)
-instead: a task starts when its stage is free and its input has arrived.
+replays the schedule's per-process action lists (:func:`lightning_pipe.plan.schedule.actions`)
+instead: a task starts when its process is free and its input has arrived.
 """
 
 from collections.abc import Sequence
@@ -35,10 +35,18 @@ class Simulation:
     bubble: float
 
 
+#: The share of a backward's time its input-gradient half takes when a zero-bubble schedule
+#: splits it (the rest: the weight-gradient half). Both halves run a matrix product per weight
+#: of the backward's two (Zero Bubble's T_B = T_W); recompute and swap-in go with the first.
+INPUT_SHARE = 0.5
+
+
 def simulate(times: Sequence[StageTime], schedule: Sequence[Sequence[Action]]) -> Simulation:
-    """Replay each stage's action list in order: a forward waits for the previous stage's
-    forward of that micro-batch plus the transfer, a backward for the next stage's backward
-    plus the transfer (the last stage's for its own forward, which its order puts first)."""
+    """Replay each process's action list in order (:func:`~lightning_pipe.plan.schedule.actions`;
+    one stage per process: each stage's): a forward waits for the previous stage's forward of
+    that micro-batch plus the transfer, a backward (or its input half) for the next stage's
+    plus the transfer (the last stage's for its own forward), a weight half for its input
+    half; a process runs its tasks one at a time, whichever of its stages they belong to."""
     return Replay(schedule).run(times)
 
 
@@ -48,25 +56,29 @@ class Replay:
     schedule orders it once and replays each split in one pass."""
 
     def __init__(self, schedule: Sequence[Sequence[Action]]) -> None:
-        count = len(schedule)
+        self.devices = len(schedule)
+        device = {a.stage: d for d, order in enumerate(schedule) for a in order}
+        count = len(device)
         index: dict[tuple[str, int, int], int] = {}
-        # per task: stage, kind (_KINDS), index of the task it waits for (-1: none), stage whose
-        # send it waits for (-1: none); flat, since a search replays thousands of splits
-        self.tasks: list[tuple[int, int, int, int]] = []
-        position = [0] * count
+        # per task: process, stage, kind (_KINDS), index of the task it waits for (-1: none),
+        # stage whose send it waits for (-1: none); flat, since a search replays thousands of splits
+        self.tasks: list[tuple[int, int, int, int, int]] = []
+        position = [0] * self.devices
         remaining = sum(len(order) for order in schedule)
         while remaining:
             progressed = False
-            for s, order in enumerate(schedule):
-                while position[s] < len(order):
-                    action = order[position[s]]
+            for d, order in enumerate(schedule):
+                while position[d] < len(order):
+                    action = order[position[d]]
                     waits = _input(action, count)
                     if waits is not None and waits[0] not in index:
                         break
                     dependency, sender = (index[waits[0]], waits[1]) if waits is not None else (-1, -1)
-                    index[(action.kind, action.microbatch, s)] = len(self.tasks)
-                    self.tasks.append((s, _KINDS.get(action.kind, len(_KINDS)), dependency, sender))
-                    position[s] += 1
+                    if sender >= 0 and device[sender] == device[sender + 1]:
+                        sender = -1  # two stages of one process: nothing moves between devices
+                    index[_key(action)] = len(self.tasks)
+                    self.tasks.append((d, action.stage, _KINDS.get(action.kind, len(_KINDS)), dependency, sender))
+                    position[d] += 1
                     remaining -= 1
                     progressed = True
             if not progressed:
@@ -76,24 +88,36 @@ class Replay:
     def run(self, times: Sequence[StageTime]) -> Simulation:
         """Step time and bubble of the schedule with these per-stage times."""
         if len(times) != self.count:
-            raise ValueError(f"{len(times)} stage times but {self.count} action lists.")
-        durations = [[t.forward for t in times], [t.recompute + t.swap + t.backward for t in times], [0.0] * self.count]
+            raise ValueError(f"{len(times)} stage times but {self.count} stages in the action lists.")
+        backward = [t.recompute + t.swap + t.backward for t in times]
+        durations = [
+            [t.forward for t in times], backward,
+            [t.recompute + t.swap + INPUT_SHARE * t.backward for t in times],
+            [(1 - INPUT_SHARE) * t.backward for t in times], [0.0] * self.count,
+        ]
         sends = [t.send for t in times] + [0.0]  # [-1]: no transfer
-        clock = [0.0] * self.count
+        clock = [0.0] * self.devices
         end = [0.0] * (len(self.tasks) + 1)  # [-1]: waits for nothing
         busy = 0.0
-        for k, (s, kind, dependency, sender) in enumerate(self.tasks):
+        for k, (d, s, kind, dependency, sender) in enumerate(self.tasks):
             duration = durations[kind][s]
             ready = end[dependency] + sends[sender]
-            clock[s] = (clock[s] if clock[s] > ready else ready) + duration
+            clock[d] = (clock[d] if clock[d] > ready else ready) + duration
             busy += duration
-            end[k] = clock[s]
+            end[k] = clock[d]
         step = max(clock)
-        return Simulation(step, 1.0 - busy / (self.count * step) if step > 0 else 0.0)
+        return Simulation(step, 1.0 - busy / (self.devices * step) if step > 0 else 0.0)
 
 
 # The kinds of task that take a stage's time, by index into Replay.run's durations (others take none).
-_KINDS = {"forward": 0, "backward": 1}
+_KINDS = {"forward": 0, "backward": 1, "input": 2, "weight": 3}
+
+
+def _key(action: Action) -> tuple[str, int, int]:
+    """What later tasks wait for: a forward, or the gradient of a stage's inputs (made by its
+    whole backward or its input half)."""
+    kind = "gradient" if action.kind in ("backward", "input") else action.kind
+    return kind, action.microbatch, action.stage
 
 
 def _input(action: Action, count: int) -> tuple[tuple[str, int, int], int] | None:
@@ -102,6 +126,8 @@ def _input(action: Action, count: int) -> tuple[tuple[str, int, int], int] | Non
     s, i = action.stage, action.microbatch
     if action.kind == "forward":
         return (("forward", i, s - 1), s - 1) if s > 0 else None
-    if action.kind == "backward":
-        return (("forward", i, s), -1) if s == count - 1 else (("backward", i, s + 1), s)
+    if action.kind in ("backward", "input"):
+        return (("forward", i, s), -1) if s == count - 1 else (("gradient", i, s + 1), s)
+    if action.kind == "weight":
+        return ("gradient", i, s), -1
     return None

@@ -377,8 +377,8 @@ def test_every_schedule_trains_as_one_device_at_pp2_and_evaluates_through_a_v(tw
         _check(two_ranks, 2, config)
     for family in ("gpt", "unet"):  # evaluation handed the middle stages' values on within process 1
         assert "val" in json.loads(two_ranks.path(f"{family}-zbv-2-rank0.json").read_text())
-    # planned with the 1F1B stand-in over four stages, checked by each rank's fake ZBV step:
-    # predicted +4.3% and +6.6% of the metered peaks, checked -0.5% and -3.1%
+    # planned on ZBV's own order, one target per process, checked by each rank's fake ZBV step:
+    # predicted -1.6% and -7.3% of the metered peaks (the 1F1B stand-in's: +4.3%, +6.6%), checked -0.5%, -3.1%
     _check_predicted_peaks(two_ranks, ["gpt-zbv-2"])
 
 
@@ -428,14 +428,15 @@ def test_pp2_equals_single_device(two_ranks):
     for config in PP2:
         _check(two_ranks, 2, config)
     _check_predicted_peaks(two_ranks, MEMORY_PP2)
-    # interleaved: a process's prediction adds its two stages' peaks, which do not coincide
+    # interleaved: a process's prediction follows its two stages' action order (they do not peak together):
+    # -1.6% and -9.6% of the metered peaks (their peaks added were 7-13% over)
     (path,) = (two_ranks.out / "unet-1f1b-2-v2").rglob("metrics.csv")
     with path.open() as f:
         last = [row for row in csv.DictReader(f) if row["pipe/stage1/peak_bytes"]][-1]
     for s in range(2):
         metered, predicted = (float(last[f"pipe/stage{s}/{key}"]) for key in ("peak_bytes", "predicted_peak_bytes"))
-        assert metered <= predicted <= 1.2 * metered, (s, predicted, metered)
-    assert "pipe/bubble_fraction" not in last or not last["pipe/bubble_fraction"]
+        assert abs(predicted - metered) <= 0.10 * metered, (s, predicted, metered)
+    assert 0 < float(last["pipe/bubble_fraction"]) < 1  # simulated on Interleaved 1F1B's own order
 
 
 @pytest.mark.slow

@@ -133,6 +133,14 @@ def test_plot_draws_a_target_near_the_bars_on_the_axis():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0\n60.0MiB", "1\n50.0MiB"]
 
 
+def test_stages_sharing_a_process_are_drawn_against_its_target():
+    plan = _plan([60 * 2**20, 50 * 2**20, 40 * 2**20, 30 * 2**20], [100 * 2**20, 80 * 2**20])
+    plan.placement, plan.virtual_stages = [0, 1, 1, 0], 2  # a V over two processes
+    ax, _, _ = _memory_plot(plan)
+    (step,) = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert list(step.get_ydata()) == [100, 80, 80, 100, 100]
+
+
 # That importing lightning_pipe and saving a plan picks no matplotlib backend and leaves no
 # figures: tests/test_package.py, in the one fresh process it starts for such checks.
 

@@ -111,6 +111,13 @@ def test_settings_other_than_the_plans_are_named(kwargs, message, tmp_path):
     assert message in str(error.value)
 
 
+def test_a_plan_of_interleaved_1f1b_is_followed_under_its_alias(tmp_path):
+    saved = _written(tmp_path / "plan.json", Plan("dawnpiper", "interleaved-1f1b", [1 << 20] * 2, 2, 4, None,
+                                                  [1] * 4, ["keep"] * 4, [], 1.0, 0.1, nodes=list("abcd")).to_json())
+    options = MemoryPipeStrategy(plan=saved, chunks=4, schedule="1f1b", runtime="distributed", virtual_stages=2).options
+    assert options.plan is not None and options.plan.schedule == "interleaved-1f1b"
+
+
 def test_a_file_that_is_not_a_plan_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"plan='.*missing.json' cannot be read \(No such file or directory\)"):
         MemoryPipeStrategy(plan=tmp_path / "missing.json")

@@ -5,13 +5,7 @@ processes)."""
 
 import pytest
 
-from lightning_pipe.plan.schedule import (
-    check_microbatches,
-    placement,
-    planned_order,
-    process_stages,
-    stages_per_process,
-)
+from lightning_pipe.plan.schedule import check_schedule, placement, process_stages, stages_per_process
 
 
 def test_interleaved_schedules_loop_over_the_processes_and_v_shapes_fold_back():
@@ -32,11 +26,6 @@ def test_stages_per_process_default_to_two_for_the_interleaved_and_are_two_for_a
     assert stages_per_process("zbv", None) == stages_per_process("dualpipev", 2) == 2
 
 
-def test_the_multi_stage_schedules_are_planned_by_the_1f1b_stand_in():
-    assert [planned_order(s) for s in ("gpipe", "1f1b", "2bw")] == ["gpipe", "1f1b", "2bw"]
-    assert {planned_order(s) for s in ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")} == {"1f1b"}
-
-
 @pytest.mark.parametrize(
     ("schedule", "chunks", "processes", "virtual", "message"),
     [
@@ -47,11 +36,14 @@ def test_the_multi_stage_schedules_are_planned_by_the_1f1b_stand_in():
                                       r"use chunks=4, any multiple of 2, or fewer than 4"),
         ("interleaved-zb", 9, 4, 2, r"rounds of chunks // processes = 2, which must divide chunks=9"),
         ("1f1b", 14, 4, 2, r"schedule='1f1b' runs micro-batches in rounds"),  # interleaved
+        ("zbv", 8, 4, 3, r"schedule='zbv' holds exactly 2 stages per process"),
+        ("gpipe", 8, 4, 2, r"schedule='gpipe' runs one stage per process, got virtual_stages=2"),
+        ("interleaved-1f1b", 8, 2, 0, r"virtual_stages must be >= 1"),
     ],
 )
 def test_too_few_or_uneven_micro_batches_are_named_with_the_fix(schedule, chunks, processes, virtual, message):
     with pytest.raises(ValueError, match=message):
-        check_microbatches(schedule, chunks, processes, virtual)
+        check_schedule(schedule, chunks, processes * virtual, virtual, distributed=True)
 
 
 @pytest.mark.parametrize(
@@ -60,4 +52,13 @@ def test_too_few_or_uneven_micro_batches_are_named_with_the_fix(schedule, chunks
      ("interleaved-1f1b", 3, 2, 2), ("interleaved-zb", 7, 4, 2), ("interleaved-zb", 12, 4, 3)],
 )
 def test_micro_batch_counts_torch_runs_pass(schedule, chunks, processes, virtual):
-    check_microbatches(schedule, chunks, processes, virtual)
+    check_schedule(schedule, chunks, processes * virtual, virtual, distributed=True)
+
+
+def test_the_local_runtimes_1f1b_takes_fewer_micro_batches_than_stages():
+    check_schedule("1f1b", 3, 4, 1)
+
+
+def test_virtual_stages_that_do_not_divide_the_stages_are_named():
+    with pytest.raises(ValueError, match="virtual_stages=4 does not divide the 6 stages"):
+        check_schedule("interleaved-1f1b", 8, 6, 4)
