@@ -75,7 +75,7 @@ MEMORY_PP2 = ["gpt-gpipe-2", "unet-1f1b-2", "hf-1f1b-2"]
 # torch.export's graph, on an even split: at pp=2 on two ranks, at pp=4 on four (DualPipeV
 # needs a micro-batch per stage there: 8)
 SCHEDULES = ["interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
-SCHEDULES_PP2 = [f"{family}:{s}:2" + (":metered" if (family, s) == ("gpt", "zbv") else "")  # planned, checked
+SCHEDULES_PP2 = [f"{family}:{s}:2" + (":metered" if family == "gpt" else "")  # the GPT planned, checked, metered
                  for family in ("gpt", "unet", "hf") for s in SCHEDULES]
 SCHEDULES_PP4 = [f"{family}:{s}:4" + (":c8" if s == "dualpipev" else "") for family in ("gpt", "unet", "hf")
                  for s in SCHEDULES]
@@ -278,7 +278,7 @@ def _check_predicted_peaks(launch: Launch, names: list[str]) -> None:
         (path,) = (launch.out / name).rglob("metrics.csv")
         with path.open() as f:
             last = [row for row in csv.DictReader(f) if row["pipe/stage1/peak_bytes"]][-1]
-        ranks = int(name.split("-")[2])  # family-schedule-stages[-flags]
+        ranks = next(int(p) for p in reversed(name.split("-")) if p.isdigit())  # family-schedule-stages[-flags]
         for s in range(ranks):
             metered, predicted, fake = (float(last[f"pipe/stage{s}/{key}_bytes"]) for key in ("peak", "predicted_peak",
                                                                                                "checked_peak"))
@@ -377,9 +377,12 @@ def test_every_schedule_trains_as_one_device_at_pp2_and_evaluates_through_a_v(tw
         _check(two_ranks, 2, config)
     for family in ("gpt", "unet"):  # evaluation handed the middle stages' values on within process 1
         assert "val" in json.loads(two_ranks.path(f"{family}-zbv-2-rank0.json").read_text())
-    # planned on ZBV's own order, one target per process, checked by each rank's fake ZBV step:
-    # predicted -1.6% and -7.3% of the metered peaks (the 1F1B stand-in's: +4.3%, +6.6%), checked -0.5%, -3.1%
-    _check_predicted_peaks(two_ranks, ["gpt-zbv-2"])
+    # each planned on its own order, one target per process, checked by each rank's fake step of it;
+    # predicted against metered: interleaved 1F1B -3.4%, -4.1%; ZBV -1.6%, -7.3% (the 1F1B stand-in's
+    # +4.3%, +6.6%); DualPipeV +8.4%, -1.1%. Not interleaved zero-bubble: -7.1%, -12.8% (its check
+    # -3.0%, -0.9%): the model keeps a micro-batch's stash from its input half to its weight half,
+    # but not the gradients at its weighted nodes' outputs the weight half is made from (issue #48)
+    _check_predicted_peaks(two_ranks, [f"gpt-{s}-2" for s in SCHEDULES if s != "interleaved-zb"])
 
 
 @pytest.mark.slow
