@@ -19,6 +19,7 @@ from lightning_pipe.plan.schedule import (
     Schedule,
     check_schedule,
     stages_per_process,
+    with_virtual_stages,
 )
 from lightning_pipe.units import MemorySize, parse_bytes
 
@@ -127,9 +128,8 @@ class PipeOptions:
             check_balance_entries(balance, stages, virtual_stages, schedule)
             check_schedule(schedule, chunks, stages * virtual_stages, virtual_stages, distributed=True)
         _check_state_dict_type(runtime, state_dict_type)
-        # (a plan names "1f1b" with several stages per process by what it is: "interleaved-1f1b")
-        planned = "interleaved-1f1b" if schedule == "1f1b" and virtual_stages > 1 else schedule
-        saved = _check_plan(plan, balance, planned, chunks)
+        # (a plan names "1f1b" with several stages per process by what it is: with_virtual_stages)
+        saved = _check_plan(plan, balance, with_virtual_stages(schedule, virtual_stages), chunks)
         return cls(
             chunks=chunks, schedule=schedule, balance=balance, leaf_modules=list(leaf_modules or []), planner=planner,
             memory_limit=parse_limits(memory_limit), host_bandwidth=host_bandwidth, link_bandwidth=link_bandwidth,

@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
-from lightning_pipe.plan.schedule import MULTI_STAGE, SCHEDULES, Schedule, check_schedule, stages_per_process
+from lightning_pipe.plan.schedule import (
+    MULTI_STAGE,
+    SCHEDULES,
+    Schedule,
+    check_schedule,
+    stages_per_process,
+    with_virtual_stages,
+)
 
 __all__ = ["PlanRequest", "PlanSchedule", "check_settings"]
 
@@ -74,13 +81,12 @@ class PlanRequest:
                 f"partitioner must be one of {', '.join(map(repr, PARTITIONERS))}, got {self.partitioner!r}."
             )
         check_settings(self.chunks, self.schedule, self.host_bandwidth, self.link_bandwidth, (*SCHEDULES, "auto"))
-        if self.schedule == "1f1b" and self.virtual > 1:
-            object.__setattr__(self, "schedule", "interleaved-1f1b")
         if self.schedule == "auto":
             if self.virtual_stages is not None:
                 raise ValueError(f"schedule='auto' picks the virtual stages itself, got virtual_stages="
                                  f"{self.virtual_stages}: leave it out, or give a schedule.")
         else:
+            object.__setattr__(self, "schedule", with_virtual_stages(self.schedule, self.virtual))
             check_schedule(self.schedule, self.chunks, self.stage_count, self.virtual)
         if self.schedule in MULTI_STAGE and not self.carry:
             raise ValueError(

@@ -8,6 +8,7 @@ __all__ = [
     "HELD_CHANGE", "MULTI_STAGE", "SCHEDULES", "V_SHAPED", "Action", "BackwardState", "DistributedSchedule",
     "Schedule", "Step", "actions", "backward_states", "check_schedule", "clock_cycles", "global_order",
     "gradient_waits", "in_flight", "placement", "process_stages", "stages_per_process", "weight_versions",
+    "with_virtual_stages",
 ]
 
 
@@ -78,8 +79,7 @@ def actions(
         raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}.")
     check_schedule(schedule, num_microbatches, num_stages, virtual_stages)
     m = num_microbatches
-    if schedule == "1f1b" and virtual_stages > 1:
-        schedule = "interleaved-1f1b"
+    schedule = with_virtual_stages(schedule, virtual_stages)
     if schedule in MULTI_STAGE:
         p = num_stages // virtual_stages
         held = process_stages(schedule, p, virtual_stages)
@@ -121,6 +121,11 @@ def process_stages(schedule: Schedule, processes: int, virtual_stages: int) -> l
     """Each pipeline process's stages, in order (:func:`placement`)."""
     where = placement(schedule, processes, virtual_stages)
     return [[s for s, p in enumerate(where) if p == process] for process in range(processes)]
+
+
+def with_virtual_stages(schedule: Schedule, virtual_stages: int) -> Schedule:
+    """The schedule that runs: ``"1f1b"`` with several stages per process is ``"interleaved-1f1b"``."""
+    return "interleaved-1f1b" if schedule == "1f1b" and virtual_stages > 1 else schedule
 
 
 def stages_per_process(schedule: Schedule, virtual_stages: int | None) -> int:
