@@ -32,9 +32,11 @@ from examples.models import ImageDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.lightning.distributed import DistributedEngine
+from lightning_pipe.plan.auto import CANDIDATES
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.memory import StagePeak
 from lightning_pipe.plan.plan import Plan, StageReport
+from lightning_pipe.plan.schedule import process_stages
 from lightning_pipe.runtime.fsdp import check_shardable, mixed_precision
 from lightning_pipe.runtime.materialize import materialize
 from tests.lightning.distributed_fit import (
@@ -77,6 +79,10 @@ MEMORY_PP2 = ["gpt-gpipe-2", "unet-1f1b-2", "hf-1f1b-2"]
 SCHEDULES = ["interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
 SCHEDULES_PP2 = [f"{family}:{s}:2" + (":metered" if family == "gpt" else "")  # the GPT planned, checked, metered
                  for family in ("gpt", "unet", "hf") for s in SCHEDULES]
+# schedule="auto" at pp=2 under a memory_limit of 1 MB per process, whatever it picks (GPipe's plan recomputes under
+# it): rank 0 weighs the schedules and every rank runs the pick (the GPT's, measured: ZB-V, 801,408 B)
+AUTO_LIMIT = 1_000_000
+AUTO = f"gpt:auto:2:metered:l{AUTO_LIMIT}"
 SCHEDULES_PP4 = [f"{family}:{s}:4" + (":c8" if s == "dualpipev" else "") for family in ("gpt", "unet", "hf")
                  for s in SCHEDULES]
 # a step drawing noise before self(...): pp=4 under GPipe and 1F1B, interleaved at pp=2 x dp=2; pp=2 (1F1B)
@@ -143,10 +149,10 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    scenarios = [str(STEPS), *PP2, *SCHEDULES_PP2, SAVED, SAVED_ZBV, BF16, FP16, "2", "hf:1f1b:2:metered", str(STEPS),
-                 *DENOISER_PP2, str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded", "empty",
-                 str(STEPS), RECOVER, RECOVER_V2, RECOVER_ZBV, f"shrink:gpt:{SHRINK_LIMIT}", "drift", "replans",
-                 f"faults:{FAULTS}", "exported"]
+    scenarios = [str(STEPS), *PP2, *SCHEDULES_PP2, AUTO, SAVED, SAVED_ZBV, BF16, FP16, "2", "hf:1f1b:2:metered",
+                 str(STEPS), *DENOISER_PP2, str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded",
+                 "empty", str(STEPS), RECOVER, RECOVER_V2, RECOVER_ZBV, f"shrink:gpt:{SHRINK_LIMIT}", "drift",
+                 "replans", f"faults:{FAULTS}", "exported"]
     out = tmp_path_factory.mktemp("two_ranks")
     for schedule in ("1f1b", "zbv"):
         (out / f"saved-plan-{schedule}.json").write_text(_saved_plan(schedule).to_json())
@@ -386,6 +392,24 @@ def test_every_schedule_trains_as_one_device_at_pp2_and_evaluates_through_a_v(tw
 
 
 @pytest.mark.slow
+def test_auto_picks_the_fastest_schedule_which_every_rank_runs_and_trains_as_one_device(two_ranks):
+    """Rank 0 weighs every schedule by its simulated step; each rank builds the pick's stages
+    (a V's at pp=2: 0 and 3, 1 and 2); the plan.json in the logger's folder lists the others. The
+    memory_limit is each process's, whatever number of stages it holds."""
+    _check(two_ranks, 2, AUTO)
+    ranks = [json.loads(two_ranks.path(f"gpt-auto-2-rank{r}.json").read_text()) for r in range(2)]
+    (schedule, virtual), considered = ranks[0]["schedule"], ranks[0]["considered"]
+    assert all((r["schedule"], r["considered"]) == ([schedule, virtual], considered) for r in ranks)
+    assert [r["stages"] for r in ranks] == [list(p) for p in process_stages(schedule, 2, virtual)]
+    steps = [step for _, _, step in considered]
+    assert considered[0][:2] == [schedule, virtual] and steps == sorted(steps) and len(considered) == len(CANDIDATES)
+    (saved,) = (two_ranks.out / "gpt-auto-2").rglob("plan.json")
+    plan = Plan.read(saved)
+    assert [[c.schedule, c.virtual_stages, c.step_ms] for c in plan.considered] == considered
+    assert all(t <= AUTO_LIMIT for t in plan.targets) and all(p <= AUTO_LIMIT for p in plan.device_peaks)
+
+
+@pytest.mark.slow
 def test_a_saved_plan_is_followed_by_every_rank_and_trains_as_one_device(two_ranks):
     for config, schedule in ((SAVED, "1f1b"), (SAVED_ZBV, "zbv")):
         _check(two_ranks, 2, config)
@@ -540,6 +564,12 @@ def test_runtime_distributed_runs_on_the_distributed_engine():
          "needs at least one micro-batch per stage: chunks=4 < 8 stages"),
         ({"runtime": "distributed", "stages": 2, "schedule": "interleaved-zb", "chunks": 5},
          "which must divide chunks=5"),
+        ({"schedule": "auto"}, "schedule='auto' picks among the schedules of runtime='distributed'.*Pass "
+                               "runtime='distributed', or with runtime='local' name the schedule: 'gpipe'"),
+        ({"runtime": "distributed", "schedule": "auto", "virtual_stages": 2}, "picks the stages per process itself"),
+        *[({"runtime": "distributed", "schedule": "auto", **given}, "it needs a planner and no balance")
+          for given in ({"planner": None}, {"balance": [2, 2]})],
+        ({"runtime": "distributed", "schedule": "auto", "data_parallel": "fsdp"}, "Name the schedule"),
     ],
 )
 def test_bad_runtime_arguments_are_named(kwargs, message):
