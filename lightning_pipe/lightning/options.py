@@ -128,8 +128,8 @@ class PipeOptions:
                 f"balance has {len(balance)} stages, which virtual_stages={virtual_stages} (stages per process) does "
                 f"not divide: give {virtual_stages} entries for each process."
             )
-        if runtime == "distributed" and stages is not None and schedule != "auto":  # else at the first batch
-            # (the processes are counted there; "auto" weighs only what torch takes: plan.auto)
+        # (stages None: at the first batch, once the processes are counted; "auto" weighs only what torch takes)
+        if runtime == "distributed" and stages is not None and schedule != "auto":
             check_balance_entries(balance, stages, virtual_stages, schedule)
             check_schedule(schedule, chunks, stages * virtual_stages, virtual_stages, distributed=True)
         _check_state_dict_type(runtime, state_dict_type)
