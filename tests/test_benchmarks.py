@@ -381,3 +381,23 @@ def test_planner_speed_grid_goes_in_place_of_the_docs_planner_time_section_with_
     page.write_text("# B\n\n## Planner time vs graph size\n\nold\n\n## Runtime overhead\n\nkept\n")
     planner_speed.update_docs(section, page)
     assert page.read_text() == "# B\n\n" + section + "## Runtime overhead\n\nkept\n"
+
+
+@pytest.mark.slow
+def test_schedule_time_benchmark_prints_simulated_and_measured_step_per_schedule(monkeypatch, capsys):
+    """``python -m benchmarks.schedule_time`` at a tiny size, on a V-shape schedule (two stages
+    per process, the split backward): a row with the plan's simulated step, the measured one and
+    their ratio."""
+    from benchmarks import schedule_time
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr("sys.argv", ["benchmarks/schedule_time.py", "--width", "64", "--layers", "2", "--context",
+                                     "16", "--batch", "8", "--chunks", "4", "--warmup", "1", "--steps", "2",
+                                     "--schedules", "zbv"])
+    schedule_time.main()
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert set(rows) == {"zbv"}
+    simulated, measured, ratio, *_ = rows["zbv"]
+    assert float(simulated) > 0 and float(measured) > 0
+    assert float(ratio) == pytest.approx(float(simulated) / float(measured), abs=0.01)
