@@ -16,6 +16,7 @@ stretch the profile and the steps, not always alike.
 """
 
 import argparse
+import datetime
 import itertools
 import json
 import os
@@ -32,6 +33,7 @@ import torch
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback, Trainer
 
+from benchmarks.run import commit, cpu_model
 from examples.models import GPT, TokenDataset, loader
 from lightning_pipe import MemoryPipeStrategy
 from lightning_pipe.plan.schedule import DistributedSchedule
@@ -107,7 +109,9 @@ def main() -> None:
         mp.spawn(_rank, args=(2, port, args, out), nprocs=2, join=True)
         rows = json.loads((Path(out) / "0.json").read_text())
         other = json.loads((Path(out) / "1.json").read_text())
-    print(f"CPU, {os.cpu_count()} cores, gloo, pp=2, 1 thread per process; GPT width {args.width}, "
+    print(f"commit {commit()}, torch {torch.__version__}, {cpu_model()}, {os.cpu_count()} cores, "
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"gloo, pp=2, 1 thread per process; GPT width {args.width}, "
           f"{args.layers} layers, context {args.context}, batch {args.batch}, {args.chunks} micro-batches; "
           f"median of {args.steps} steps after {args.warmup}")
     print(f"{'schedule':<18} {'simulated ms':>12} {'measured ms':>12} {'sim/meas':>9}  {'within 25%':<10} "

@@ -396,7 +396,7 @@ def test_schedule_time_benchmark_prints_simulated_and_measured_step_per_schedule
                                      "--schedules", "zbv"])
     schedule_time.main()
     lines = capsys.readouterr().out.splitlines()
-    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    rows = {line.split()[0]: line.split()[1:] for line in lines[3:-1]}
     assert set(rows) == {"zbv"}
     simulated, measured, ratio, *_ = rows["zbv"]
     assert float(simulated) > 0 and float(measured) > 0
