@@ -60,10 +60,13 @@ from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSched
 from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.fsdp import (
     MixedPrecisionPolicy,
+    fill_shard,
     fsdp_roots,
     full_value,
     is_shard,
+    managed_parameters,
     reshard_value,
+    shard_of,
     shard_stages,
 )
 from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, to_meta
@@ -500,7 +503,9 @@ class DistributedPipeline:
     ``fsdp`` (a mixed precision policy): shard this rank's stages over its replicas
     (:mod:`~lightning_pipe.runtime.fsdp`) in place of reducing whole gradients across them;
     :attr:`swapped` maps each old parameter's ``id`` to its sharded one, which the
-    optimizer must take (:func:`~lightning_pipe.runtime.fsdp.shard_optimizer`).
+    optimizer must take (:func:`~lightning_pipe.runtime.fsdp.shard_optimizer`). A meta-built
+    model is then never whole in a stage either: each replica receives only its shard of each
+    parameter, and the rank that initialises or held a tensor keeps only its shard of it.
     """
 
     def __init__(
@@ -547,16 +552,24 @@ class DistributedPipeline:
         self.held_by_rank = held
         meta_built = has_meta(root)
         self.released = release or meta_built
+        sharding = fsdp is not None and not fake
+        managed = None  # what each pipeline rank's FSDP shards, travelling as shards (a meta-built model's)
+        if sharding:
+            for module in modules:
+                module.hold_attributes()
+            if meta_built:
+                managed = [set().union(*(managed_parameters(modules[s]) for s in stages)) for stages in by_rank]
+        shards: dict[int, Tensor] = {}
         if fake:  # a meta copy on a silent mesh: nothing to send; tied copies reduce over the pipeline's group
             tied = [p for p in self._shared(root, held) if id(p) in held[self.position]]
             self._tied = [(mesh.get_group("pp"), tied)] if tied else []
         else:
-            self._distribute(root, held, previous, init, device, meta_built)
+            shards = self._distribute(root, held, previous, init, device, meta_built, managed)
             self._tied = self._tied_groups(root, held, timeout)
         self.swapped: dict[int, nn.Parameter] = {}
-        self.sharded = fsdp is not None and not fake
-        if fsdp is not None and not fake:
-            self._shard(root, fsdp)
+        self.sharded = sharding
+        if fsdp is not None and sharding:
+            self._shard(root, fsdp, shards)
         self.rank = PipelineRank(
             self.modules, self.stages, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn, fake
         )
@@ -602,15 +615,18 @@ class DistributedPipeline:
                 )
         return runners
 
-    def _shard(self, root: nn.Module, policy: MixedPrecisionPolicy) -> None:
+    def _shard(self, root: nn.Module, policy: MixedPrecisionPolicy, shards: dict[int, Tensor]) -> None:
         """FSDP over this stage's replicas; every record of a parameter follows it to its sharded one.
         A stage reads a tied parameter it does not own as its own (not lent: a copy of the
-        unsharded parameter would take its gradient away from FSDP)."""
+        unsharded parameter would take its gradient away from FSDP). ``shards``: this replica's
+        rows of each parameter still on the meta device, by the parameter's ``id``."""
         for module in self.modules:
-            module.hold_attributes()
             for segment in module.stage.segments:
                 segment.borrowed.clear()
         swapped = self.swapped = shard_stages(self.modules, root, self.mesh["dp"], policy)
+        for old, new in swapped.items():
+            if old in shards:
+                fill_shard(new, shards.pop(old))
         self.held = [swapped.get(id(t), t) for t in self.held]
         self.names = {name: swapped.get(id(t), t) for name, t in self.names.items()}
         self.owner.update({id(p): self.owner[old] for old, p in swapped.items() if old in self.owner})
@@ -628,12 +644,16 @@ class DistributedPipeline:
         init: Callable[[nn.Module], None] | None,
         device: torch.device,
         meta_built: bool,
-    ) -> None:
+        managed: Sequence[set[int]] | None = None,
+    ) -> dict[int, Tensor]:
         """Send every rank the values of its stages' tensors it lacks, module by module in
         ``modules()`` order (every rank walks the same order, so the blocking sends and
         receives meet), then release what this rank does not hold: back to the meta device
-        for a model built there, else to an empty tensor."""
+        for a model built there, else to an empty tensor. ``managed``: the parameters each
+        pipeline rank's FSDP shards; of those, each replica receives or keeps only its shard
+        (returned by ``id``), the tensor itself going back to the meta device."""
         me, seen = dist.get_rank(), set[int]()
+        shards: dict[int, Tensor] = {}
         for module in root.modules():
             tensors = [t for t in own_tensors(module) if id(t) not in seen]
             seen.update(map(id, tensors))
@@ -641,7 +661,9 @@ class DistributedPipeline:
                 init(module)
             for tensor in tensors:
                 for src, dst in self._transfers(id(tensor), held, previous):
-                    if me == dst:
+                    if managed is not None and id(tensor) in managed[dst // self.replicas]:
+                        self._send_shard(tensor, src, dst, device, shards)
+                    elif me == dst:
                         if tensor.is_meta:
                             allocate(tensor, device)
                         elif tensor.shape != self.shapes[id(tensor)]:  # released by this rank before
@@ -652,12 +674,28 @@ class DistributedPipeline:
                             tensor.copy_(buffer)
                     elif me == src:
                         dist.send(tensor.detach().contiguous(), dst)
+                if managed is not None and id(tensor) in managed[self.position] and not tensor.is_meta:
+                    shards[id(tensor)] = shard_of(tensor.detach(), self.replicas, self.replica).clone()
+                    to_meta(tensor)
                 if not self.released or id(tensor) in held[self.position] or tensor.is_meta:
                     continue
                 if meta_built:
                     to_meta(tensor)
                 else:
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return shards
+
+    def _send_shard(self, tensor: Tensor, src: int, dst: int, device: torch.device, shards: dict[int, Tensor]) -> None:
+        """Global rank ``src``'s value of ``tensor``, of it the shard of ``dst``'s replica alone,
+        to ``dst`` (into ``shards``); an empty shard does not travel."""
+        me, replica = dist.get_rank(), dst % self.replicas
+        shard = shard_of(tensor.detach(), self.replicas, replica)
+        if me == dst:
+            shards[id(tensor)] = torch.empty(shard.shape, dtype=tensor.dtype, device=device)
+            if shard.numel():
+                dist.recv(shards[id(tensor)], src)
+        elif me == src and shard.numel():
+            dist.send(shard.contiguous(), dst)
 
     def _transfers(
         self, tensor: int, held: list[set[int]], previous: Sequence[set[int]] | None

@@ -559,8 +559,15 @@ def test_a_parameter_fsdp_cannot_shard_is_named_with_the_fix():
     model.scale = torch.nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match=r"Parameter 'scale' is a scalar .* shape \(1,\), or use data_parallel='ddp'"):
         check_shardable(model)
+    model.scale = torch.nn.Parameter(torch.tensor(1.0), requires_grad=False)  # fully_shard shards frozen ones too
+    with pytest.raises(ValueError, match=r"Parameter 'scale' is a scalar"):
+        check_shardable(model)
     model.scale = torch.nn.Parameter(torch.ones(4, 3).t())
     with pytest.raises(ValueError, match=r"Parameter 'scale' is not contiguous .*\.contiguous\(\)"):
+        check_shardable(model)
+    with torch.device("meta"):  # (its storage, when it gets some, keeps its strides)
+        model.scale = torch.nn.Parameter(torch.ones(4, 3).t())
+    with pytest.raises(ValueError, match=r"Parameter 'scale' is not contiguous"):
         check_shardable(model)
     with pytest.raises(ValueError, match="precision='bf16-mixed'"):
         mixed_precision("16-mixed")

@@ -1,8 +1,11 @@
 """Stages as processes on torch.distributed.pipelining (gloo): trains like one process."""
 
+import itertools
 import os
 import socket
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -12,14 +15,24 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.graph.capture import capture
 from lightning_pipe.graph.microbatch import scatter
+from lightning_pipe.internals import start_memory_events, stop_memory_events
 from lightning_pipe.measure.meter import MemoryMeter
 from lightning_pipe.measure.profiler import profile_graph
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.memory import CostModel, stage_ranges
 from lightning_pipe.plan.plan import make_plan
 from lightning_pipe.plan.request import PlanRequest
+from lightning_pipe.runtime import distributed
 from lightning_pipe.runtime.build import build
-from lightning_pipe.runtime.distributed import DistributedPipeline, StageModule, carried, cuts, pipeline_mesh
+from lightning_pipe.runtime.distributed import (
+    DistributedPipeline,
+    PipelineRank,
+    StageModule,
+    carried,
+    cuts,
+    pipeline_mesh,
+)
+from lightning_pipe.runtime.fsdp import MixedPrecisionPolicy, is_shard, shard_of
 from lightning_pipe.runtime.materialize import materialize, materialize_module, own_tensors
 from tests.models import make
 
@@ -211,9 +224,55 @@ def _materialise(rank: int, world: int, port: int, out: str) -> None:
                 extra = [sum(tensors[i].numel() * tensors[i].element_size() for i in ids - mine) for ids in stored]
                 held[str(balance)]["extra"] = max(extra, default=0)
                 stored.clear()
+        held["fsdp"] = _sharded_as_built(mesh, even)
         torch.save(held, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _sharded_as_built(mesh, balance: list[int]) -> dict:
+    """A fresh meta-built encoder-decoder on ``balance``, each stage sharded by FSDP over its
+    replicas as it gets storage, then one step of GPipe on the whole batch: this rank's shards
+    of the values and of the gradients, and the bytes the CPU allocator held at most while the
+    stages got their storage (up to the schedule's set-up, whose buffers are no parameters),
+    beyond what it held before (all its allocations and frees, recorded by torch's profiler),
+    with the bytes of this rank's stage whole and sharded."""
+    with torch.device("meta"):
+        model, _ = make("encdec")
+    captured = capture(model)
+    batch = _batch("encdec")
+    microbatches = scatter(batch, CHUNKS)
+    inputs = tree_map(lambda t: t.to("meta"), model.inputs(microbatches[0]))
+    boundaries = cuts(build(captured, model, balance, [torch.device("meta")] * 2, place=False), model, inputs, {})
+    program = build(captured, model, balance, [torch.device("cpu")] * 2, place=False)
+
+    def loss_fn(output, target):
+        return model.criterion(output, microbatches[int(target)]) / CHUNKS
+
+    events: list = []
+
+    def stored_then_scheduled(*args, **kwargs):
+        events.extend(stop_memory_events())
+        return PipelineRank(*args, **kwargs)
+
+    torch.manual_seed(0)
+    start_memory_events()
+    with mock.patch.object(distributed, "PipelineRank", stored_then_scheduled):
+        pipe = DistributedPipeline(program, model, boundaries, mesh, "gpipe", CHUNKS, loss_fn, torch.device("cpu"),
+                                   init=partial(materialize_module, device=torch.device("cpu")),
+                                   fsdp=MixedPrecisionPolicy())
+    peak = sum(max(itertools.accumulate((e.cpu_memory_usage() for e in thread), initial=0)) for thread in events)
+    pipe.rank.train_step(program.bind(model.inputs(batch), {}) if pipe.is_first else None)
+    state = pipe.held_state()
+    params = [p for p in pipe.held if isinstance(p, torch.nn.Parameter)]
+    return {
+        "peak": peak,
+        "stage": sum(p.numel() * p.element_size() for p in params),
+        "sharded": sum(t.to_local().numel() * t.element_size() if is_shard(t) else t.numel() * t.element_size()
+                       for t in pipe.held),
+        "values": {name: t.to_local().clone() for name, t in state.items() if is_shard(t)},
+        "grads": {name: t.grad.to_local().clone() for name, t in state.items() if is_shard(t)},
+    }
 
 
 @pytest.mark.slow
@@ -232,6 +291,7 @@ def test_a_meta_built_model_gets_storage_stage_by_stage_and_moves_with_a_new_spl
     expected = reference.state_dict()
     largest = max(sum(t.numel() * t.element_size() for t in own_tensors(m)) for m in reference.modules())
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    _check_sharded_as_built([r.pop("fsdp") for r in ranks], largest)
     extra = [ranks[0][split].pop("extra") for split in ranks[0]]
     assert 0 < extra[0] <= largest and extra[1] == 0  # the second split initialises nothing
     for split in ranks[0]:
@@ -244,6 +304,27 @@ def test_a_meta_built_model_gets_storage_stage_by_stage_and_moves_with_a_new_spl
         assert set(ranks[0][split]) | set(ranks[2][split]) == set(expected)
     first, second = list(ranks[0])
     assert set(ranks[0][first]) != set(ranks[0][second])
+
+
+def _check_sharded_as_built(ranks: list[dict], largest: int) -> None:
+    """With FSDP, the meta-built model's stages get storage shard by shard: no rank ever holds
+    its stage whole, only its shards and (rank 0, which initialises every module) one module's
+    own tensors more; each replica's shards are its rows of the values one process draws, and
+    after a step, of the gradients one device computes on the same batch."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        reference, _ = make("encdec")
+    materialize(reference, torch.device("cpu"))
+    reference.loss(_batch("encdec")).backward()
+    for rank, got in enumerate(ranks):
+        replica = rank % 2
+        assert got["peak"] <= got["sharded"] + (largest if rank == 0 else 0) + 1024, (rank, got["peak"], got["sharded"])
+        assert got["peak"] < 0.75 * got["stage"], (rank, got["peak"], got["stage"])
+        assert got["values"], rank
+        for name, value in got["values"].items():
+            param = reference.get_parameter(name)
+            assert torch.equal(value, shard_of(param.detach(), 2, replica)), (rank, name)
+            torch.testing.assert_close(got["grads"][name], shard_of(param.grad, 2, replica), rtol=1e-5, atol=1e-6)
 
 
 def _with_policies(rank: int, world: int, port: int, out: str) -> None:
