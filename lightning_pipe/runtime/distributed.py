@@ -649,17 +649,19 @@ class DistributedPipeline:
         """Send every rank the values of its stages' tensors it lacks, module by module in
         ``modules()`` order (every rank walks the same order, so the blocking sends and
         receives meet), then release what this rank does not hold: back to the meta device
-        for a model built there, else to an empty tensor. ``managed``: the parameters each
+        for a model built there, else to an empty tensor. A tensor several modules register (a
+        tied weight) travels after the last of them, whose ``reset_parameters()`` may set it
+        again, as :func:`~lightning_pipe.runtime.materialize.materialize` lets it. ``managed``: the parameters each
         pipeline rank's FSDP shards; of those, each replica receives or keeps only its shard
         (returned by ``id``), the tensor itself going back to the meta device."""
-        me, seen = dist.get_rank(), set[int]()
-        shards: dict[int, Tensor] = {}
-        for module in root.modules():
-            tensors = [t for t in own_tensors(module) if id(t) not in seen]
-            seen.update(map(id, tensors))
+        me, shards = dist.get_rank(), dict[int, Tensor]()
+        modules = list(root.modules())
+        last = {id(t): k for k, module in enumerate(modules) for t in own_tensors(module)}
+        for k, module in enumerate(modules):
+            tensors = own_tensors(module)
             if me == 0 and previous is None and init is not None and any(t.is_meta for t in tensors):
                 init(module)
-            for tensor in tensors:
+            for tensor in [t for t in tensors if last[id(t)] == k]:  # (a later module may initialise it again)
                 for src, dst in self._transfers(id(tensor), held, previous):
                     if managed is not None and id(tensor) in managed[dst // self.replicas]:
                         self._send_shard(tensor, src, dst, device, shards)

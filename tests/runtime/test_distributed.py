@@ -224,22 +224,33 @@ def _materialise(rank: int, world: int, port: int, out: str) -> None:
                 extra = [sum(tensors[i].numel() * tensors[i].element_size() for i in ids - mine) for ids in stored]
                 held[str(balance)]["extra"] = max(extra, default=0)
                 stored.clear()
-        held["fsdp"] = _sharded_as_built(mesh, even)
+        held["fsdp"] = _sharded_as_built(mesh)
         torch.save(held, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _sharded_as_built(mesh, balance: list[int]) -> dict:
-    """A fresh meta-built encoder-decoder on ``balance``, each stage sharded by FSDP over its
-    replicas as it gets storage, then one step of GPipe on the whole batch: this rank's shards
-    of the values and of the gradients, and the bytes the CPU allocator held at most while the
-    stages got their storage (up to the schedule's set-up, whose buffers are no parameters),
-    beyond what it held before (all its allocations and frees, recorded by torch's profiler),
-    with the bytes of this rank's stage whole and sharded."""
+def _tied_on_meta() -> torch.nn.Module:
+    """The encoder-decoder built on the meta device, its head's weight its target embedding's
+    (the first stage embeds, the last projects: a weight tied across the stages, which the
+    head's ``reset_parameters()`` sets again after the embedding's)."""
     with torch.device("meta"):
         model, _ = make("encdec")
+    model.head.weight = model.tgt_emb.weight
+    return model
+
+
+def _sharded_as_built(mesh) -> dict:
+    """A fresh meta-built encoder-decoder, a weight tied across its stages, on an even split,
+    each stage sharded by FSDP over its replicas as it gets storage, then one step of GPipe on
+    the whole batch: this rank's shards of the values and of the gradients, and the bytes the
+    CPU allocator held at most while the stages got their storage (up to the schedule's
+    set-up, whose buffers are no parameters), beyond what it held before (all its allocations
+    and frees, recorded by torch's profiler), with the bytes of this rank's stage whole and
+    sharded."""
+    model = _tied_on_meta()
     captured = capture(model)
+    balance = balance_by_weight(captured.param_bytes(), 2)
     batch = _batch("encdec")
     microbatches = scatter(batch, CHUNKS)
     inputs = tree_map(lambda t: t.to("meta"), model.inputs(microbatches[0]))
@@ -263,6 +274,7 @@ def _sharded_as_built(mesh, balance: list[int]) -> dict:
                                    fsdp=MixedPrecisionPolicy())
     peak = sum(max(itertools.accumulate((e.cpu_memory_usage() for e in thread), initial=0)) for thread in events)
     pipe.rank.train_step(program.bind(model.inputs(batch), {}) if pipe.is_first else None)
+    pipe.sync_gradients()
     state = pipe.held_state()
     params = [p for p in pipe.held if isinstance(p, torch.nn.Parameter)]
     return {
@@ -280,7 +292,8 @@ def test_a_meta_built_model_gets_storage_stage_by_stage_and_moves_with_a_new_spl
     """Each rank gives storage only to its own stage's tensors, with the values of the whole
     model materialised in one process; rank 0, which initialises every module, never holds
     more than its stage and one module's own tensors; a pipeline on another split takes the
-    values over from the ranks that held them (each replica from its own)."""
+    values over from the ranks that held them (each replica from its own). Sharded by FSDP,
+    a stage gets its storage shard by shard (:func:`_check_sharded_as_built`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -291,7 +304,7 @@ def test_a_meta_built_model_gets_storage_stage_by_stage_and_moves_with_a_new_spl
     expected = reference.state_dict()
     largest = max(sum(t.numel() * t.element_size() for t in own_tensors(m)) for m in reference.modules())
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
-    _check_sharded_as_built([r.pop("fsdp") for r in ranks], largest)
+    _check_sharded_as_built([r.pop("fsdp") for r in ranks])
     extra = [ranks[0][split].pop("extra") for split in ranks[0]]
     assert 0 < extra[0] <= largest and extra[1] == 0  # the second split initialises nothing
     for split in ranks[0]:
@@ -306,19 +319,22 @@ def test_a_meta_built_model_gets_storage_stage_by_stage_and_moves_with_a_new_spl
     assert set(ranks[0][first]) != set(ranks[0][second])
 
 
-def _check_sharded_as_built(ranks: list[dict], largest: int) -> None:
+def _check_sharded_as_built(ranks: list[dict]) -> None:
     """With FSDP, the meta-built model's stages get storage shard by shard: no rank ever holds
     its stage whole, only its shards and (rank 0, which initialises every module) one module's
-    own tensors more; each replica's shards are its rows of the values one process draws, and
-    after a step, of the gradients one device computes on the same batch."""
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        reference, _ = make("encdec")
+    own tensors more, and the tied weight until the last module registering it set it; each
+    replica's shards are its rows of the values one process draws, and after a step, of the
+    gradients one device computes on the same batch (the tied weight's on both stages: one
+    parameter)."""
+    reference = _tied_on_meta()
     materialize(reference, torch.device("cpu"))
+    largest = max(sum(t.numel() * t.element_size() for t in own_tensors(m)) for m in reference.modules())
     reference.loss(_batch("encdec")).backward()
+    tied = reference.head.weight.numel() * reference.head.weight.element_size()
+    assert {"tgt_emb.weight", "head.weight"} <= set(ranks[0]["values"]) & set(ranks[2]["values"])
     for rank, got in enumerate(ranks):
         replica = rank % 2
-        assert got["peak"] <= got["sharded"] + (largest if rank == 0 else 0) + 1024, (rank, got["peak"], got["sharded"])
+        assert got["peak"] <= got["sharded"] + (largest + tied if rank == 0 else 0) + 1024, (rank, got["peak"])
         assert got["peak"] < 0.75 * got["stage"], (rank, got["peak"], got["stage"])
         assert got["values"], rank
         for name, value in got["values"].items():
