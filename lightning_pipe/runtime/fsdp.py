@@ -107,8 +107,10 @@ def check_shardable(root: nn.Module) -> None:
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """FSDP's mixed precision for a Trainer precision: ``bf16-mixed`` gathers parameters in
-    bfloat16 and reduces gradients in float32, as autocast would compute; other precisions
-    keep the parameters' dtype.
+    bfloat16 and reduces gradients in float32, as autocast would compute, and each unit hands
+    its outputs on in float32: a stage's outputs are what its boundary says (described in
+    float32, :func:`~lightning_pipe.runtime.distributed.cuts`), not bfloat16 that the
+    receiving stage would read as float32. Other precisions keep the parameters' dtype.
 
     Raises:
         ValueError: ``16-mixed``, whose grad scaler cannot unscale sharded gradients here.
@@ -119,7 +121,8 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
             "gradients per rank). Use precision='bf16-mixed', or data_parallel='ddp'."
         )
     if precision in ("bf16-mixed", "bf16"):
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 

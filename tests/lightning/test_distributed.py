@@ -86,6 +86,7 @@ DENOISER_PP2 = ["denoiser:1f1b:2"]
 # GPT's 1F1B run accumulating, clipping by norm and decaying the learning rate: FSDP_FEATURES)
 FSDP = ["gpt:gpipe:2:fsdp", "encdec:gpipe:2:fsdp", "encdec:1f1b:2:fsdp"]
 FSDP_FEATURES = "gpt:1f1b:2:features:fsdp"
+FSDP_BF16 = "gpt:gpipe:2:bf16:fsdp"  # Trainer(precision="bf16-mixed"): FSDP's mixed precision
 
 
 @dataclass
@@ -136,7 +137,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     # (a memory run needs two steps: the second has the first's optimizer state)
     return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, RECOVER_DP,
                    f"shrink:gpt:{SHRINK_LIMIT_DP}:p2", "2", "hf:1f1b:4:metered",
-                   str(STEPS), "gpt:1f1b:2:features", *FSDP, FSDP_FEATURES, "fsdp-sharded", "fsdp-empty",
+                   str(STEPS), "gpt:1f1b:2:features", *FSDP, FSDP_FEATURES, FSDP_BF16, "fsdp-sharded", "fsdp-empty",
                    *SCHEDULES_PP4,
                    *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
@@ -314,6 +315,24 @@ def test_stages_sharded_by_fsdp_over_their_replicas_train_as_one_device(four_ran
     for rank in range(4):  # (rank = stage * 2 + replica; the head's weight is the embedding's)
         shapes = json.loads(four_ranks.path(f"gpt-gpipe-2-fsdp-rank{rank}.json").read_text())["local_shapes"]
         assert shapes["tok_emb.weight"] == [48, 32] and shapes[f"blocks.{3 * (rank // 2)}.mlp.0.weight"] == [64, 32]
+
+
+@pytest.mark.slow
+def test_fsdp_takes_its_mixed_precision_from_the_trainer_and_trains_as_one_device(four_ranks):
+    """precision="bf16-mixed" with data_parallel="fsdp" at pp=2 x dp=2: every stage computes
+    its linear layers in bfloat16 (FSDP gathers the shards in bfloat16), the checkpoint stays
+    float32, and the weights after three steps are one device's under autocast on the union
+    batch, to bfloat16's precision (FSDP computes every op on bfloat16 weights, autocast some:
+    1.0e-2 of a weight's largest value at most, where autocast is 8.7e-3 off float32; a stage
+    handing on bfloat16 where its boundary says float32 made every weight NaN)."""
+    for rank in range(4):
+        result = json.loads(four_ranks.path(f"gpt-gpipe-2-bf16-fsdp-rank{rank}.json").read_text())
+        assert result["linear_dtypes"] == ["torch.bfloat16"] and result["local_shapes"], rank
+    state = torch.load(four_ranks.path("gpt-gpipe-2-bf16-fsdp.ckpt"), weights_only=False)["state_dict"]
+    for key, value in _reference("gpt", 2, precision="bf16-mixed").items():
+        assert state[key].dtype == value.dtype, key
+        if value.is_floating_point():
+            assert (state[key] - value).abs().max() <= 2e-2 * value.abs().max(), key
 
 
 @pytest.mark.slow
