@@ -367,7 +367,8 @@ def test_stages_sharded_by_fsdp_save_and_resume_sharded_checkpoints_like_one_dev
 def test_a_model_built_on_the_meta_device_is_sharded_by_fsdp_and_trains_and_validates_like_one_device(four_ranks):
     """trainer.init_module(empty_init=True) at pp=2 x dp=2 with data_parallel="fsdp": the
     values are those of the whole model materialised in one process, training matches one
-    device, and every rank validates the trained, sharded stages as one device does."""
+    device, and every rank validates the trained, sharded stages as one device does. The
+    sanity check, on a provisional split FSDP does not shard, is named with the fix."""
     _, data = make("unet")
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -382,6 +383,7 @@ def test_a_model_built_on_the_meta_device_is_sharded_by_fsdp_and_trains_and_vali
     for rank in range(4):
         got = json.loads(four_ranks.path(f"fsdp-empty-rank{rank}.json").read_text())["val"]
         assert got == pytest.approx(expected, rel=1e-5), rank
+    assert "holds its stage whole until then. Pass num_sanity_val_steps=0" in four_ranks.result.stderr
 
 
 @pytest.mark.slow
