@@ -651,9 +651,10 @@ class DistributedPipeline:
         receives meet), then release what this rank does not hold: back to the meta device
         for a model built there, else to an empty tensor. A tensor several modules register (a
         tied weight) travels after the last of them, whose ``reset_parameters()`` may set it
-        again, as :func:`~lightning_pipe.runtime.materialize.materialize` lets it. ``managed``: the parameters each
-        pipeline rank's FSDP shards; of those, each replica receives or keeps only its shard
-        (returned by ``id``), the tensor itself going back to the meta device."""
+        again, as :func:`~lightning_pipe.runtime.materialize.materialize` lets it.
+        ``managed``: the parameters each pipeline rank's FSDP shards; of those, each replica
+        receives or keeps only its shard (returned by ``id``), the tensor itself going back to
+        the meta device."""
         me, shards = dist.get_rank(), dict[int, Tensor]()
         modules = list(root.modules())
         last = {id(t): k for k, module in enumerate(modules) for t in own_tensors(module)}
