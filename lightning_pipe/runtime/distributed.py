@@ -131,6 +131,13 @@ class Cut:
     def examples(self, requires_grad: bool) -> tuple[Tensor, ...]:
         return tuple(m.example(requires_grad) for m in self.leaves if isinstance(m, TensorMeta))
 
+    def cast(self, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """``tensors`` (flattened) in the dtypes the cut says: the receiver reads the bytes so.
+        A stage under autocast makes bfloat16 where the cut, described without it, says
+        float32 (a cut right after a linear layer), which would arrive as garbage."""
+        metas = [m for m in self.leaves if isinstance(m, TensorMeta)]
+        return tuple(t.to(m.dtype) for t, m in zip(tensors, metas))
+
 
 def cuts(program: Program, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Cut]:
     """Run ``program`` on one micro-batch (no gradients) and describe what crosses each cut:
@@ -274,7 +281,8 @@ class StageModule(StageRunner):
         tensors = tuple(_Alias.apply(t) if t.requires_grad and t.is_leaf else t for t in tensors)  # type: ignore[no-untyped-call]
         with self.step_context(), self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
             # (gloo sends only contiguous tensors: a transposed view leaving the stage is copied)
-            outputs = tuple(t.contiguous() for t in self.outputs.flatten(self.run(self.inputs.unflatten(tensors))))
+            made = self.outputs.flatten(self.run(self.inputs.unflatten(tensors)))
+            outputs = tuple(t.contiguous() for t in self.outputs.cast(made))
         # the zero-bubble schedules detach a stage's outputs in place once their input gradients
         # are made, and the weights' gradients come later: an output an operator saved for its
         # backward (a ReLU's, a cut after it) leaves as an alias, which may be detached, and one

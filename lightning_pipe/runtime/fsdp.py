@@ -108,9 +108,10 @@ def check_shardable(root: nn.Module) -> None:
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """FSDP's mixed precision for a Trainer precision: ``bf16-mixed`` gathers parameters in
     bfloat16 and reduces gradients in float32, as autocast would compute, and each unit hands
-    its outputs on in float32: a stage's outputs are what its boundary says (described in
-    float32, :func:`~lightning_pipe.runtime.distributed.cuts`), not bfloat16 that the
-    receiving stage would read as float32. Other precisions keep the parameters' dtype.
+    its outputs on in float32, as autocast's residual streams are (on bfloat16 parameters the
+    embeddings would make them bfloat16) and as a stage's boundary says
+    (:func:`~lightning_pipe.runtime.distributed.cuts`). Other precisions keep the parameters'
+    dtype.
 
     Raises:
         ValueError: ``16-mixed``, whose grad scaler cannot unscale sharded gradients here.

@@ -89,8 +89,38 @@ def _train(rank: int, world: int, port: int, stages: int, out: str) -> None:
             state = pipe.state_dict()
             if rank == 0:
                 torch.save(state, Path(out) / f"{family}-{schedule}.pt")
+        if stages == world:
+            torch.save(_bf16_cut_after_linear(mesh), Path(out) / f"bf16-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _cut_after_linear(model: torch.nn.Module, captured) -> list[int]:
+    """Two stages, the GPT cut right after its second block's qkv projection."""
+    names = [n.name for n in captured.nodes]
+    cut = names.index("blocks_1_attn_qkv") + 1
+    return [cut, len(names) - cut]
+
+
+def _bf16_cut_after_linear(mesh) -> dict[str, torch.Tensor]:
+    """One GPipe step of the GPT cut right after a linear layer, every stage under bfloat16
+    autocast (a Trainer's bf16-mixed): the gradients of this rank's parameters."""
+    model, _ = make("gpt")
+    batch = _batch("gpt")
+    microbatches = scatter(batch, CHUNKS)
+    captured = capture(model)
+    program = build(captured, model, _cut_after_linear(model, captured), [torch.device("cpu")] * 2, place=False)
+
+    def loss_fn(output, target):
+        return model.criterion(output, microbatches[int(target)]) / CHUNKS
+
+    pipe = DistributedPipeline(program, model, cuts(program, model, model.inputs(microbatches[0]), {}), mesh, "gpipe",
+                               CHUNKS, loss_fn, torch.device("cpu"))
+    for stage in pipe.modules:
+        stage.step_context = partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+    pipe.rank.train_step(program.bind(model.inputs(batch), {}) if pipe.is_first else None)
+    pipe.sync_gradients()  # (the tied embedding's, summed over the stages)
+    return {name: t.grad for name, t in pipe.held_state().items() if t.grad is not None}
 
 
 def _spawn(world: int, stages: int, out: Path) -> None:
@@ -104,6 +134,18 @@ def _spawn(world: int, stages: int, out: Path) -> None:
 @pytest.mark.slow
 def test_pp2_trains_like_one_device_for_every_family(tmp_path):
     _spawn(world=2, stages=2, out=tmp_path)
+    # under bf16 autocast, a stage cut right after a linear layer hands on bfloat16 where its cut
+    # says float32 (the cut is described without autocast): sent as float32, not read as garbage
+    model, _ = make("gpt")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.loss(_batch("gpt"))
+    loss.backward()
+    for rank in range(2):
+        grads = torch.load(tmp_path / f"bf16-rank{rank}.pt")
+        assert grads, rank
+        for name, grad in grads.items():
+            expected = model.get_parameter(name).grad
+            assert (grad - expected).abs().max() <= 1e-2 * expected.abs().max(), (rank, name)
     for family, schedule in CONFIGS:
         expected = _reference(family)
         state = torch.load(tmp_path / f"{family}-{schedule}.pt")
