@@ -354,6 +354,13 @@ class DistributedEngine(Engine):
         rank that held them (rank 0, or in the pipeline this one replaces)."""
         module = self.module
         old = self.pipe if self.pipe is not None and self.pipe.released else None
+        if not final and self._empty and self.options.data_parallel == "fsdp":
+            rank_zero_warn(
+                "data_parallel='fsdp': the model built on the meta device is evaluated before training (the sanity "
+                "check) on a provisional split that FSDP does not shard (training builds the sharded stages once, "
+                "planned): each rank holds its stage whole until then. Pass num_sanity_val_steps=0 to the Trainer "
+                "for no rank to ever hold its stage whole."
+            )
         box: list[Any] = [None]
         if self.global_rank == 0:
             sample = scatter(arguments, self.options.chunks)[0]

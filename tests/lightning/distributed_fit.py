@@ -444,7 +444,8 @@ def empty(out: Path, devices: int) -> None:
 def fsdp_empty(out: Path, devices: int) -> None:
     """:func:`empty`'s first run at pp=2, each stage sharded over its replicas: validated
     first (on the provisional, unsharded split), trained three steps, validated again (the
-    sharded stages gathered outside the schedule); every rank saves the validation loss."""
+    sharded stages gathered outside the schedule); every rank saves the validation loss. Then
+    the same without the sanity check: the sharded stages built straight from the meta device."""
     _, data = make("unet")
     trainer = Trainer(**empty_trainer(devices, steps=3, fsdp=True))
     with trainer.init_module(empty_init=True):
@@ -454,6 +455,12 @@ def fsdp_empty(out: Path, devices: int) -> None:
     trainer.save_checkpoint(out / "fsdp-empty.ckpt")
     val = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     (out / f"fsdp-empty-rank{trainer.global_rank}.json").write_text(json.dumps({"val": val}))
+    unchecked = Trainer(**{**empty_trainer(devices, steps=3, fsdp=True), "num_sanity_val_steps": 0})
+    with unchecked.init_module(empty_init=True):
+        torch.manual_seed(0)
+        model = UNet()
+    unchecked.fit(model, loader(data, BATCH))
+    unchecked.save_checkpoint(out / "fsdp-empty-unchecked.ckpt")
 
 
 def empty_trainer(devices: int | None, steps: int, fsdp: bool = False) -> dict:

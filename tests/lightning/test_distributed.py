@@ -92,6 +92,7 @@ DENOISER_PP2 = ["denoiser:1f1b:2"]
 # GPT's 1F1B run accumulating, clipping by norm and decaying the learning rate: FSDP_FEATURES)
 FSDP = ["gpt:gpipe:2:fsdp", "encdec:gpipe:2:fsdp", "encdec:1f1b:2:fsdp"]
 FSDP_FEATURES = "gpt:1f1b:2:features:fsdp"
+FSDP_BF16 = "gpt:gpipe:2:bf16:fsdp"  # Trainer(precision="bf16-mixed"): FSDP's mixed precision
 
 
 @dataclass
@@ -142,7 +143,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     # (a memory run needs two steps: the second has the first's optimizer state)
     return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, RECOVER_DP,
                    f"shrink:gpt:{SHRINK_LIMIT_DP}:p2", "2", "hf:1f1b:4:metered",
-                   str(STEPS), "gpt:1f1b:2:features", *FSDP, FSDP_FEATURES, "fsdp-sharded", "fsdp-empty",
+                   str(STEPS), "gpt:1f1b:2:features", *FSDP, FSDP_FEATURES, FSDP_BF16, "fsdp-sharded", "fsdp-empty",
                    *SCHEDULES_PP4,
                    *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
@@ -323,6 +324,24 @@ def test_stages_sharded_by_fsdp_over_their_replicas_train_as_one_device(four_ran
 
 
 @pytest.mark.slow
+def test_fsdp_takes_its_mixed_precision_from_the_trainer_and_trains_as_one_device(four_ranks):
+    """precision="bf16-mixed" with data_parallel="fsdp" at pp=2 x dp=2: every stage computes
+    its linear layers in bfloat16 (FSDP gathers the shards in bfloat16), the checkpoint stays
+    float32, and the weights after three steps are one device's under autocast on the union
+    batch, to bfloat16's precision (FSDP computes every op on bfloat16 weights, autocast some:
+    1.0e-2 of a weight's largest value at most, where autocast is 8.7e-3 off float32; a stage
+    handing on bfloat16 where its boundary says float32 made every weight NaN)."""
+    for rank in range(4):
+        result = json.loads(four_ranks.path(f"gpt-gpipe-2-bf16-fsdp-rank{rank}.json").read_text())
+        assert result["linear_dtypes"] == ["torch.bfloat16"] and result["local_shapes"], rank
+    state = torch.load(four_ranks.path("gpt-gpipe-2-bf16-fsdp.ckpt"), weights_only=False)["state_dict"]
+    for key, value in _reference("gpt", 2, precision="bf16-mixed").items():
+        assert state[key].dtype == value.dtype, key
+        if value.is_floating_point():
+            assert (state[key] - value).abs().max() <= 2e-2 * value.abs().max(), key
+
+
+@pytest.mark.slow
 def test_stages_sharded_by_fsdp_save_and_resume_sharded_checkpoints_like_one_device(four_ranks, tmp_path):
     """The same sharded checkpoint as without FSDP (each key once, every replica writing its
     shard), resumed by a fresh model for two more steps as one device resumes; the full
@@ -354,7 +373,9 @@ def test_stages_sharded_by_fsdp_save_and_resume_sharded_checkpoints_like_one_dev
 def test_a_model_built_on_the_meta_device_is_sharded_by_fsdp_and_trains_and_validates_like_one_device(four_ranks):
     """trainer.init_module(empty_init=True) at pp=2 x dp=2 with data_parallel="fsdp": the
     values are those of the whole model materialised in one process, training matches one
-    device, and every rank validates the trained, sharded stages as one device does."""
+    device, and every rank validates the trained, sharded stages as one device does. The
+    sanity check, on a provisional split FSDP does not shard, is named with the fix; without
+    it, the stages sharded as they get storage train as one device too."""
     _, data = make("unet")
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -362,13 +383,15 @@ def test_a_model_built_on_the_meta_device_is_sharded_by_fsdp_and_trains_and_vali
     materialize(model, torch.device("cpu"))
     trainer = Trainer(**empty_trainer(None, steps=3))
     trainer.fit(model, loader(data, BATCH), loader(data, BATCH))
-    state = torch.load(four_ranks.path("fsdp-empty.ckpt"), weights_only=False)["state_dict"]
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for name in ("fsdp-empty.ckpt", "fsdp-empty-unchecked.ckpt"):  # (the second built sharded from the meta device)
+        state = torch.load(four_ranks.path(name), weights_only=False)["state_dict"]
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
     expected = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     for rank in range(4):
         got = json.loads(four_ranks.path(f"fsdp-empty-rank{rank}.json").read_text())["val"]
         assert got == pytest.approx(expected, rel=1e-5), rank
+    assert "holds its stage whole until then. Pass num_sanity_val_steps=0" in four_ranks.result.stderr
 
 
 @pytest.mark.slow
@@ -589,8 +612,15 @@ def test_a_parameter_fsdp_cannot_shard_is_named_with_the_fix():
     model.scale = torch.nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match=r"Parameter 'scale' is a scalar .* shape \(1,\), or use data_parallel='ddp'"):
         check_shardable(model)
+    model.scale = torch.nn.Parameter(torch.tensor(1.0), requires_grad=False)  # fully_shard shards frozen ones too
+    with pytest.raises(ValueError, match=r"Parameter 'scale' is a scalar"):
+        check_shardable(model)
     model.scale = torch.nn.Parameter(torch.ones(4, 3).t())
     with pytest.raises(ValueError, match=r"Parameter 'scale' is not contiguous .*\.contiguous\(\)"):
+        check_shardable(model)
+    with torch.device("meta"):  # (its storage, when it gets some, keeps its strides)
+        model.scale = torch.nn.Parameter(torch.ones(4, 3).t())
+    with pytest.raises(ValueError, match=r"Parameter 'scale' is not contiguous"):
         check_shardable(model)
     with pytest.raises(ValueError, match="precision='bf16-mixed'"):
         mixed_precision("16-mixed")
