@@ -539,6 +539,10 @@ class CostModel:
                 backward.append(loss_backward.waiting(max((w for _, w in states), default=0)))
         if pending is not None and kept:
             forward = [p.waiting(pending.forward * kept) for p in forward]
+            # the end of an input half: its micro-batch's stash, which it does not free as a
+            # whole backward does, and the gradients it keeps, with those pending before it
+            backward += [StagePeak(static, round(held * live.stashed), 0, round(held * cached) + (count + 1) * kept)
+                         for held, count in pending.backward]
         # the optimizer's step: the stage's state, the step's temporaries (the last: the batch)
         step = [StagePeak(static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0)]
         if self.replicas > 1:  # before it, the gradients' reduction over the replicas: a bucket copied flat

@@ -196,7 +196,7 @@ def test_a_process_holding_two_stages_peaks_where_the_plan_predicts(family, sche
     within PREDICTION_ERROR of the plan's peak for that process, read off its action order
     (measured: within 2%; the sum of the rank's stage peaks is up to 19% over). Interleaved
     zero-bubble's input halves keep the gradients at the outputs of the nodes whose weights'
-    gradients the weight halves make from them: -3.7% and -4.7% (without them, the second
+    gradients the weight halves make from them: -1.9% and -4.2% (without them, the second
     process -10.5%)."""
     processes, chunks = 2, CHUNKS
     model, data = make(family, optimizer="adam")
