@@ -19,7 +19,11 @@ goes). Under GPipe a stage's outputs of earlier micro-batches wait for the stage
 while it runs (the last stage's, for the merge of all micro-batches'). The last stage also holds
 the training batch and the loss made from its outputs, which the strategy measures. What waits
 at a stage for other stages (gradients for an earlier stage's backward under 1F1B and 2BW, a
-long skip's values under GPipe) is known once a split is (:meth:`CostModel.waiting`).
+long skip's values under GPipe) is known once a split is (:meth:`CostModel.waiting`). Under a
+split backward (the zero-bubble and V-shape schedules) a micro-batch between its input and
+weight halves keeps besides its stash the gradients at its weighted nodes' outputs
+(:meth:`CostModel.weight_grads`), at each backward as many as the schedule's order has
+pending then (:func:`~lightning_pipe.plan.schedule.weights_pending`).
 
 Per node, a policy says where its saved bytes live between forward and backward: ``keep``
 (on the device), ``swap`` (in host memory: no device bytes while in flight, brought back when
@@ -51,7 +55,7 @@ from lightning_pipe.plan.nodes import Array, NodeArrays
 from lightning_pipe.plan.policy import CodedPolicies, Policy, policy_codes
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.recompute import recomputed_regions, regions_inputs
-from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, BackwardState, Schedule
+from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, BackwardState, Pending, Schedule
 from lightning_pipe.plan.times import WORK_BYTES, pooled_times
 
 __all__ = ["CostModel", "StagePeak", "predict_peaks", "stage_ranges"]
@@ -174,6 +178,11 @@ class CostModel:
         # under GPipe they wait on its stage for the merge, every micro-batch's
         to_output = (column["held_until"] >= n) & (a.held_by < 0)
         self._to_output: list[int] = _prefix(np.where(to_output, a.held, 0).tolist())
+        # the gradients at the outputs of the nodes reading a trainable parameter (a tied copy
+        # too): a split backward's input half keeps them for its weight half (weight_grads)
+        weighted = a.grads > 0
+        weighted[[u for p in profile.shared for u in p.users[1:]]] = True
+        self._weight_grads: list[int] = _prefix(np.where(weighted, column["output_grad_bytes"], 0).tolist())
         self._forward = _prefix(self.forward_ms)
         self._compute = _prefix([f + b for f, b in zip(self.forward_ms, self.backward_ms)])
         self._transient = _RangeMax(np.maximum(a.workspace, column["backward_bytes"] - a.grads))
@@ -394,6 +403,15 @@ class CostModel:
                 waiting[s] += max(0, extra) * int(a.held[r.start + k])
         return waiting
 
+    def weight_grads(self, lo: int, hi: int) -> int:
+        """Bytes one micro-batch of a stage on nodes ``[lo, hi)`` keeps from the input half of
+        a split backward to its weight half beyond its stash: torch.distributed.pipelining's
+        ``stage_backward_input`` keeps the gradient at the output of each node whose
+        parameters' gradients ``stage_backward_weight`` makes from it (measured on the GPT: each
+        stage but the first keeps exactly these). The first stage's input half makes nothing
+        (its inputs need no gradient): its weight half is the whole backward."""
+        return self._weight_grads[hi] - self._weight_grads[lo] if lo else 0
+
     def static(self, lo: int, hi: int, weight_versions: int = 1) -> int:
         """Bytes held all along: parameters, their state, borrowed copies and, with ``carry``
         (stages as processes), the buffers of carried values (allocated once, kept across
@@ -455,6 +473,7 @@ class CostModel:
         policies: Mapping[int, Policy] = {},
         weight_versions: int = 1,
         waiting: Waiting = (0, ()),
+        pending: Pending | None = None,
     ) -> StagePeak:
         """Predicted peak of a stage holding nodes ``[lo, hi)``; ``policies`` maps node index
         to its non-``keep`` policy (other stages' too, when known: a value an earlier stage
@@ -462,19 +481,23 @@ class CostModel:
         may be fractional when a planner prices a group of stages as one. ``waiting``: bytes
         that wait at the stage for other stages while it runs forwards, and at each of its
         backwards what it holds and the bytes waiting (:meth:`waiting`), known once a split
-        is."""
-        return self._peak(lo, hi, in_flight, self.live(lo, hi, policies), weight_versions, waiting)
+        is. ``pending``: under a split backward, its micro-batches between the halves, each
+        keeping :meth:`weight_grads` (:func:`~lightning_pipe.plan.schedule.weights_pending`;
+        ``None``: its backwards are whole)."""
+        return self._peak(lo, hi, in_flight, self.live(lo, hi, policies), weight_versions, waiting, pending)
 
-    def kept_peak_at_most(self, lo: int, hi: int, in_flight: float, weight_versions: int = 1) -> int:
+    def kept_peak_at_most(
+        self, lo: int, hi: int, in_flight: float, weight_versions: int = 1, pending: Pending | None = None
+    ) -> int:
         """An upper bound of :meth:`peak`'s total on ``[lo, hi)`` keeping every node with nothing
         waiting, from prefix sums and range maxima (:class:`_KeptBounds`), a few times cheaper:
         a fill-first search asks mostly whether a range is within a limit it is well under.
         Exact for stages as processes (their receive buffers change the stash)."""
         if self.carry:
-            return self.peak(lo, hi, in_flight, {}, weight_versions).total
+            return self.peak(lo, hi, in_flight, {}, weight_versions, pending=pending).total
         if self._kept_bounds is None:
             self._kept_bounds = _KeptBounds(self._arrays, self._summed)
-        return self._peak(lo, hi, in_flight, self._kept_bounds.live(lo, hi), weight_versions, (0, ())).total
+        return self._peak(lo, hi, in_flight, self._kept_bounds.live(lo, hi), weight_versions, (0, ()), pending).total
 
     def peaks(
         self,
@@ -484,19 +507,26 @@ class CostModel:
         variants: Sequence[CodedPolicies],
         weight_versions: int = 1,
         waiting: Waiting = (0, ()),
+        pending: Pending | None = None,
     ) -> list[StagePeak]:
         """:meth:`peak` under each of ``variants``, priced at once (a search's candidates)."""
-        return [self._peak(lo, hi, in_flight, live, weight_versions, waiting) for live in self._lives(lo, hi, variants)]
+        return [self._peak(lo, hi, in_flight, live, weight_versions, waiting, pending)
+                for live in self._lives(lo, hi, variants)]
 
     def _peak(
-        self, lo: int, hi: int, in_flight: float, live: LiveBytes, weight_versions: int, waiting: Waiting
+        self, lo: int, hi: int, in_flight: float, live: LiveBytes, weight_versions: int, waiting: Waiting,
+        pending: Pending | None,
     ) -> StagePeak:
         static = self.static(lo, hi, weight_versions)
         # stages as processes keep each micro-batch's outputs until its backward
         cached = live.leaving if self.carry and hi < self.n else 0
-        backward = self._backward_peaks(lo, hi, in_flight, live, static, waiting[1], cached)
+        states = waiting[1]
+        kept = self.weight_grads(lo, hi) if pending is not None else 0
+        if pending is not None and kept:  # stages as processes: nothing else waits
+            states = [(held, count * kept) for held, count in pending.backward]
+        backward = self._backward_peaks(lo, hi, in_flight, live, static, states, cached)
         if cached:  # and the step begins with no gradients
-            fresh = static - self._step_grads(lo, hi)
+            fresh = static - self.step_grads(lo, hi)
             forward = [self._forward_peak(in_flight, live, fresh, round(in_flight * cached))]
         elif hi < self.n:
             # GPipe: outputs wait for the next stage; those in the graph's output for the merge
@@ -506,11 +536,17 @@ class CostModel:
         else:
             forward, loss_backward = self._last_peaks(lo, in_flight, live, static)
             if loss_backward is not None:  # it begins the stage's backward: what waits then waits with it
-                backward.append(loss_backward.waiting(max((w for _, w in waiting[1]), default=0)))
+                backward.append(loss_backward.waiting(max((w for _, w in states), default=0)))
+        if pending is not None and kept:
+            forward = [p.waiting(pending.forward * kept) for p in forward]
+            # the end of an input half: its micro-batch's stash, which it does not free as a
+            # whole backward does, and the gradients it keeps, with those pending before it
+            backward += [StagePeak(static, round(held * live.stashed), 0, round(held * cached) + (count + 1) * kept)
+                         for held, count in pending.backward]
         # the optimizer's step: the stage's state, the step's temporaries (the last: the batch)
         step = [StagePeak(static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0)]
         if self.replicas > 1:  # before it, the gradients' reduction over the replicas: a bucket copied flat
-            step.append(StagePeak(static, 0, min(self._step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
+            step.append(StagePeak(static, 0, min(self.step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
         if waiting[0]:
             forward = [p.waiting(waiting[0]) for p in forward]
         return _highest([*forward, *backward, *step])
@@ -554,7 +590,7 @@ class CostModel:
         schedule runs another forward before each (1F1B and 2BW with more micro-batches).
         ``cached``: bytes of one micro-batch's outputs kept until its backward is done."""
         gradient = self._last_backward(lo, in_flight) if hi == self.n else 0
-        grads = self._step_grads(lo, hi)
+        grads = self.step_grads(lo, hi)
         if not states:
             later = in_flight if not self.merges and self.chunks > in_flight else in_flight - 1
             states = [(in_flight, 0)] + ([(later, 0)] if later >= 1 else [])
@@ -569,7 +605,7 @@ class CostModel:
                 peaks.append(StagePeak(static, others + live.backward[0], live.backward[1], boundary))
         return peaks
 
-    def _step_grads(self, lo: int, hi: int) -> int:
+    def step_grads(self, lo: int, hi: int) -> int:
         """Bytes of the gradients a step makes on a stage of nodes ``[lo, hi)`` (freed before
         its first backward; as processes, before the step, the tied copies' too)."""
         own = self._grads[hi] - self._grads[lo]

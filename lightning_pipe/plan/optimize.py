@@ -25,6 +25,7 @@ import numpy as np
 from lightning_pipe.plan.memory import CostModel, StagePeak, Waiting
 from lightning_pipe.plan.nodes import Array
 from lightning_pipe.plan.policy import CodedPolicies, Codes, Policy, chosen_codes
+from lightning_pipe.plan.schedule import Pending
 
 __all__ = ["TIME_NOISE", "Descent", "StageOptimum", "lowest_peak", "optimize_stage", "policy_time", "prune_stage"]
 
@@ -101,6 +102,7 @@ def optimize_stage(
     thorough: bool = False,
     waiting: Waiting = (0, ()),
     earlier: Mapping[int, Policy] = {},
+    pending: Pending | None = None,
 ) -> StageOptimum:
     """Cheapest policies (by the greedy above) bringing stage ``[lo, hi)`` under ``capacity``;
     with ``optimise`` false, every node keeps its activations. A stage left near its capacity
@@ -111,8 +113,10 @@ def optimize_stage(
     (:meth:`CostModel.depends_on`), once chosen: a value such a node drops, a recomputed
     region of the stage keeps. Choices the stage turns out to fit without stay
     (:func:`prune_stage` drops them, at one pricing per choice: a search prunes only the split
-    it chooses)."""
-    stage = PricedStage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier)
+    it chooses). ``pending``: the stage's micro-batches between the halves of a split backward
+    (:meth:`CostModel.peak`)."""
+    stage = PricedStage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier,
+                        pending)
     base = stage.kept()
     if base.fits or not optimise:
         return base
@@ -124,12 +128,12 @@ def optimize_stage(
 
 def lowest_peak(
     model: CostModel, lo: int, hi: int, in_flight: float, weight_versions: int = 1,
-    host_bandwidth: float | None = None, optimise: bool = True,
+    host_bandwidth: float | None = None, optimise: bool = True, pending: Pending | None = None,
 ) -> "Descent":
     """The lowest peak of stage ``[lo, hi)`` (:func:`optimize_stage` at capacity 0, ``thorough``),
     as a descent run only as far as it is asked: whether a stage gets under a limit is known
     once it does, and most of a search's questions are that."""
-    stage = PricedStage(model, lo, hi, in_flight, 0, weight_versions, host_bandwidth, (0, ()), {})
+    stage = PricedStage(model, lo, hi, in_flight, 0, weight_versions, host_bandwidth, (0, ()), {}, pending)
     base = stage.kept()
     return Descent(stage, _greedy(stage, base) if optimise and not base.fits else base)
 
@@ -228,11 +232,12 @@ def prune_stage(
     host_bandwidth: float | None = None,
     waiting: Waiting = (0, ()),
     earlier: Mapping[int, Policy] = {},
+    pending: Pending | None = None,
 ) -> StageOptimum:
     """``found`` (an :func:`optimize_stage` result) without the choices the stage fits
     without."""
-    return _pruned(PricedStage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier),
-                   found)
+    return _pruned(PricedStage(model, lo, hi, in_flight, capacity, weight_versions, host_bandwidth, waiting, earlier,
+                               pending), found)
 
 
 class Descent:
@@ -374,7 +379,8 @@ def _better(a: StageOptimum, b: StageOptimum) -> bool:
 class PricedStage:
     """What :func:`optimize_stage` prices policies for: nodes ``[lo, hi)`` of ``model`` as a
     stage holding ``in_flight`` micro-batches under ``capacity``, what waits at it, and the
-    policies of the earlier nodes keeping or making what it reads (priced with its own)."""
+    policies of the earlier nodes keeping or making what it reads (priced with its own), and
+    its micro-batches between the halves of a split backward."""
 
     model: CostModel
     lo: int
@@ -385,13 +391,15 @@ class PricedStage:
     host_bandwidth: float | None
     waiting: Waiting
     earlier: Mapping[int, Policy]
+    pending: Pending | None = None
 
     def peak(self, policies: Mapping[int, Policy]) -> StagePeak:
         """The stage's peak under ``policies``: its own, or with ``earlier``'s already
         (:class:`CodedPolicies`)."""
         if self.earlier and not isinstance(policies, CodedPolicies):
             policies = {**self.earlier, **policies}
-        return self.model.peak(self.lo, self.hi, self.in_flight, policies, self.weight_versions, self.waiting)
+        return self.model.peak(self.lo, self.hi, self.in_flight, policies, self.weight_versions, self.waiting,
+                               self.pending)
 
     def totals(self, coded: CodedPolicies, drops: Sequence[int]) -> list[int]:
         """The stage's peak total with each of ``drops`` kept in turn, priced at once."""
@@ -399,7 +407,8 @@ class PricedStage:
 
     def totals_of(self, variants: Sequence[CodedPolicies]) -> list[int]:
         """The stage's peak total under each of ``variants`` (every node's policy), priced at once."""
-        peaks = self.model.peaks(self.lo, self.hi, self.in_flight, variants, self.weight_versions, self.waiting)
+        peaks = self.model.peaks(self.lo, self.hi, self.in_flight, variants, self.weight_versions, self.waiting,
+                                 self.pending)
         return [p.total for p in peaks]
 
     def kept(self) -> StageOptimum:
@@ -419,7 +428,7 @@ class PricedStage:
         ours = [k for k, o in enumerate(options) if any(self.lo <= i < self.hi for i in o)]
         coded = [CodedPolicies.of({**self.earlier, **options[k]}, self.model.n) for k in ours]
         peaks = dict(zip(ours, self.model.peaks(self.lo, self.hi, self.in_flight, coded, self.weight_versions,
-                                                 self.waiting)))
+                                                 self.waiting, self.pending)))
         return [self.priced(o, peaks.get(k)) for k, o in enumerate(options)]
 
 

@@ -26,6 +26,7 @@ from lightning_pipe.plan.schedule import (
     in_flight,
     placement,
     weight_versions,
+    weights_pending,
 )
 from lightning_pipe.plan.sharing import device_peaks
 from lightning_pipe.plan.simulate import StageTime, simulate
@@ -366,7 +367,8 @@ def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list
         nodes=[n.name for n in model.profile.nodes],
         virtual_stages=virtual,
         placement=placement(schedule, len(request.capacities), virtual) if schedule in MULTI_STAGE else [],
-        device_peaks=device_peaks(model, balance, chosen, [o.peak for o in optima], stages.in_flight, order),
+        device_peaks=device_peaks(model, balance, chosen, [o.peak for o in optima], stages.in_flight, order,
+                                  stages.pending),
     )
 
 
@@ -453,17 +455,19 @@ def planning_stages(profile: Profile, request: PlanRequest, shares: Sequence[int
                                             carry=r.chunks if r.carry else 0, replicas=r.replicas)
     held = in_flight(schedule, r.chunks, count, r.virtual)
     order = actions(schedule, r.chunks, count, r.virtual)
+    pending = weights_pending(schedule, r.chunks, count, r.virtual)
     if schedule in MULTI_STAGE:  # as processes only: the distributed runtime hands gradients on at once
         if shares is None:
             where = placement(schedule, len(r.capacities), r.virtual)
             shares = _shares(r.capacities, where, [h + 1 for h in held], 1.0)
-        return Stages(model, list(shares), held, 1, r.host_bandwidth, (), order, optimise_memory=r.optimise_memory)
+        return Stages(model, list(shares), held, 1, r.host_bandwidth, (), order, optimise_memory=r.optimise_memory,
+                      pending=pending)
     return Stages(
         model, list(r.capacities), held,
         weight_versions(schedule), r.host_bandwidth, gradient_waits(schedule, r.chunks, count),
         order, optimise_memory=r.optimise_memory,
         # the distributed runtime sends a stage's input gradients back at once: none wait
-        backward_states=() if r.carry else backward_states(schedule, r.chunks, count),
+        backward_states=() if r.carry else backward_states(schedule, r.chunks, count), pending=pending,
     )
 
 

@@ -12,14 +12,23 @@ stash_t`` (``H_t`` micro-batches held then), and for ``r`` its own peak with ``H
 the stage's predicted peak less the stash of the micro-batches it held beyond ``H_r``
 (:meth:`~lightning_pipe.plan.memory.CostModel.peak` grows by one stash per micro-batch held).
 With one stage per device this is the stage's predicted peak. As processes, each stage's
-static bytes count the batch, which its process loads once: counted once here.
+static bytes count the batch, which its process loads once: counted once here. They count
+its parameters' gradients too, which a step makes at the stage's first backward task (a
+whole backward or a weight half): before it, the stage holds none while another stage of its
+process runs (DualPipeV's first process runs its last stage's backwards while its first stage
+holds every micro-batch: counting them there, 8% over the meter).
+
+Under a split backward each micro-batch between its halves also keeps the gradients its
+weight half reads (:meth:`~lightning_pipe.plan.memory.CostModel.weight_grads`), counted
+likewise: per stage, those of the micro-batches pending at the task, its own peak counting
+those of its most.
 """
 
 from collections.abc import Mapping, Sequence
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.policy import Policy
-from lightning_pipe.plan.schedule import HELD_CHANGE, Action
+from lightning_pipe.plan.schedule import HELD_CHANGE, Action, Pending
 
 __all__ = ["device_peaks", "stashes"]
 
@@ -41,26 +50,39 @@ def device_peaks(
     peaks: Sequence[StagePeak],
     in_flight: Sequence[int],
     order: Sequence[Sequence[Action]],
+    pending: Sequence[Pending | None] = (),
 ) -> list[int]:
     """Each process's peak (bytes) over its action list in ``order`` (one list per process,
     :func:`~lightning_pipe.plan.schedule.actions`), given each stage's predicted ``peaks``
-    holding ``in_flight`` micro-batches."""
+    holding ``in_flight`` micro-batches and, under a split backward, ``pending`` ones between
+    its halves (:func:`~lightning_pipe.plan.schedule.weights_pending`; none when empty)."""
     stash = stashes(model, balance, policies)
-    static = [model.static(r.start, r.stop) for r in stage_ranges(balance)]
-    own = [p.total - (h - 1) * b for p, h, b in zip(peaks, in_flight, stash)]  # holding one micro-batch
+    ranges = stage_ranges(balance)
+    static = [model.static(r.start, r.stop) for r in ranges]
+    grads = [model.step_grads(r.start, r.stop) for r in ranges]
+    split = pending or [None] * len(ranges)
+    kept = [model.weight_grads(r.start, r.stop) if p else 0 for r, p in zip(ranges, split)]  # per micro-batch pending
+    # holding one micro-batch, none between the halves: less the most its peak may count of both
+    own = [p.total - max([(h - 1) * b + (w.forward * k if w else 0)] + [(j - 1) * b + c * k for j, c in w.backward])
+           if w and k else p.total - (h - 1) * b for p, h, b, w, k in zip(peaks, in_flight, stash, split, kept)]
     loaded = model.batch if model.carry else 0  # each stage's static counts the batch its process loads once
     found = []
     for tasks in order:
         stages = sorted({a.stage for a in tasks})
-        held = dict.fromkeys(stages, 0)
+        held, halves = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
+        fresh = {t: grads[t] for t in stages}  # until its first backward task makes them
         top = 0
         for action in tasks:
             s, change = action.stage, HELD_CHANGE[action.kind]
             if action.kind == "update":
                 continue
             held[s] += max(change, 0)  # a forward's micro-batch is held while it runs
-            others = sum(static[t] - loaded + held[t] * stash[t] for t in stages if t != s)
-            top = max(top, others + own[s] + (held[s] - 1) * stash[s])
+            halves[s] -= action.kind == "weight"  # a backward task's own micro-batch is in own[s]
+            others = sum(static[t] - fresh[t] - loaded + held[t] * stash[t] + halves[t] * kept[t]
+                         for t in stages if t != s)
+            top = max(top, others + own[s] + (held[s] - 1) * stash[s] + halves[s] * kept[s])
             held[s] += min(change, 0)
+            halves[s] += action.kind == "input"
+            fresh[s] = 0 if action.kind in ("backward", "weight") else fresh[s]
         found.append(top)
     return found

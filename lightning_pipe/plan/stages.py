@@ -19,7 +19,7 @@ import numpy as np
 from lightning_pipe.plan.memory import CostModel, StagePeak, Waiting, stage_ranges
 from lightning_pipe.plan.optimize import Descent, StageOptimum, lowest_peak, optimize_stage, prune_stage
 from lightning_pipe.plan.policy import CodedPolicies, Policy
-from lightning_pipe.plan.schedule import Action, BackwardState
+from lightning_pipe.plan.schedule import Action, BackwardState, Pending
 from lightning_pipe.plan.simulate import Replay, StageTime
 
 __all__ = ["Found", "Stages"]
@@ -33,7 +33,9 @@ class Stages:
     its per-stage :func:`~lightning_pipe.plan.schedule.actions`, which price a whole split by
     its simulated step (without them: by its slowest stage). ``optimise_memory`` false: no
     stage recomputes or swaps. ``backward_states``: what a stage holds and what waits at it
-    at each of its backwards (:func:`~lightning_pipe.plan.schedule.backward_states`)."""
+    at each of its backwards (:func:`~lightning_pipe.plan.schedule.backward_states`). ``pending``:
+    per stage, its micro-batches between the halves of a split backward
+    (:func:`~lightning_pipe.plan.schedule.weights_pending`; none when empty)."""
 
     model: CostModel
     capacities: Sequence[int]
@@ -45,11 +47,16 @@ class Stages:
     optimise_memory: bool = True
     backward_states: Sequence[Sequence[BackwardState]] = ()
     thorough: bool = False  # search stages asked for their lowest peak further (optimize_stage)
+    pending: Sequence[Pending | None] = ()
     cache: "Found" = field(default_factory=lambda: Found(), repr=False)
 
     @property
     def count(self) -> int:
         return len(self.capacities)
+
+    def held_halves(self, s: int) -> Pending | None:
+        """Stage ``s``'s micro-batches between the halves of a split backward (``None``: none splits)."""
+        return self.pending[s] if self.pending else None
 
     def optimum(
         self, lo: int, hi: int, s: int, reserved: int = 0, waiting: Waiting = (0, ()), chosen: Mapping[int, Policy] = {}
@@ -62,7 +69,7 @@ class Stages:
         if key not in self.cache.optima:
             self.cache.optima[key] = optimize_stage(
                 self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
-                self.host_bandwidth, self.optimise_memory, self.thorough, waiting, earlier,
+                self.host_bandwidth, self.optimise_memory, self.thorough, waiting, earlier, self.held_halves(s),
             )
         return self.cache.optima[key]
 
@@ -118,7 +125,7 @@ class Stages:
     def _descent(self, lo: int, hi: int, s: int) -> Descent:
         if (lo, hi, s) not in self.cache.descents:
             self.cache.descents[lo, hi, s] = lowest_peak(self.model, lo, hi, self.in_flight[s], self.weight_versions,
-                                                    self.host_bandwidth, self.optimise_memory)
+                                                    self.host_bandwidth, self.optimise_memory, self.held_halves(s))
         return self.cache.descents[lo, hi, s]
 
     def placed(self, balance: Sequence[int]) -> list[StageOptimum]:
@@ -177,7 +184,7 @@ class Stages:
         key = (lo, hi, s, tuple(found.policies.items()), waiting[0], tuple(waiting[1]), tuple(earlier.items()))
         if key not in self.cache.prunes:
             pruned = prune_stage(self.model, lo, hi, self.in_flight[s], self.capacities[s], found,
-                                 self.weight_versions, self.host_bandwidth, waiting, earlier)
+                                 self.weight_versions, self.host_bandwidth, waiting, earlier, self.held_halves(s))
             self.cache.prunes[key] = None if pruned is found else pruned  # None: nothing to drop
         return self.cache.prunes[key] or found
 
@@ -202,7 +209,7 @@ class Stages:
         key = (lo, hi, s, waiting[0], tuple(waiting[1]), self.model.policy_key(lo, hi, chosen))
         if (peak := self.cache.peaks.get(key)) is None:
             peak = self.cache.peaks[key] = self.model.peak(lo, hi, self.in_flight[s], chosen, self.weight_versions,
-                                                           waiting)
+                                                           waiting, self.held_halves(s))
         return peak
 
     def fits(self, balance: Sequence[int]) -> bool:
@@ -280,7 +287,8 @@ class Stages:
         waiting (capslog's cost; cached: its threshold search prices many ranges again)."""
         if (peak := self.cache.kept_peaks.get((lo, hi, s))) is None:
             peak = self.cache.kept_peaks[lo, hi, s] = self.model.peak(lo, hi, self.in_flight[s], {},
-                                                                      self.weight_versions).total
+                                                                      self.weight_versions,
+                                                                      pending=self.held_halves(s)).total
         return peak
 
     def kept_peak_at_most(self, lo: int, hi: int, s: int) -> int:
@@ -291,7 +299,8 @@ class Stages:
             return peak
         if (bound := self.cache.kept_bounds.get((lo, hi, s))) is None:
             bound = self.cache.kept_bounds[lo, hi, s] = self.model.kept_peak_at_most(lo, hi, self.in_flight[s],
-                                                                                    self.weight_versions)
+                                                                                    self.weight_versions,
+                                                                                    self.held_halves(s))
         return bound
 
     def least_kept_peak(self, lo: int, hi: int, s: int) -> int:

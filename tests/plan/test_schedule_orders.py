@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from lightning_pipe.plan.schedule import Action, actions, in_flight, placement
+from lightning_pipe.plan.schedule import Action, Pending, actions, in_flight, placement, weights_pending
 from lightning_pipe.plan.simulate import StageTime, simulate
 
 _CLASSES = {
@@ -62,6 +62,15 @@ def test_zero_bubble_splits_the_backward_to_fill_1f1bs_bubble_at_its_memory():
     assert one.step_ms == pytest.approx((8 + 3) * 3) and one.bubble == pytest.approx(9 / 33)
     assert zb.step_ms == pytest.approx(27) and zb.bubble == pytest.approx(1 / 9)
     assert max(in_flight("interleaved-zb", 8, 4)) == max(in_flight("1f1b", 8, 4)) == 4
+
+
+def test_weight_halves_trail_as_the_order_has_them_pending():
+    """ZB1P's weight halves trail its input halves by the process's rank: the last of 4 stages
+    holds 4 micro-batches with 3 between their halves at once, the first none; whole backwards
+    keep none."""
+    zb = weights_pending("interleaved-zb", 8, 4)
+    assert zb[0] == Pending(0, ((4, 0), (4, 0))) and zb[3] == Pending(3, ((1, 0), (4, 3)))
+    assert weights_pending("interleaved-1f1b", 8, 4, 2) == [None] * 4
 
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"])

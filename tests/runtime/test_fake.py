@@ -188,28 +188,33 @@ def test_the_lm_heads_stage_is_checked_as_predicted_once_the_outputs_live_on_the
     assert meter.peaks() == pytest.approx(predicted, rel=0.05)
 
 
-@pytest.mark.parametrize("family", ["gpt", "unet"])
-def test_a_process_holding_two_stages_peaks_where_the_plan_predicts(family):
+@pytest.mark.parametrize("family,schedules", [("gpt", ["interleaved-1f1b", "interleaved-zb"]),
+                                              ("unet", ["interleaved-1f1b"])])
+def test_a_process_holding_two_stages_peaks_where_the_plan_predicts(family, schedules):
     """Interleaved 1F1B, two processes of two stages each: each rank's fake training step on
     torch's own schedule (a silent mesh in a fake process group, one rank at a time) peaks
     within PREDICTION_ERROR of the plan's peak for that process, read off its action order
-    (measured: within 2%; the sum of the rank's stage peaks is up to 19% over)."""
+    (measured: within 2%; the sum of the rank's stage peaks is up to 19% over). Interleaved
+    zero-bubble's input halves keep the gradients at the outputs of the nodes whose weights'
+    gradients the weight halves make from them: -1.9% and -4.2% (without them, the second
+    process -10.5%)."""
     processes, chunks = 2, CHUNKS
     model, data = make(family, optimizer="adam")
     batch = default_collate([data[i] for i in range(BATCH)])
     sample = (model.inputs(scatter(batch, chunks)[0]), {})
     captured = capture(model, example_inputs=sample)
     profile = profile_graph(captured, *sample, optimizer=model.configure_optimizers(), fake=True)
-    plan = make_plan(profile, PlanRequest([1 << 40] * processes, "dawnpiper", "interleaved-1f1b", chunks, carry=True))
-    assert len(plan.stages) == 4 and plan.placement == [0, 1, 0, 1]
-    policies = {n.name: p for n, p in zip(captured.nodes, plan.policies) if p != "keep"}
-    for rank in range(processes):
-        dist.init_process_group("fake", rank=rank, world_size=processes, store=FakeStore())
-        try:
-            copy, graph = meta_copy(model, captured)
-            meter = fake_rank_training(copy, graph, batch, (model.inputs(batch), {}), copy.criterion,
-                                       torch.optim.Adam(copy.parameters()), plan.balance, policies,
-                                       silent_mesh(processes, 1), schedule=plan.schedule, chunks=chunks)
-        finally:
-            dist.destroy_process_group()
-        assert plan.device_peaks[rank] == pytest.approx(meter.stages[0].peak, rel=PREDICTION_ERROR)
+    for schedule in schedules:
+        plan = make_plan(profile, PlanRequest([1 << 40] * processes, "dawnpiper", schedule, chunks, carry=True))
+        assert len(plan.stages) == 4 and plan.placement == [0, 1, 0, 1]
+        policies = {n.name: p for n, p in zip(captured.nodes, plan.policies) if p != "keep"}
+        for rank in range(processes):
+            dist.init_process_group("fake", rank=rank, world_size=processes, store=FakeStore())
+            try:
+                copy, graph = meta_copy(model, captured)
+                meter = fake_rank_training(copy, graph, batch, (model.inputs(batch), {}), copy.criterion,
+                                           torch.optim.Adam(copy.parameters()), plan.balance, policies,
+                                           silent_mesh(processes, 1), schedule=plan.schedule, chunks=chunks)
+            finally:
+                dist.destroy_process_group()
+            assert plan.device_peaks[rank] == pytest.approx(meter.stages[0].peak, rel=PREDICTION_ERROR), schedule
