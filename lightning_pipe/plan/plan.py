@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum
-from lightning_pipe.plan.partitioners import Partitioner, fitting_split, floor, split
+from lightning_pipe.plan.partitioners import fitting_split, floor, split
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import (
@@ -23,6 +23,7 @@ from lightning_pipe.plan.schedule import (
     in_flight,
     weight_versions,
 )
+from lightning_pipe.plan.sharding import Sharding, choose_resharding
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.plan.stages import Stages
 from lightning_pipe.units import format_bytes
@@ -62,7 +63,9 @@ class InfeasiblePlanError(ValueError):
 class StageReport:
     """One stage of a plan: nodes ``[start, stop)``, its predicted peak and per micro-batch
     times (ms; ``send_ms`` moves its outputs to the next stage), and the bytes per micro-batch
-    it recomputes or swaps."""
+    it recomputes or swaps. Sharded by FSDP (:mod:`~lightning_pipe.plan.sharding`): its block
+    units' node ranges ``[start, stop)`` (none: the stage is one unit) and whether it reshards
+    after forward (``None``: not sharded)."""
 
     start: int
     stop: int
@@ -75,6 +78,8 @@ class StageReport:
     recomputed_bytes: int
     swapped_bytes: int
     send_ms: float = 0.0
+    fsdp_units: list[list[int]] = field(default_factory=list)
+    reshard_after_forward: bool | None = None
 
     @property
     def time_ms(self) -> float:
@@ -109,6 +114,8 @@ class Plan:
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     nodes: list[str] = field(default_factory=list)
     precision: str = "32-true"  # the Trainer precision whose bytes it planned
+    data_parallel: str = "ddp"  # how each stage's replicas hold it: whole copies, or sharded by FSDP
+    replicas: int = 1
 
     @property
     def time_ms(self) -> float:
@@ -231,6 +238,8 @@ def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list
                 recomputed_bytes=sum(model.saved[i] for i, p in o.policies.items() if p == "recompute"),
                 swapped_bytes=sum(model.saved[i] for i, p in o.policies.items() if p == "swap"),
                 send_ms=send,
+                fsdp_units=[] if model.sharding is None else model.sharding.units(r.start, r.stop),
+                reshard_after_forward=None if model.sharding is None else bool(model.sharding.resharded[r.start]),
             )
         )
         times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, send))
@@ -249,6 +258,8 @@ def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list
         bubble=sim.bubble,
         link_bandwidth=model.link_bandwidth,
         nodes=[n.name for n in model.profile.nodes],
+        data_parallel=request.data_parallel,
+        replicas=request.replicas,
     )
 
 
@@ -275,7 +286,7 @@ def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1) -
     size, stages = _largest(profile, request, at_least)
     if stages is None:  # at_least, never probed
         stages = planning_stages(profile.scaled(size), request)
-    balance, optima = _chosen(stages, request.partitioner)
+    stages, balance, optima = _chosen(stages, request)
     if not all(o.fits for o in optima):  # at_least did not fit after all
         raise _infeasible(stages, request.partitioner, balance, optima)
     return _plan(stages, request, balance, optima)
@@ -306,13 +317,18 @@ def _largest(profile: Profile, request: PlanRequest, at_least: int) -> tuple[int
     return low, found
 
 
-def planning_stages(profile: Profile, request: PlanRequest) -> Stages:
-    """What :func:`make_plan` hands its partitioner (:func:`~lightning_pipe.plan.partitioners.split`)."""
+def planning_stages(profile: Profile, request: PlanRequest, sharding: Sharding | None = None) -> Stages:
+    """What :func:`make_plan` hands its partitioner (:func:`~lightning_pipe.plan.partitioners.split`);
+    sharded by FSDP (``data_parallel="fsdp"``), by ``sharding`` (default: every stage resharded
+    after forward)."""
     r = request
     count = len(r.capacities)
+    if sharding is None and r.data_parallel == "fsdp":
+        sharding = Sharding(profile, r.replicas, r.chunks, r.link_bandwidth,
+                            accumulates_in_forward=r.schedule != "gpipe")
     return Stages(
-        CostModel(profile, r.link_bandwidth, schedule=r.schedule, chunks=r.chunks, carry=r.chunks if r.carry else 0,
-                  replicas=r.replicas),
+        CostModel(profile if sharding is None else sharding.profile, r.link_bandwidth, schedule=r.schedule,
+                  chunks=r.chunks, carry=r.chunks if r.carry else 0, replicas=r.replicas, sharding=sharding),
         list(r.capacities),
         in_flight(r.schedule, r.chunks, count),
         weight_versions(r.schedule), r.host_bandwidth, gradient_waits(r.schedule, r.chunks, count),
@@ -325,13 +341,19 @@ def planning_stages(profile: Profile, request: PlanRequest) -> Stages:
 def _attempt(profile: Profile, request: PlanRequest) -> tuple[Stages, list[int], list[StageOptimum]]:
     """Split and optimise every stage; the caller checks whether all fit."""
     stages = planning_stages(profile, request)
-    return stages, *_chosen(stages, request.partitioner)
+    return _chosen(stages, request)
 
 
-def _chosen(stages: Stages, partitioner: Partitioner) -> tuple[list[int], list[StageOptimum]]:
-    """``partitioner``'s split of ``stages`` and its stages optimised; the caller checks whether all fit."""
-    balance = split(partitioner, stages)
-    return balance, stages.pruned(balance)
+def _chosen(stages: Stages, request: PlanRequest) -> tuple[Stages, list[int], list[StageOptimum]]:
+    """The request's partitioner's split of ``stages`` and its stages optimised, with the stages
+    that priced them (sharded: after each stage's ``reshard_after_forward`` is chosen); the
+    caller checks whether all fit."""
+    balance = split(request.partitioner, stages)
+    optima = stages.pruned(balance)
+    if stages.model.sharding is not None:
+        stages, optima = choose_resharding(stages, balance, optima,
+                                           lambda sharding: planning_stages(sharding.source, request, sharding))
+    return stages, balance, optima
 
 
 def _infeasible(

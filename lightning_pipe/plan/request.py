@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
 from lightning_pipe.plan.schedule import SCHEDULES, Schedule
+from lightning_pipe.plan.sharding import DATA_PARALLEL, DataParallel
 
 __all__ = ["PlanRequest", "check_settings"]
 
@@ -25,7 +26,9 @@ class PlanRequest:
     devices) prices the values crossing each cut (``None``: free). ``optimise_memory`` false:
     no stage recomputes or swaps. ``carry``: stages run as processes (``runtime="distributed"``)
     and pass on what later stages read, holding it for every micro-batch of a step, and reduce
-    their gradients over ``replicas`` data-parallel copies.
+    their gradients over ``replicas`` data-parallel copies: each a whole copy of its stage
+    (``data_parallel="ddp"``), or the stage sharded over them by FSDP (``"fsdp"``,
+    :mod:`~lightning_pipe.plan.sharding`).
 
     Raises:
         ValueError: a setting out of range, naming it and the fix.
@@ -40,6 +43,7 @@ class PlanRequest:
     optimise_memory: bool = True
     carry: bool = False
     replicas: int = 1
+    data_parallel: DataParallel = "ddp"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacities", tuple(self.capacities))  # frozen: hashable, not shared
@@ -61,6 +65,15 @@ class PlanRequest:
                 f"replicas must be >= 1, got {self.replicas}: give the number of data-parallel copies of the "
                 f"pipeline (1 for none)."
             )
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel must be one of {', '.join(map(repr, DATA_PARALLEL))}, got "
+                             f"{self.data_parallel!r}.")
+        if self.data_parallel == "fsdp" and self.replicas == 1:
+            raise ValueError("data_parallel='fsdp' with replicas=1 has nothing to shard over: give replicas >= 2 "
+                             "(the data-parallel copies of each stage), or data_parallel='ddp'.")
+        if self.data_parallel == "fsdp" and self.schedule == "2bw":
+            raise ValueError("data_parallel='fsdp' cannot keep PipeDream-2BW's two weight versions sharded: use "
+                             "schedule '1f1b' or 'gpipe' with FSDP, or data_parallel='ddp' with '2bw'.")
 
 
 def check_settings(chunks: int, schedule: str, host_bandwidth: float | None, link_bandwidth: float | None) -> None:
