@@ -97,10 +97,11 @@ class Sharding:
         # grads accumulate unsharded while later forwards run (1F1B); GPipe's forwards come first
         self.accumulates_in_forward = accumulates_in_forward and chunks > 1
         self._stages: dict[tuple[int, int], _Stage] = {}
+        self._gathered: dict[tuple[int, int, bool], tuple[int, int, int]] = {}
 
     def with_resharded(self, balance: Sequence[int], choice: Sequence[bool]) -> "Sharding":
         """This sharding with stage ``s`` of ``balance`` resharding after forward as ``choice[s]``."""
-        other = copy.copy(self)  # (units are the same: their cache is shared)
+        other = copy.copy(self)  # (units and what a range gathers, by its choice, are the same: caches shared)
         other.resharded = np.repeat(np.array(choice, dtype=bool), balance)
         return other
 
@@ -129,10 +130,13 @@ class Sharding:
                 found = _Stage((int(gathered.sum()), int(grads.sum())), ())
             else:
                 own = block < 0
-                units = []
-                for b in dict.fromkeys(block[~own].tolist()):
-                    at = np.flatnonzero(block == b)
-                    units.append((lo + int(at[0]), lo + int(at[-1]) + 1, int(gathered[at].sum()), int(grads[at].sum())))
+                at = np.flatnonzero(~own)
+                ids, first, inverse = np.unique(block[at], return_index=True, return_inverse=True)
+                last = np.zeros(ids.size, dtype=np.int64)
+                np.maximum.at(last, inverse, at)
+                sums = [np.bincount(inverse, weights=v[at], minlength=ids.size) for v in (gathered, grads)]
+                units = sorted((lo + int(at[f]), lo + int(e) + 1, int(g), int(h))
+                               for f, e, g, h in zip(first, last, *sums))
                 found = _Stage((int(gathered[own].sum()), int(grads[own].sum())), tuple(units))
             self._stages[lo, hi] = found
         return found
@@ -142,6 +146,13 @@ class Sharding:
         return [[start, stop] for start, stop, _, _ in self.stage(lo, hi).units]
 
     def gathered_bytes(self, lo: int, hi: int) -> tuple[int, int, int]:
+        """:meth:`_gathered_bytes` (cached: a search prices one range many times)."""
+        key = (lo, hi, bool(self.resharded[lo]))
+        if (found := self._gathered.get(key)) is None:
+            found = self._gathered[key] = self._gathered_bytes(lo, hi)
+        return found
+
+    def _gathered_bytes(self, lo: int, hi: int) -> tuple[int, int, int]:
         """Bytes a stage on ``[lo, hi)`` holds gathered beyond its shards: unsharded parameters,
         unsharded gradients, the reduce-scatter's input and output and the all-gathers in flight
         (their sharded input beside their output). At its forward peak, at a step's later
