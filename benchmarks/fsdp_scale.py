@@ -27,7 +27,8 @@ from lightning_pipe.plan.sharding import block_of
 DEVICE = DEVICES["A100-80GB"]
 GPUS = (8, 16, 32)
 SEQ = 4096
-WIDTH = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
+# Llama 2 70B's width: at it a model of every GPU's memory has at most a few hundred layers
+WIDTH = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
          "vocab_size": 32000}
 MODES = ("pp + DDP", "pp x FSDP", "FSDP")
 #: CPU seconds a probe may take: one that fits takes under one at these sizes; one that does not
@@ -121,12 +122,15 @@ def request(gpus: int, stages: int, mode: str) -> PlanRequest:
 
 
 def depths(gpus: int, mode: str) -> list[int]:
-    """The pipeline depths a mode takes on ``gpus``: powers of two dividing them (FSDP: one stage;
-    sharded stages: at least two replicas)."""
+    """The pipeline depths tried for a mode on ``gpus`` (fewer than every power of two, to keep
+    the run short): with DDP the deepest three (the model grows with the depth: each stage holds
+    its layers' whole state), sharded 2, 4 and 8 stages with at least two replicas each, FSDP
+    alone one."""
     if mode == "FSDP":
         return [1]
-    every = [2**k for k in range(int(math.log2(gpus)) + 1)]
-    return every if mode == "pp + DDP" else [s for s in every if 1 < s <= gpus // 2]
+    if mode == "pp + DDP":
+        return [gpus // 4, gpus // 2, gpus]
+    return [s for s in (2, 4, 8) if s <= gpus // 2]
 
 
 def most_layers(fits: Callable[[int], bool], start: int = 3) -> int:
@@ -227,17 +231,21 @@ def section(results: dict[str, Any]) -> str:
         f"processes, recompute allowed, on {results['device']}: the most layers whose plan fits "
         f"{PLANNING_HEADROOM:.0%} of every GPU. *pp + DDP*: stages, each copied whole on the other GPUs; "
         "*pp x FSDP*: stages sharded by FSDP over their replicas (at least two); *FSDP*: one stage sharded over "
-        "every GPU. Each at its best depth (in brackets). Planner predictions on a three-layer profile whose "
-        "middle layer is repeated, not fake runs: no FSDP runtime runs fake yet.",
+        "every GPU. Each at the best of the depths tried (in brackets; every one below). Planner predictions on a "
+        "three-layer profile whose middle layer is repeated, not fake runs (no FSDP runtime runs fake yet); a "
+        f"probe taking over {PROBE_CPU_S:g} s of CPU counts as not fitting, so each figure is a lower bound.",
         "\n".join(lines),
         "Most layers per pipeline depth:",
         "\n".join(depth_lines),
         "![largest decoder per mode](img/fsdp-scale.png)",
-        "Read: at a pipeline as deep as there are GPUs, *pp + DDP* holds no copy and shards the model as far as "
-        "FSDP does (each GPU one GPU's share of the state); what sharding adds is the same capacity at any depth, "
-        "so the pipeline can stay shallow (a smaller bubble, fewer micro-batches to fill it) and the stages' "
-        "replicas add memory rather than copies. At the depths *pp + DDP* must copy at (fewer stages than "
-        "GPUs), sharding multiplies the model the replicas fit by their count.",
+        "Read: at the same depth, sharding a stage over its R replicas fits about R times the layers DDP's "
+        "copies do (8 stages: 32 layers with DDP on any number of GPUs; 60 sharded over 2 replicas, 103 to 108 "
+        "over 4). The best depths compare less: a pipeline as deep as there are GPUs holds no copy, and by state "
+        "alone fits what FSDP does; here *pp + DDP* at 16 and 32 stages is held down by the probe's CPU cap (the "
+        "partitioner's search for a split of 16 or 32 stages takes longer than it), so its figures at 16 and 32 "
+        "GPUs are lower bounds and the last column overstates sharding's gain there. What sharding buys at the "
+        "best depth is that depth: a shallow pipeline (a smaller bubble, fewer micro-batches to fill it) with "
+        "the capacity of a deep one.",
     ])
 
 
