@@ -1,7 +1,7 @@
 """Real FSDP2 on CPU: per-rank peak bytes of training steps of a block model sharded by
 ``fully_shard`` over one gloo group, counted from the CPU allocator's events (CPU has no
 allocator statistics): what :mod:`lightning_pipe.plan.sharding`'s prediction is checked against.
-Spawned by ``tests/plan/test_sharding.py``; each rank writes its peak to ``out/rank{r}.json``."""
+Spawned by ``tests/plan/test_sharding.py``; each rank writes its peaks to ``out/rank{r}.json``."""
 
 import json
 import os
@@ -40,12 +40,19 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), foreach=False)
 
 
-def rank(index: int, world: int, out: str, reshard: bool, port: int) -> None:
-    """One rank: shard each block and then the whole model, run two steps, and record the
-    second's peak of live bytes (the first makes the optimizer's state)."""
+def rank(index: int, world: int, out: str, port: int) -> None:
+    """One rank: per ``reshard_after_forward``, its peak (:func:`peak`), in ``out/rank{index}.json``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=index, world_size=world)
+    peaks = {str(reshard): peak(reshard) for reshard in (True, False)}
+    Path(out, f"rank{index}.json").write_text(json.dumps(peaks))
+    dist.destroy_process_group()
+
+
+def peak(reshard: bool) -> int:
+    """Shard each block and then the whole model, run two steps, and return the second's peak
+    of live bytes (the first makes the optimizer's state)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -62,8 +69,7 @@ def rank(index: int, world: int, out: str, reshard: bool, port: int) -> None:
         adam.step()
         adam.zero_grad(set_to_none=True)
         events = stop_memory_events()
-    Path(out, f"rank{index}.json").write_text(json.dumps({"peak": live + _peak(events), "held": live}))
-    dist.destroy_process_group()
+    return live + _peak(events)
 
 
 def _live(model: nn.Module, adam: torch.optim.Optimizer) -> int:
