@@ -40,7 +40,7 @@ from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest, check_settings
-from lightning_pipe.plan.schedule import SCHEDULES, Schedule
+from lightning_pipe.plan.schedule import DISTRIBUTED_ONLY, SCHEDULES, Schedule
 from lightning_pipe.plan.search import CHUNKS_PER_STAGE, SEARCHED_SCHEDULES, Cluster, Configuration, candidates, search
 from lightning_pipe.progress import progress_bar, tracker
 from lightning_pipe.runtime.build import Policy
@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "Default with --config: trainer.devices x the strategy's memory_limit")
     plan.add_argument("--memory-limit", help="with a named GPU, each stage's memory limit instead of the GPU's memory")
     plan.add_argument("--chunks", type=int, help=f"micro-batches per batch (default {_CHUNKS})")
-    plan.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {_SCHEDULE})")
+    plan.add_argument("--schedule", choices=[s for s in SCHEDULES if s not in DISTRIBUTED_ONLY],
+                      help=f"pipeline schedule, one stage per device (default {_SCHEDULE})")
     plan.add_argument("--precision", choices=PRECISIONS, help="the Trainer's precision the plan is for: activations, "
                                                               "parameters and optimizer state in its dtypes (default "
                                                               "with --config: trainer.precision, else 32-true)")
@@ -289,9 +290,10 @@ def _check_search(args: argparse.Namespace, setup: _Setup) -> None:
         raise ValueError(f"--search regroups the GPUs into pipelines of any depth, so they must be alike: --devices "
                          f"gives stages of {_sizes(setup.limits)}. Give COUNTxGPU or COUNTxSIZE, e.g. 32xA100-80GB.")
     if args.schedule is not None and args.schedule not in SEARCHED_SCHEDULES:
-        raise ValueError(f"--schedule {args.schedule} runs only with runtime='local', one process without "
-                         f"data-parallel replicas; with --search give one of {', '.join(SEARCHED_SCHEDULES)}, or "
-                         f"leave --schedule out to search them.")
+        why = ("runs only with runtime='local', one process without data-parallel replicas" if args.schedule == "2bw"
+               else "holds several stages per process, which --search does not lay out")
+        raise ValueError(f"--schedule {args.schedule} {why}; with --search give one of "
+                         f"{', '.join(SEARCHED_SCHEDULES)}, or leave --schedule out to search them.")
     if args.batch:
         raise ValueError("--batch goes without --search: the search plans every configuration by the memory model, "
                          "below the limit by the flat headroom, and runs no training step to check them.")

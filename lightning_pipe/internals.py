@@ -66,7 +66,7 @@ __all__ = [
     "buffer_table", "check_input_dim", "current_autograd_node", "current_graph_task_id", "default_store",
     "fake_process_group", "mark_as_parameter", "module_apply", "op_schema", "outer_saved_tensors_hooks",
     "parameter_table", "preserve_version_counter", "profiler_enabled", "registered_operators", "remove_library",
-    "skip_backward", "start_memory_events", "stop_memory_events", "storage_key", "tree_flatten",
+    "skip_backward", "skip_weight_backward", "start_memory_events", "stop_memory_events", "storage_key", "tree_flatten",
     "tree_flatten_with_path", "tree_map", "tree_structure", "tree_unflatten", "view_base",
 ]
 
@@ -300,6 +300,16 @@ def skip_backward(stage: Any, chunk: int, inputs: int) -> None:
     ``backward_one_chunk`` reads and fills; a test checks they still are."""
     stage.fwd_cache.pop(chunk, None)
     stage.bwd_cache[chunk] = (None,) * inputs
+
+
+def skip_weight_backward(stage: Any, chunk: int) -> None:
+    """Stand in for a pipelining stage's weight-gradient step of micro-batch ``chunk`` (the
+    zero-bubble schedules split each backward) after its input-gradient step was skipped:
+    drop what that step would have left. ``dw_runner`` and ``backward_state`` are the stage's
+    undocumented state that ``backward_one_chunk(full_backward=False)`` fills and
+    ``backward_weight_one_chunk`` reads; a test checks they still are."""
+    stage.dw_runner.pop(chunk, None)
+    stage.backward_state.pop(chunk, None)
 
 
 def _static_vote() -> Tensor:

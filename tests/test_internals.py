@@ -195,6 +195,16 @@ def test_a_pipelining_stage_still_keeps_its_forwards_and_backwards_where_a_skipp
     assert stage.fwd_cache == {1: "activations"} and stage.bwd_cache == {0: (None, None)}
 
 
+def test_a_pipelining_stage_still_keeps_a_split_backward_where_a_skipped_weight_step_drops_it() -> None:
+    source = inspect.getsource(fence.PipelineStageBase)  # the input step fills, the weight step reads
+    assert "self.dw_runner[bwd_chunk_id] = " in source and "self.backward_state[bwd_chunk_id] = (" in source
+    assert "if bwd_chunk_id not in self.dw_runner:" in source and "self.backward_state.pop(bwd_chunk_id)" in source
+
+    stage = types.SimpleNamespace(dw_runner={0: "run", 1: "run"}, backward_state={0: "state"})
+    fence.skip_weight_backward(stage, 0)
+    assert stage.dw_runner == {1: "run"} and stage.backward_state == {}
+
+
 # --- nothing private outside the fences ---------------------------------------------------------
 
 def _private(name: str) -> bool:

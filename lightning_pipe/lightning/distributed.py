@@ -91,7 +91,7 @@ from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.headroom import checked, flat
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.schedule import actions
+from lightning_pipe.plan.schedule import actions, check_microbatches, placement, process_stages
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.distributed import (
@@ -105,6 +105,7 @@ from lightning_pipe.runtime.distributed import (
     to_device,
     to_host,
 )
+from lightning_pipe.runtime.fsdp import check_shardable, full_value, mixed_precision, shard_optimizer
 from lightning_pipe.runtime.materialize import check_resettable, has_meta, materialize_module
 
 __all__ = ["DistributedEngine"]
@@ -200,6 +201,15 @@ class DistributedEngine(Engine):
         return self.options.stages or self.world_size
 
     @property
+    def _placement(self) -> list[int]:
+        """The pipeline rank of each stage (:func:`~lightning_pipe.plan.schedule.placement`)."""
+        return placement(self.options.schedule, self.num_stages, self.options.virtual_stages)
+
+    def _stages_of(self, position: int) -> list[int]:
+        """The stages pipeline rank ``position`` runs, in order: they share its memory."""
+        return process_stages(self.options.schedule, self.num_stages, self.options.virtual_stages)[position]
+
+    @property
     def sampler_kwargs(self) -> dict[str, Any]:
         dp = self.device_mesh["dp"]
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
@@ -216,6 +226,12 @@ class DistributedEngine(Engine):
         environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        if self.options.data_parallel == "fsdp" and self.world_size == self.num_stages:  # before any process starts
+            raise ValueError(
+                f"data_parallel='fsdp' shards each stage over its data-parallel replicas, but {self.world_size} "
+                f"processes for stages={self.num_stages} leave one replica per stage: nothing to shard over. Give "
+                f"more devices (a multiple of stages), fewer stages, or data_parallel='ddp'."
+            )
 
     def setup_environment(self) -> None:
         reset_seed()
@@ -281,6 +297,9 @@ class DistributedEngine(Engine):
             self._partial_state.remove()
             self._partial_state = None
         self._empty = has_meta(module)
+        if self.options.data_parallel == "fsdp":  # on every rank, before any collective
+            check_shardable(module)
+            mixed_precision(self.precision_plugin.precision)
         if self._empty:
             check_resettable(module)
             cuda = self.root_device.type == "cuda"
@@ -303,7 +322,9 @@ class DistributedEngine(Engine):
         captured = self._graphs.training_graph((args, kwargs))
         check_buffer_writes(captured, module, self.options.chunks)  # on every rank, before any collective
         stages = self.num_stages * self.options.virtual_stages  # a process's stages share its memory
-        check_balance_entries(self.options.balance, self.num_stages, self.options.virtual_stages)  # on every rank
+        o = self.options  # on every rank, before any collective:
+        check_balance_entries(o.balance, self.num_stages, o.virtual_stages, o.schedule)
+        check_microbatches(o.schedule, o.chunks, self.num_stages, o.virtual_stages)
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
         saved = self.options.plan
@@ -352,7 +373,7 @@ class DistributedEngine(Engine):
                 program, module, boundaries, self.device_mesh, self.options.schedule,  # type: ignore[arg-type]
                 self.options.chunks, self._loss, self.root_device, release=final, timeout=self.options.timeout,
                 previous=old.held_by_rank if old else None, init=partial(materialize_module, device=self.root_device),
-                shapes=old.shapes if old else None,
+                shapes=old.shapes if old else None, fsdp=self._fsdp if final else None,
             )
         self.pipe.failure.on_failure = self._stop_enforcing
         self._load_deferred(final)
@@ -376,10 +397,16 @@ class DistributedEngine(Engine):
             self._metering.enter_context(self.meter.saved_tensors_hooks())
         if final:
             for optimizer in self.optimizers:  # state of tensors another rank holds
+                shard_optimizer(optimizer, self.pipe.swapped)
                 for param in [p for p in optimizer.state if p.numel() == 0 or p.is_meta]:
                     del optimizer.state[param]
             self._load_sharded_optimizers()
         return self.pipe
+
+    @property
+    def _fsdp(self) -> Any:
+        """FSDP's mixed precision policy where the stages are sharded, else ``None``."""
+        return mixed_precision(self.precision_plugin.precision) if self.options.data_parallel == "fsdp" else None
 
     @contextmanager
     def _initialising(self) -> Iterator[None]:
@@ -406,6 +433,7 @@ class DistributedEngine(Engine):
         if final:
             for optimizer, saved in zip(self.optimizers, optimizer_states or []):
                 optimizer.load_state_dict(saved)
+                shard_optimizer(optimizer, {})
             self._deferred = None
 
     def _limits(self, limits: list[int] | None) -> list[int] | None:
@@ -415,7 +443,7 @@ class DistributedEngine(Engine):
     def _rank_limit(self) -> int | None:
         """What ``memory_limit`` gives this rank's stages together (the meter enforces it)."""
         limits = self._limits(self.options.memory_limit)
-        return None if limits is None else sum(limits[self._position() :: self.num_stages])
+        return None if limits is None else sum(limits[s] for s in self._stages_of(self._position()))
 
     def _position(self) -> int:
         coordinate = self.device_mesh.get_coordinate()
@@ -427,7 +455,6 @@ class DistributedEngine(Engine):
         the stage's process has (``device_memory``; the host's RAM shared by the processes on
         it), shared by the process's stages; less where a rank's meter enforces less (memory
         another job took, :meth:`_build`). On every rank: a collective."""
-        stages = self.num_stages * self.options.virtual_stages
         limits = self._limits(self.options.memory_limit)
         device = self.root_device
         memory = device_memory(device) // (1 if device.type == "cuda" else max(1, self.num_processes))
@@ -438,12 +465,12 @@ class DistributedEngine(Engine):
         ranks = [every[p * replicas : (p + 1) * replicas] for p in range(self.num_stages)]
         if limits is None:
             process = [min(m for m, _ in rank) for rank in ranks]
-            limits = [process[s % self.num_stages] // self.options.virtual_stages for s in range(stages)]
+            limits = [process[p] // self.options.virtual_stages for p in self._placement]
         for p, rank in enumerate(ranks):
             least = min((e for _, e in rank if e is not None), default=None)
-            total = sum(limits[p :: self.num_stages])
+            total = sum(limits[s] for s in self._stages_of(p))
             if least is not None and least < total:  # shared by the rank's stages as the limits share it
-                for s in range(p, stages, self.num_stages):
+                for s in self._stages_of(p):
                     limits[s] = limits[s] * least // total
         return limits
 
@@ -456,7 +483,7 @@ class DistributedEngine(Engine):
         (:func:`~lightning_pipe.plan.headroom.checked`). The plan on rank 0, ``None`` elsewhere."""
         capacities = self._stage_capacities()
         if self._corrections is not None:  # below what training showed each rank takes beyond its check
-            capacities = [int(c / self._corrections.factors[s % self.num_stages]) for s, c in enumerate(capacities)]
+            capacities = [int(c / self._corrections.factors[p]) for p, c in zip(self._placement, capacities)]
         self._silent = self._silent or silent_mesh(self.num_stages, self.world_size // self.num_stages)
         shapes = self.pipe.shapes if self.pipe is not None and self.pipe.released else None
         check = partial(self._check_rank, captured, batch, batch_idx, arguments, shapes)
@@ -571,9 +598,8 @@ class DistributedEngine(Engine):
         predicted, rank_peaks = [s.peak.total for s in plan.stages], self._checked_peaks
         assert rank_peaks is not None
         peaks = []
-        for s, stage in enumerate(predicted):
-            position = s % self.num_stages
-            mine = predicted[position :: self.num_stages]
+        for stage, position in zip(predicted, self._placement):
+            mine = [predicted[t] for t in self._stages_of(position)]
             peaks.append(round(rank_peaks[position] * stage / max(1, sum(mine))))
         return peaks
 
@@ -596,7 +622,7 @@ class DistributedEngine(Engine):
         """Whether the planner made the split and so may make it again (no user ``balance``)."""
         o = self.options
         return (self._planned and self.plan is not None and o.planner is not None and o.balance is None
-                and o.plan is None)
+                and o.plan is None and o.data_parallel == "ddp")  # (sharded stages are never rebuilt)
 
     def replans(self) -> bool:
         return self._planner_splits and self.options.max_replans > 0
@@ -655,7 +681,7 @@ class DistributedEngine(Engine):
         they share its memory, which the meter counts as one); ``None``: its one stage."""
         if self.options.virtual_stages == 1:
             return None
-        *others, last = range(position, self.num_stages * self.options.virtual_stages, self.num_stages)
+        *others, last = self._stages_of(position)
         return f"Pipeline rank {position} (stages {', '.join(map(str, others))} and {last}, which share its memory)"
 
     def failure_of(self, error: BaseException) -> Failure:
@@ -669,7 +695,7 @@ class DistributedEngine(Engine):
         assert self.plan is not None
         if self._checked_peaks is not None:
             return list(self._checked_peaks)
-        return [sum(s.peak.total for s in self.plan.stages[p :: self.num_stages]) for p in range(self.num_stages)]
+        return [sum(self.plan.stages[s].peak.total for s in self._stages_of(p)) for p in range(self.num_stages)]
 
     def recover(self, failure: Failure) -> None:
         """Plan again below the memory the failed step showed its rank takes, and rebuild; on
@@ -688,8 +714,8 @@ class DistributedEngine(Engine):
             return
         corrections = self._corrections_so_far()
         p, peak, checked_peaks = self._position(), meter.stages[0].peak, self._rank_checked()
-        predicted = sum(s.peak.total for s in plan.stages[p :: self.num_stages])
-        target = sum(plan.targets[p :: self.num_stages])
+        predicted = sum(plan.stages[s].peak.total for s in self._stages_of(p))
+        target = sum(plan.targets[s] for s in self._stages_of(p))
         mine = peak > (1 + DRIFT) * predicted and peak > target and peak > corrections.factors[p] * checked_peaks[p]
         drifting = torch.tensor([1.0 if mine else 0.0], device=self.root_device)
         dist.all_reduce(drifting, op=dist.ReduceOp.MAX)
@@ -1008,7 +1034,7 @@ class DistributedEngine(Engine):
         """``value`` as the last stage of this rank's pipeline has it."""
         box = [to_host(value)]
         pp = self.device_mesh.get_group("pp")
-        dist.broadcast_object_list(box, group_src=self.num_stages - 1, group=pp)
+        dist.broadcast_object_list(box, group_src=self._placement[-1], group=pp)
         return to_device(box[0], self.root_device)
 
     def _eval_step(self, hook: str, batch: Any, batch_idx: int, *args: Any) -> Any:
@@ -1083,11 +1109,11 @@ class DistributedEngine(Engine):
                 if key in part:
                     metrics[f"pipe/stage{s}/{key}"] = part[key]
             if self.plan is not None:  # the rank's stages' peaks added: they need not coincide
-                rank_stages = self.plan.stages[s :: self.num_stages]
-                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = sum(stage.peak.total for stage in rank_stages)
+                metrics[f"pipe/stage{s}/predicted_peak_bytes"] = sum(self.plan.stages[t].peak.total
+                                                                    for t in self._stages_of(s))
             if self._checked_peaks is not None:  # the fake step of the plan, on that rank
                 metrics[f"pipe/stage{s}/checked_peak_bytes"] = self._checked_peaks[s]
-        if self.options.virtual_stages == 1:  # the simulator knows no interleaved schedule
+        if self.options.virtual_stages == 1 and self.options.schedule in ("gpipe", "1f1b"):  # the orders it knows
             chunks = self.options.chunks
             times = [StageTime(p["forward_ms"] / chunks, p["backward_ms"] / chunks) for p in stages]
             order = actions(self.options.schedule, chunks, self.num_stages)
@@ -1107,7 +1133,7 @@ class DistributedEngine(Engine):
             return self.module.state_dict() if self.global_rank == 0 or not self._sharded else {}
         if self._sharded:
             return self.pipe.owned_state()
-        return self.pipe.state_dict() or {}
+        return self.pipe.state_dict() or {}  # (FSDP's shards gathered on every replica)
 
     @property
     def _sharded(self) -> bool:
@@ -1120,9 +1146,13 @@ class DistributedEngine(Engine):
         state = optimizer.state_dict()
         if self.pipe is None:
             return state if self.global_rank == 0 or not self._sharded else {**state, "state": {}}
-        mine = state["state"] if self.pipe.replica == 0 else {}
+        sharded = self.pipe.sharded  # each replica holds a shard of the state
+        mine = state["state"] if self.pipe.replica == 0 or (sharded and self._sharded) else {}
         if self._sharded:
             return {**state, "state": mine}
+        if sharded:  # every replica gathers each whole state tensor
+            gathered = {k: {key: full_value(v) for key, v in s.items()} for k, s in state["state"].items()}
+            mine = gathered if self.pipe.replica == 0 else {}
         mine = to_host(mine)
         parts: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
         dist.gather_object(mine, parts if self.global_rank == 0 else None, dst=0)
@@ -1176,6 +1206,7 @@ class DistributedEngine(Engine):
             return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
+            shard_optimizer(optimizer, {})
             for param in [p for p in optimizer.state if p.numel() == 0]:
                 del optimizer.state[param]  # another rank holds it
 
@@ -1243,7 +1274,10 @@ class DistributedEngine(Engine):
             return None
         position, replica = coordinate
         ranks, replicas = self._mesh.size(0), self._mesh.size(1)
-        peers = [str(q * replicas + replica) for q in (position - 1, position + 1) if 0 <= q < ranks]
+        where = placement(self.options.schedule, ranks, self.options.virtual_stages)
+        neighbours = {where[t] for s, p in enumerate(where) if p == position for t in (s - 1, s + 1)
+                      if 0 <= t < len(where)} - {position}
+        peers = [str(q * replicas + replica) for q in sorted(neighbours)]
         operation = re.search(r"for (\w+) operation", text)
         return (
             f"rank {self.global_rank} (pipeline rank {position} of {ranks}, replica {replica}) timed out after "
@@ -1262,7 +1296,8 @@ class DistributedEngine(Engine):
             self._partial_state = module.register_state_dict_post_hook(warning)  # type: ignore[no-untyped-call]
         if self._empty and module is not None:  # Lightning's module.cpu(), but what has no storage stays on meta
             module_apply(module, lambda t: t if t.is_meta else t.cpu())
-            set_lightning_module(strategy, None)
+        if module is not None and (self._empty or (self.pipe is not None and self.pipe.sharded)):
+            set_lightning_module(strategy, None)  # (FSDP's shards stay where they are, as Lightning's FSDP leaves them)
         try:
             lightning_teardown()
         finally:

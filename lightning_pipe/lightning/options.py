@@ -13,13 +13,20 @@ from lightning_pipe.lightning.microlog import LossReduction
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
 from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.request import check_settings
-from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.plan.schedule import (
+    DISTRIBUTED_ONLY,
+    V_SHAPED,
+    Schedule,
+    check_microbatches,
+    stages_per_process,
+)
 from lightning_pipe.units import MemorySize, parse_bytes
 
-__all__ = ["PipeOptions", "Runtime", "StateDictType", "check_balance_entries", "limits_per_stage"]
+__all__ = ["DataParallel", "PipeOptions", "Runtime", "StateDictType", "check_balance_entries", "limits_per_stage"]
 
 Runtime = Literal["local", "distributed"]
 StateDictType = Literal["full", "sharded"]
+DataParallel = Literal["ddp", "fsdp"]
 
 
 @dataclass
@@ -40,11 +47,12 @@ class PipeOptions:
     loss_reduction: LossReduction = "mean"
     runtime: Runtime = "local"
     stages: int | None = None
-    virtual_stages: int = 1
+    virtual_stages: int = 1  # stages per process, resolved (plan.schedule.stages_per_process)
     timeout: timedelta = timedelta(minutes=30)
     state_dict_type: StateDictType = "full"
     max_replans: int = 3
     plan: Plan | None = None  # a saved plan to follow: no profiling, no planning
+    data_parallel: DataParallel = "ddp"
 
     @classmethod
     def checked(
@@ -64,11 +72,12 @@ class PipeOptions:
         loss_reduction: LossReduction,
         runtime: Runtime,
         stages: int | None,
-        virtual_stages: int,
+        virtual_stages: int | None,
         timeout: timedelta | None,
         state_dict_type: StateDictType,
         max_replans: int,
         plan: "str | os.PathLike[str] | None" = None,
+        data_parallel: DataParallel = "ddp",
     ) -> "PipeOptions":
         """The options, each checked; a bad one raises an error naming it and the fix.
 
@@ -100,9 +109,23 @@ class PipeOptions:
             )
         if balance is not None and any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
+        _check_data_parallel(data_parallel, runtime, schedule)  # (before 2bw's own check: named for FSDP)
         _check_runtime(runtime, stages, schedule, timeout, virtual_stages)
+        virtual_stages = stages_per_process(schedule, virtual_stages)
+        if data_parallel == "fsdp" and virtual_stages > 1:
+            raise ValueError(
+                f"data_parallel='fsdp' shards one stage per process; schedule={schedule!r} holds {virtual_stages} "
+                f"stages per process, each its own FSDP root (a weight two of them read would be sharded apart). Use "
+                f"schedule='gpipe' or '1f1b' with virtual_stages=1, or data_parallel='ddp'."
+            )
+        if balance is not None and len(balance) % virtual_stages:
+            raise ValueError(
+                f"balance has {len(balance)} stages, which virtual_stages={virtual_stages} (stages per process) does "
+                f"not divide: give {virtual_stages} entries for each process."
+            )
         if runtime == "distributed" and stages is not None:  # else the processes are counted at the first batch
-            check_balance_entries(balance, stages, virtual_stages)
+            check_balance_entries(balance, stages, virtual_stages, schedule)
+            check_microbatches(schedule, chunks, stages, virtual_stages)
         _check_state_dict_type(runtime, state_dict_type)
         saved = _check_plan(plan, balance, schedule, chunks)
         return cls(
@@ -111,7 +134,7 @@ class PipeOptions:
             measure_memory=measure_memory, deferred_batch_norm=deferred_batch_norm,
             plan_shapes={k: tuple(v) for k, v in (plan_shapes or {}).items()}, loss_reduction=loss_reduction,
             runtime=runtime, stages=stages, virtual_stages=virtual_stages, timeout=timeout or timedelta(minutes=30),
-            state_dict_type=state_dict_type, max_replans=max_replans, plan=saved,
+            state_dict_type=state_dict_type, max_replans=max_replans, plan=saved, data_parallel=data_parallel,
         )
 
 
@@ -156,24 +179,26 @@ def limits_per_stage(limits: list[int] | None, stages: int, what: str) -> list[i
     return list(limits)
 
 
-def check_balance_entries(balance: list[int] | None, processes: int, virtual_stages: int) -> None:
+def check_balance_entries(balance: list[int] | None, processes: int, virtual_stages: int, schedule: Schedule) -> None:
     """A balance under ``runtime="distributed"`` needs one entry per stage: ``processes`` (a
-    pipeline's) times ``virtual_stages``.
+    pipeline's) times ``virtual_stages``, placed on the processes by ``schedule``
+    (:func:`~lightning_pipe.plan.schedule.placement`).
 
     Raises:
         ValueError: it has another number of entries.
     """
     stages = processes * virtual_stages
     if balance is not None and len(balance) != stages:
+        where = (f"stages r and {stages - 1} - r on process r" if schedule in V_SHAPED
+                 else f"stage s on process s % {processes}")
         raise ValueError(
             f"balance has {len(balance)} entries, but runtime='distributed' runs {stages} stages ({processes} "
-            f"processes x virtual_stages={virtual_stages}; stage s on process s % {processes}). Give one node "
-            f"count per stage, in order."
+            f"processes x virtual_stages={virtual_stages}; {where}). Give one node count per stage, in order."
         )
 
 
 def _check_runtime(
-    runtime: Runtime, stages: int | None, schedule: Schedule, timeout: timedelta | None, virtual_stages: int
+    runtime: Runtime, stages: int | None, schedule: Schedule, timeout: timedelta | None, virtual_stages: int | None
 ) -> None:
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime must be 'local' (one process) or 'distributed' (one per stage), got {runtime!r}.")
@@ -189,12 +214,26 @@ def _check_runtime(
             "schedule='2bw' runs only with runtime='local': torch.distributed.pipelining flushes the pipeline every "
             "step and has no two-version weights. Use schedule='1f1b' or 'gpipe' with runtime='distributed'."
         )
+    if runtime == "local" and schedule in DISTRIBUTED_ONLY:
+        raise ValueError(
+            f"schedule={schedule!r} runs only with runtime='distributed': it places several stages on each process, "
+            f"on torch.distributed.pipelining. Pass runtime='distributed', or use 'gpipe', '1f1b' or '2bw' locally."
+        )
+    if virtual_stages is None:
+        return
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"virtual_stages must be a positive int (stages per process), got {virtual_stages!r}.")
-    if virtual_stages > 1 and (runtime != "distributed" or schedule != "1f1b"):
+    if schedule in V_SHAPED and virtual_stages != 2:
         raise ValueError(
-            f"virtual_stages={virtual_stages} interleaves stages over processes, which Interleaved 1F1B needs: "
-            f"use runtime='distributed' and schedule='1f1b', or leave virtual_stages=1."
+            f"schedule={schedule!r} always holds 2 stages per process (a V: process r runs stages r and 2p - 1 - r), "
+            f"got virtual_stages={virtual_stages}: leave virtual_stages unset, or use schedule='interleaved-1f1b' or "
+            f"'interleaved-zb' for {virtual_stages} stages per process."
+        )
+    if virtual_stages > 1 and (runtime != "distributed" or schedule not in ("1f1b", *DISTRIBUTED_ONLY)):
+        raise ValueError(
+            f"virtual_stages={virtual_stages} puts several stages on each process, which only runtime='distributed' "
+            f"runs, under schedule='interleaved-1f1b' (or '1f1b', its alias then) or 'interleaved-zb': use those, "
+            f"or leave virtual_stages unset."
         )
 
 
@@ -205,6 +244,26 @@ def _check_state_dict_type(runtime: Runtime, state_dict_type: StateDictType) -> 
         raise ValueError(
             "state_dict_type='sharded' writes one shard per process: it needs runtime='distributed'. With "
             "runtime='local' one process holds every stage; leave state_dict_type='full'."
+        )
+
+
+def _check_data_parallel(data_parallel: DataParallel, runtime: Runtime, schedule: Schedule) -> None:
+    """How a stage's replicas share its work: a whole copy each (``"ddp"``), or shards (``"fsdp"``),
+    which needs processes (the replicas) and one version of every weight."""
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(
+            f"data_parallel must be 'ddp' (each replica of a stage holds it whole) or 'fsdp' (the replicas shard it), "
+            f"got {data_parallel!r}."
+        )
+    if data_parallel == "fsdp" and runtime != "distributed":
+        raise ValueError(
+            "data_parallel='fsdp' shards each stage over its data-parallel replicas, which are processes: it needs "
+            "runtime='distributed' (with more devices than stages). With runtime='local' leave data_parallel='ddp'."
+        )
+    if data_parallel == "fsdp" and schedule == "2bw":
+        raise ValueError(
+            "schedule='2bw' keeps two versions of every weight, which data_parallel='fsdp' does not shard. Use "
+            "schedule='1f1b' or 'gpipe' with data_parallel='fsdp', or data_parallel='ddp'."
         )
 
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from torch.optim import Optimizer
 
 from lightning_pipe.lightning.internals import METADATA_FILENAME
+from lightning_pipe.runtime.fsdp import is_shard
 
 __all__ = ["is_sharded", "load_meta", "load_optimizer", "load_tensors", "save_sharded"]
 
@@ -67,7 +68,8 @@ def load_tensors(path: Path, tensors: Mapping[str, Tensor]) -> None:
 
 
 def load_optimizer(path: Path, index: int, optimizer: Optimizer, held: Iterable[nn.Parameter]) -> None:
-    """Load optimizer ``index``'s state of the ``held`` parameters (the others stay empty)."""
+    """Load optimizer ``index``'s state of the ``held`` parameters (the others stay empty); the
+    state of a parameter FSDP shards is read as its shard."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ids = {id(h) for h in held}
     mine = {str(i) for i, p in enumerate(params) if id(p) in ids}
@@ -76,7 +78,13 @@ def load_optimizer(path: Path, index: int, optimizer: Optimizer, held: Iterable[
     for key, meta in FileSystemReader(path).read_metadata().state_dict_metadata.items():
         parts = key[len(prefix):].split(".", 2) if key.startswith(prefix) else []
         if parts[:1] == ["state"] and parts[1] in mine:
-            target[key] = _empty(meta) if isinstance(meta, TensorStorageMetadata) else None  # an object: replaced
+            param = params[int(parts[1])]
+            if not isinstance(meta, TensorStorageMetadata):
+                target[key] = None  # an object: replaced
+            elif is_shard(param) and tuple(meta.size) == tuple(param.shape):
+                target[key] = torch.empty_like(param.detach(), dtype=meta.properties.dtype)
+            else:
+                target[key] = _empty(meta)
     _load(target, path)
     state: dict[int, dict[str, Any]] = {}
     for key, value in target.items():

@@ -89,6 +89,7 @@ class ScheduledStep:
                         raise RuntimeError(NO_FORWARD.format(hook="training_step"))
                     losses[step.microbatch] = _loss_of(output)
                     logs.returned(step.microbatch, losses[step.microbatch])
+                    del output  # its graph would keep the outputs alive through the next forward, past their backward
                     continue
                 if not backward_started:
                     backward_started = True
@@ -102,6 +103,7 @@ class ScheduledStep:
                 self.pipeline.backward(step.microbatch, step.stage, loss)
                 if loss is not None:  # its graph would keep the output leaf and its gradient alive
                     losses[step.microbatch] = losses[step.microbatch].detach()
+                del loss  # and so would the weighted loss's, through the next forward
         batch_loss = torch.stack([losses[i] * w for i, w in enumerate(weights)]).sum()  # each detached already
         call_callback_hooks(trainer, "on_after_backward")
         call_module_hook(trainer, "on_after_backward")

@@ -32,7 +32,7 @@ from lightning_pipe.lightning.internals import PATH, ConfiguresLauncher, FitLoop
 from lightning_pipe.lightning.local import LocalEngine
 from lightning_pipe.lightning.metrics import logs_this_step
 from lightning_pipe.lightning.microlog import LossReduction
-from lightning_pipe.lightning.options import PipeOptions, Runtime, StateDictType, parse_limits
+from lightning_pipe.lightning.options import DataParallel, PipeOptions, Runtime, StateDictType, parse_limits
 from lightning_pipe.lightning.recovery import RecoveryError
 from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
 from lightning_pipe.plan.partitioners import Partitioner
@@ -52,7 +52,10 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
     Args:
         chunks: micro-batches per batch; a batch with fewer samples (an epoch's short last
             batch) runs as one-sample micro-batches.
-        schedule: ``"gpipe"`` (autograd-driven), ``"1f1b"`` or ``"2bw"`` (schedule-driven).
+        schedule: ``"gpipe"`` (autograd-driven), ``"1f1b"`` or ``"2bw"`` (schedule-driven);
+            under ``runtime="distributed"`` (not ``"2bw"``) also ``"interleaved-1f1b"``,
+            ``"interleaved-zb"``, ``"zbv"`` and ``"dualpipev"``, several stages per process
+            (``virtual_stages``).
         balance: graph nodes per stage, in order; overrides the planner.
         leaf_modules: submodule names (``"blocks.3"``) or class names (``"Block"``) that
             tracing keeps as single nodes, e.g. code torch.fx cannot trace.
@@ -88,10 +91,14 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
             one process per device (Lightning's launcher, torchrun or SLURM), pipelines of
             ``stages`` processes times data-parallel replicas (:mod:`.distributed`).
         stages: pipeline depth under ``runtime="distributed"``; default all processes.
-        virtual_stages: under ``runtime="distributed"`` with ``schedule="1f1b"``, stages per
-            process: the model is split into ``stages * virtual_stages`` stages placed in a
-            loop (process ``p`` runs stages ``p``, ``p + stages``, ...) and trained with
-            ``torch.distributed.pipelining``'s Interleaved 1F1B, which shortens the bubble.
+        virtual_stages: under ``runtime="distributed"``, stages per process: the model is split
+            into ``stages * virtual_stages`` stages, process ``p`` running stages ``p``,
+            ``p + stages``, ... (a loop), under ``schedule="interleaved-1f1b"`` (Interleaved 1F1B;
+            ``"1f1b"`` with ``virtual_stages > 1`` is the same) or ``"interleaved-zb"``
+            (interleaved zero-bubble, its backward split into input and weight gradients), both
+            ``torch.distributed.pipelining``'s. Default: 2 for those two, else 1. ``"zbv"`` and
+            ``"dualpipev"`` always hold 2 stages per process as a V (process ``r`` runs stages
+            ``r`` and ``2 * stages - 1 - r``).
         timeout: under ``runtime="distributed"``, how long a rank waits for another before
             failing (default 30 minutes), so that an error on one rank ends every rank.
         state_dict_type: under ``runtime="distributed"``, ``"full"`` gathers checkpoints on
@@ -111,6 +118,12 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
             must be the one it was made for, and micro-batches at most its size (a clear error
             names what differs); under ``runtime="distributed"`` one stage per process and
             virtual stage.
+        data_parallel: under ``runtime="distributed"``, how the data-parallel replicas of a
+            stage share it: ``"ddp"`` (default), each holds the whole stage and gradients are
+            averaged; ``"fsdp"``, each holds ``1 / replicas`` of its parameters, gradients and
+            optimizer state (``torch.distributed.fsdp.fully_shard`` over the replicas), and
+            gathers them per layer block for its forward and backward. Needs more processes
+            than ``stages``; ``precision="bf16-mixed"`` gathers in bfloat16.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend: as for Lightning's own strategies (``DDPStrategy``); the
             Trainer fills them in when they are not given. ``process_group_backend`` (default:
@@ -138,11 +151,12 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
         loss_reduction: LossReduction = "mean",
         runtime: Runtime = "local",
         stages: int | None = None,
-        virtual_stages: int = 1,
+        virtual_stages: int | None = None,
         timeout: timedelta | None = None,
         state_dict_type: StateDictType = "full",
         max_replans: int = 3,
         plan: "str | os.PathLike[str] | None" = None,
+        data_parallel: DataParallel = "ddp",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -163,6 +177,7 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
             measure_memory=measure_memory, deferred_batch_norm=deferred_batch_norm, plan_shapes=plan_shapes,
             loss_reduction=loss_reduction, runtime=runtime, stages=stages, virtual_stages=virtual_stages,
             timeout=timeout, state_dict_type=state_dict_type, max_replans=max_replans, plan=plan,
+            data_parallel=data_parallel,
         )
         if process_group_backend is not None and runtime != "distributed":
             raise ValueError(

@@ -300,15 +300,17 @@ class MemoryMeter(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if entry is not None and entry.kind in _RELABEL and _RELABEL.index(entry.kind) < rank:
                     self._move(entry, entry.stage, kind)
 
-    def keep(self, stage: int | None, tensors: Iterable[Any]) -> None:
+    def keep(self, stage: int | None, tensors: Iterable[Any], kind: str = "activations") -> None:
         """Storages ``stage`` keeps for its backward (autograd saves them, or a recomputed
         segment holds its inputs): its activations, whichever stage made them, as on a device
         of its own, where it would keep a copy. The first stage keeping one holds it: its
-        backward runs last. Owned storages (parameters, the batch) stay where they are."""
+        backward runs last. Owned storages (parameters, the batch) stay where they are.
+        ``kind="boundary"``: values that arrived at ``stage`` for good (the pipeline's outputs
+        the loss holds), which on devices of their own its copy holds and the maker frees."""
         for t in tree_flatten(list(tensors))[0]:
             entry = self._entries.get(t.untyped_storage()) if isinstance(t, Tensor) else None
             if entry is not None and entry.movable and entry.kind in ("transient", "boundary"):
-                self._move(entry, entry.stage if stage is None else stage, "activations")
+                self._move(entry, entry.stage if stage is None else stage, kind)
 
     def _charge(self, t: Tensor, stage: int, kind: str, movable: bool = True) -> None:
         storage = t.untyped_storage()

@@ -26,7 +26,7 @@ from lightning_pipe.plan.recompute import recomputed_regions, recomputing, regio
 __all__ = ["LiveBytes", "backward_gradients", "kept_live_bytes", "live_bytes"]
 
 
-@dataclass
+@dataclass(slots=True)
 class LiveBytes:
     """One micro-batch on a stage: its stash, the values still to be read after its forward,
     and the most bytes alive in its forward and in its backward (each as stash, other)."""
@@ -92,6 +92,12 @@ def live_bytes(
     if summed_parameter_grads:
         backward += np.maximum(0, fresh - np.maximum(0, a.backward[lo:hi] - a.handed[lo:hi]))
     first_backward = common + a.grads[lo:hi][::-1].cumsum()[::-1]  # the parameter gradients made so far
+    if rows == 1:  # (a search's check of its choices: picked one by one, cheaper than by fancy indexing)
+        k, f, b, g = kept[0], int(forward[0].argmax()), int(backward[0].argmax()), int(first_backward[0].argmax())
+        fs, bs, gs = int(k[f]), int(k[b + 1]), int(k[g + 1])
+        return [LiveBytes(stashed=int(k[-1]), leaving=int(leaving[0]), forward=(fs, int(forward[0, f]) - fs),
+                          backward=(bs, int(backward[0, b]) - bs), first_backward=(gs, int(first_backward[0, g]) - gs),
+                          peaks_at=(lo + b, lo + g))]
     f, b, g = (x.argmax(axis=1) for x in (forward, backward, first_backward))
     at = np.arange(rows)
     columns = zip(*(x.tolist() for x in (

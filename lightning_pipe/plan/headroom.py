@@ -103,9 +103,13 @@ def checked_largest_plan(profile: Profile, request: PlanRequest, check: Check) -
         InfeasiblePlanError: not even a micro-batch of one fits.
     """
 
+    answers: list[int] = []  # each round's: the next round's targets are near the last one's
+
     def largest(targets: list[int]) -> Plan:
         # made on what the search's probe of the largest size priced, not afresh at that size
-        return largest_plan(profile, replace(request, capacities=targets))
+        plan = largest_plan(profile, replace(request, capacities=targets), near=answers[-1] if answers else None)
+        answers.append(plan.microbatch_size)
+        return plan
 
     return checked(largest, request.capacities, check)
 

@@ -29,8 +29,11 @@ class Layout:
         self.lo, self.hi, self.size = lo, hi, hi - lo
         self.codes = codes  # (rows, every node): a row's policies, other stages' too
         self.rows = codes.shape[0]
-        self.row, local = np.divmod(np.arange(self.rows * self.size), self.size)
-        self.node = local + lo
+        if self.rows == 1:  # (most often one row: a search's check of its choices; divmod costs more)
+            self.row, self.node = np.zeros(self.size, dtype=np.int64), np.arange(lo, hi)
+        else:
+            self.row, local = np.divmod(np.arange(self.rows * self.size), self.size)
+            self.node = local + lo
         self.code = codes[:, lo:hi].ravel()
         self._reads: tuple[Array, Array, Array] | None = None
 
@@ -46,7 +49,9 @@ class Layout:
             begin, end = a.reader.searchsorted([self.lo, self.hi])
             shift = (np.arange(self.rows) * self.size)[:, None]
             reader = (a.reader[begin:end] - self.lo + shift).ravel()
-            self._reads = reader, np.tile(a.read[begin:end], self.rows), np.tile(a.read_base[begin:end], self.rows)
+            read, base = a.read[begin:end], a.read_base[begin:end]  # (np.tile costs more than a pass for one row)
+            self._reads = (reader, read, base) if self.rows == 1 else (reader, np.tile(read, self.rows),
+                                                                      np.tile(base, self.rows))
         return self._reads
 
     def regions(self, starts: Array, stops: Array) -> tuple[Array, Array]:
@@ -115,7 +120,9 @@ def held_end(
     return end
 
 
-def until_run_returns(layout: Layout, runs: Runs, end: Array, read: Array) -> Array:
+def until_run_returns(
+    layout: Layout, runs: Runs, end: Array, read: "np.ndarray[tuple[int], np.dtype[np.bool_]]"
+) -> Array:
     """``end`` (per position, the last node reading its node's value) where the value is
     ``read`` by a later run of the stage: that run's last node (a run is one call, holding its
     arguments until it returns)."""

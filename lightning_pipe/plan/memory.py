@@ -232,6 +232,12 @@ class CostModel:
         """Forward plus backward time of one micro-batch."""
         return self._compute[hi] - self._compute[lo]
 
+    @property
+    def compute_prefix(self) -> list[float]:
+        """Per ``i``, the forward plus backward time of nodes ``[0, i)``: :meth:`compute_ms` of
+        ``[lo, hi)`` is ``compute_prefix[hi] - compute_prefix[lo]``."""
+        return self._compute
+
     def recompute_costs(self, lo: int, hi: int) -> tuple[Array, "np.ndarray[tuple[int], np.dtype[np.float64]]", Array]:
         """The nodes of ``[lo, hi)`` that save bytes, each one's forward milliseconds per byte
         saved (what recomputing it costs per byte it frees) and its saved bytes."""

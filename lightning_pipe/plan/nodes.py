@@ -67,7 +67,10 @@ class NodeArrays:
         self.columns = column  # the rest, for the cost model's prefix sums
         # every read (reader, node read, that node's storage), by reader, each once
         read = self.user >= 0
-        pairs = np.unique(self.user[read] * max(n, 1) + self.user_of[read])
+        pairs = np.sort(self.user[read] * max(n, 1) + self.user_of[read])  # (np.unique's hashing costs more)
+        first_of = np.ones(pairs.size, dtype=bool)
+        first_of[1:] = pairs[1:] != pairs[:-1]
+        pairs = pairs[first_of]
         self.reader, self.read = np.divmod(pairs, max(n, 1))
         # the node whose storage a node's value lives on: itself, or for a view its largest input's
         largest = np.lexsort((self.read, -self.output[self.read], self.reader))  # per reader, its largest read first

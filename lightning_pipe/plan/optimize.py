@@ -15,6 +15,7 @@ Times are per micro-batch, in milliseconds; ``host_bandwidth`` is bytes per seco
 device-host link (``None``: no swapping).
 """
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -174,13 +175,12 @@ def _greedy(stage: "PricedStage", base: StageOptimum) -> StageOptimum:
         return None
 
     while si < len(swaps) or ri < len(recomputes):
-        now = exposed(0.0, 0.0)
         swap_cost = recompute_cost = float("inf")
         if si < len(swaps):
             t, i = swaps[si]
             window = model.compute_ms(i + 1, hi)
             hidden = t <= window and link + t <= compute
-            swap_cost = 0.0 if hidden else (exposed(max(0.0, t - window), t) - now) / model.saved[i]
+            swap_cost = 0.0 if hidden else (exposed(max(0.0, t - window), t) - exposed(0.0, 0.0)) / model.saved[i]
         if ri < len(recomputes):
             recompute_cost = recompute_costs[ri]
         if swap_cost <= recompute_cost:
@@ -347,15 +347,16 @@ def _steady_order(model: CostModel, lo: int, hi: int) -> tuple[list[float], list
     """The ms per byte freed and the nodes of ``[lo, hi)`` saving bytes, cheapest first, where
     costs within :data:`TIME_NOISE` of a run's cheapest count as equal and the node keeping
     more bytes goes first: measured times vary from one profile to the next, bytes do not, so
-    the same model gets the same choices. (Sorted by NumPy, each run found by bisection: a
-    split search orders thousands of stages.)"""
+    the same model gets the same choices. (Sorted by NumPy, each run found by bisection of a
+    list: a split search orders thousands of stages, and NumPy's per-call overhead was most of
+    bisecting an array.)"""
     nodes, costs, saved = model.recompute_costs(lo, hi)
     order = np.lexsort((nodes, costs))  # by (cost, node)
-    ordered = costs[order]
+    ordered = costs[order].tolist()
     new = np.zeros(order.size, dtype=np.int64)  # 1 where a run starts (but the first)
     start = 0
-    while start < order.size:  # a run: every cost up to its first's times 1 + TIME_NOISE
-        start = max(start + 1, int(np.searchsorted(ordered, ordered[start] * (1 + TIME_NOISE), side="right")))
+    while start < len(ordered):  # a run: every cost up to its first's times 1 + TIME_NOISE
+        start = max(start + 1, bisect.bisect_right(ordered, ordered[start] * (1 + TIME_NOISE), start))
         new[start : start + 1] = 1
     runs = np.cumsum(new)
     order = order[np.lexsort((nodes[order], -saved[order], runs))]  # within a run, by (-bytes, node)

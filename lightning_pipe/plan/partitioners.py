@@ -23,6 +23,7 @@
 Capacities are per stage device and may differ (heterogeneous devices).
 """
 
+import bisect
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -85,7 +86,10 @@ def split(name: Partitioner, stages: Stages) -> list[int]:
         return _min_max(model.n, stages.capacities, stages.kept_peak, bound=stages.least_kept_peak,
                         upper=stages.kept_peak_at_most)
     if name == "time":
-        return _min_max(model.n, [1.0] * count, lambda lo, hi, s: model.compute_ms(lo, hi) + model.send_ms(lo, hi))
+        prefix = model.compute_prefix
+        growing = not model.link_bandwidth and all(a <= b for a, b in itertools.pairwise(prefix))
+        return _min_max(model.n, [1.0] * count, lambda lo, hi, s: model.compute_ms(lo, hi) + model.send_ms(lo, hi),
+                        prefix=prefix if growing else None)
     if name == "params":
         return balance_by_weight([model.params(i, i + 1) for i in range(model.n)], count)
     if name == "uniform":
@@ -184,6 +188,7 @@ def reaching(n: int, limits: Sequence[float], within: Within) -> list[int] | Non
 def _min_max(
     n: int, scales: Sequence[float], cost: Cost, precision: float = 1e-12, start: Sequence[int] | None = None,
     within: Within | None = None, bound: Cost | None = None, upper: Cost | None = None,
+    prefix: Sequence[float] | None = None,
 ) -> list[int]:
     """Balance minimising ``max_s cost(stage s) / scales[s]``: binary search on the threshold,
     fill-first at each, until the threshold is known to ``precision`` (relative). Given a
@@ -194,7 +199,8 @@ def _min_max(
     ``upper`` (a lower and an upper bound of it, cheaper), and a threshold at which the search
     at the last threshold under or over it would compare every range alike gets that search's
     answer unsearched (:class:`_Trace`): most of the bisection's thresholds, so it prices fewer
-    ranges."""
+    ranges. ``prefix``: the cost is ``prefix[hi] - prefix[lo]``, ``prefix`` never falling
+    (then each fill-first is a bisection per stage, :func:`_fill_prefix`)."""
     count = len(scales)
     traces: dict[bool, _Trace | None] = {True: None, False: None}  # at high and at low
 
@@ -207,7 +213,7 @@ def _min_max(
         if within is not None:
             return fill_first(n, limits, within)
         trace = _Trace(scales, cost, bound, upper)
-        trace.found = fill_first(n, limits, trace.within)
+        trace.found = fill_first(n, limits, trace.within) if prefix is None else _fill_prefix(prefix, limits, trace)
         traces[trace.found is not None] = trace
         return trace.found
 
@@ -231,6 +237,31 @@ def _min_max(
         else:
             high, found = mid, attempt
     return found
+
+
+def _fill_prefix(prefix: Sequence[float], limits: Sequence[float], trace: "_Trace") -> list[int] | None:
+    """:func:`fill_first` with ``trace.within`` on costs ``prefix[hi] - prefix[lo]`` (``prefix``
+    never falling): each stage's longest fitting run found by one bisection of ``prefix``, and
+    ``trace`` told the two comparisons that decide what fill-first's own bisection records, as
+    costs grow with the run: its longest run's cost (within) and, when it could have been
+    longer, the cost of one node more (over). Some forty times fewer calls for the time
+    partitioner, which searches some forty thresholds."""
+    n, count = len(prefix) - 1, len(limits)
+    balance, lo = [], 0
+    for s in range(count - 1):
+        base, last = prefix[lo], n - (count - 1 - s)  # every later stage keeps a node
+        end = bisect.bisect_right(prefix, limits[s], lo + 1, last + 1, key=lambda p: p - base) - 1
+        if end == lo:
+            trace.within(lo, lo + 1, s, limits[s])
+            return None
+        trace.within(lo, end, s, limits[s])
+        if end < last:
+            trace.within(lo, end + 1, s, limits[s])
+        balance.append(end - lo)
+        lo = end
+    if not trace.within(lo, n, count - 1, limits[-1]):
+        return None
+    return balance + [n - lo]
 
 
 class _Trace:

@@ -21,6 +21,7 @@ from lightning_pipe.plan.schedule import (
     backward_states,
     gradient_waits,
     in_flight,
+    planned_order,
     weight_versions,
 )
 from lightning_pipe.plan.sharding import Sharding, choose_resharding
@@ -243,7 +244,7 @@ def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list
             )
         )
         times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, send))
-    sim = simulate(times, actions(request.schedule, model.chunks, stages.count))
+    sim = simulate(times, actions(planned_order(request.schedule), model.chunks, stages.count))
     return Plan(
         partitioner=request.partitioner,
         schedule=request.schedule,
@@ -275,15 +276,21 @@ def max_microbatch(profile: Profile, request: PlanRequest, *, at_least: int = 1)
     return _largest(profile, request, at_least)[0]
 
 
-def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1) -> Plan:
+def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1, near: int | None = None) -> Plan:
     """:func:`fitting_plan`'s plan at :func:`max_microbatch`'s size (``plan.microbatch_size``),
     made on what the search's probe of that size found: choosing among the splits that fit
-    starts from the ones it priced.
+    starts from the ones it priced. ``near``: a size the answer is likely at or next to (the
+    answer for slightly larger capacities, as a check's next round asks), probed first: where
+    it fits, the sizes above it one, two, four, ... further; where not, doubling from
+    ``at_least`` below it. A size that does not fit costs a search many times a fitting
+    one's; where ``near`` is the answer this probes one (the doubling and its bisection probe
+    up to one per halving: on GPT-2 large three). Like the doubling's, the answer fits and the
+    size above it does not.
 
     Raises:
         InfeasiblePlanError: not even a micro-batch of one fits.
     """
-    size, stages = _largest(profile, request, at_least)
+    size, stages = _largest(profile, request, at_least, near)
     if stages is None:  # at_least, never probed
         stages = planning_stages(profile.scaled(size), request)
     stages, balance, optima = _chosen(stages, request)
@@ -292,9 +299,10 @@ def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1) -
     return _plan(stages, request, balance, optima)
 
 
-def _largest(profile: Profile, request: PlanRequest, at_least: int) -> tuple[int, Stages | None]:
+def _largest(profile: Profile, request: PlanRequest, at_least: int,
+             near: int | None = None) -> tuple[int, Stages | None]:
     """:func:`max_microbatch`'s size, with the stages its probe of that size priced (``None``:
-    ``at_least``, taken as known to fit, was the answer)."""
+    ``at_least``, taken as known to fit, was the answer); ``near``: :func:`largest_plan`'s."""
     found: Stages | None = None  # the last probe that fit: each probe is above every size found to fit
 
     def fits(size: int) -> bool:
@@ -306,11 +314,19 @@ def _largest(profile: Profile, request: PlanRequest, at_least: int) -> tuple[int
 
     if at_least < 1:
         raise ValueError(f"at_least={at_least} is not a micro-batch size; give 1 or a size known to fit.")
-    if at_least == 1 and not fits(1):
-        make_plan(profile.scaled(1), request)  # raises
-    low, high = at_least, 2 * at_least
-    while high <= _MAX_MICROBATCH and fits(high):
-        low, high = high, high * 2
+    near = near if near is not None and near > at_least else None
+    if near is not None and fits(near):
+        low, step = near, 1
+        while low + step <= _MAX_MICROBATCH and fits(low + step):
+            low, step = low + step, 2 * step
+        high = low + step
+    else:  # doubling, below near where that does not fit
+        if at_least == 1 and not fits(1):
+            make_plan(profile.scaled(1), request)  # raises
+        low, high = at_least, 2 * at_least
+        while high <= _MAX_MICROBATCH and (near is None or high < near) and fits(high):
+            low, high = high, high * 2
+        high = high if near is None else min(high, near)
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
@@ -322,19 +338,19 @@ def planning_stages(profile: Profile, request: PlanRequest, sharding: Sharding |
     sharded by FSDP (``data_parallel="fsdp"``), by ``sharding`` (default: every stage resharded
     after forward)."""
     r = request
-    count = len(r.capacities)
+    count, order = len(r.capacities), planned_order(r.schedule)
     if sharding is None and r.data_parallel == "fsdp":
         sharding = Sharding(profile, r.replicas, r.chunks, r.link_bandwidth,
                             accumulates_in_forward=r.schedule != "gpipe")
     return Stages(
-        CostModel(profile if sharding is None else sharding.profile, r.link_bandwidth, schedule=r.schedule,
+        CostModel(profile if sharding is None else sharding.profile, r.link_bandwidth, schedule=order,
                   chunks=r.chunks, carry=r.chunks if r.carry else 0, replicas=r.replicas, sharding=sharding),
         list(r.capacities),
-        in_flight(r.schedule, r.chunks, count),
-        weight_versions(r.schedule), r.host_bandwidth, gradient_waits(r.schedule, r.chunks, count),
-        actions(r.schedule, r.chunks, count), optimise_memory=r.optimise_memory,
+        in_flight(order, r.chunks, count),
+        weight_versions(order), r.host_bandwidth, gradient_waits(order, r.chunks, count),
+        actions(order, r.chunks, count), optimise_memory=r.optimise_memory,
         # the distributed runtime sends a stage's input gradients back at once: none wait
-        backward_states=() if r.carry else backward_states(r.schedule, r.chunks, count),
+        backward_states=() if r.carry else backward_states(order, r.chunks, count),
     )
 
 

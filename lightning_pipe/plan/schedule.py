@@ -5,8 +5,9 @@ from functools import lru_cache
 from typing import Literal, NamedTuple, get_args
 
 __all__ = [
-    "SCHEDULES", "Action", "BackwardState", "DistributedSchedule", "Schedule", "Step", "actions", "backward_states",
-    "clock_cycles", "global_order", "gradient_waits", "in_flight", "weight_versions",
+    "DISTRIBUTED_ONLY", "SCHEDULES", "V_SHAPED", "Action", "BackwardState", "DistributedSchedule", "Schedule", "Step",
+    "actions", "backward_states", "check_microbatches", "clock_cycles", "global_order", "gradient_waits", "in_flight",
+    "placement", "planned_order", "process_stages", "stages_per_process", "weight_versions",
 ]
 
 
@@ -21,11 +22,79 @@ def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[
         yield [(k - j, j) for j in range(first, min(k + 1, num_stages))]
 
 
-Schedule = Literal["gpipe", "1f1b", "2bw"]
+Schedule = Literal["gpipe", "1f1b", "2bw", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
 #: Every schedule, by the name the options, the CLI and the planner take.
 SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
 #: The schedules the distributed runtime runs (it keeps one weight version: no 2BW).
-DistributedSchedule = Literal["gpipe", "1f1b"]
+DistributedSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
+#: The schedules only the distributed runtime runs: several stages per process, on
+#: ``torch.distributed.pipelining``'s multi-stage schedules.
+DISTRIBUTED_ONLY: tuple[Schedule, ...] = ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+#: The V-shape schedules: two stages per process, process ``r`` holding stages ``r`` and ``2p - 1 - r``.
+V_SHAPED: tuple[Schedule, ...] = ("zbv", "dualpipev")
+
+
+def stages_per_process(schedule: Schedule, virtual_stages: int | None) -> int:
+    """How many stages each process holds: 2 under a V-shape schedule, else ``virtual_stages``
+    (``None``: 2 for the interleaved schedules, 1 for the others)."""
+    if schedule in V_SHAPED:
+        return 2
+    if virtual_stages is None:
+        return 2 if schedule in DISTRIBUTED_ONLY else 1
+    return virtual_stages
+
+
+def placement(schedule: Schedule, processes: int, virtual_stages: int) -> list[int]:
+    """The pipeline process (rank in the pipeline) of each of the ``processes * virtual_stages``
+    stages: a loop (stage ``s`` on process ``s % processes``, Interleaved 1F1B's and
+    zero-bubble's), or under a V-shape schedule a V (process ``r`` holds stages ``r`` and
+    ``2 * processes - 1 - r``: the first and the last stage on process 0), as
+    ``torch.distributed.pipelining`` places them."""
+    count = processes * virtual_stages
+    if schedule in V_SHAPED:
+        return [s if s < processes else count - 1 - s for s in range(count)]
+    return [s % processes for s in range(count)]
+
+
+def process_stages(schedule: Schedule, processes: int, virtual_stages: int) -> list[list[int]]:
+    """Each pipeline process's stages, in order (:func:`placement`)."""
+    where = placement(schedule, processes, virtual_stages)
+    return [[s for s, p in enumerate(where) if p == process] for process in range(processes)]
+
+
+def check_microbatches(schedule: Schedule, chunks: int, processes: int, virtual_stages: int) -> None:
+    """What ``torch.distributed.pipelining`` 2.13 needs of the micro-batches per batch: 1F1B at
+    least one per stage; DualPipeV at least one per stage (``2 * processes``); Interleaved 1F1B
+    and interleaved zero-bubble, which run in rounds of ``max(1, chunks // processes)``, a
+    multiple of the rounds (any count below ``2 * processes``); GPipe and ZBV any.
+
+    Raises:
+        ValueError: ``chunks`` that the schedule cannot run, naming the requirement and the fix.
+    """
+    stages = processes * virtual_stages
+    if (schedule == "1f1b" and virtual_stages == 1) or schedule == "dualpipev":
+        if chunks < stages:
+            raise ValueError(
+                f"schedule={schedule!r} needs at least one micro-batch per stage: chunks={chunks} < {stages} stages "
+                f"({processes} processes x {virtual_stages}). Use chunks >= {stages}, or fewer processes."
+            )
+    elif schedule in ("1f1b", "interleaved-1f1b", "interleaved-zb"):
+        rounds = max(1, chunks // processes)
+        if chunks % rounds:
+            raise ValueError(
+                f"schedule={schedule!r} runs micro-batches in rounds of chunks // processes = {rounds}, which must "
+                f"divide chunks={chunks} ({processes} processes): use chunks={rounds * processes}, any multiple of "
+                f"{processes}, or fewer than {2 * processes}."
+            )
+
+
+def planned_order(schedule: Schedule) -> Schedule:
+    """The schedule whose action order the planner (cost model, simulator, fake execution)
+    follows for ``schedule``. A STAND-IN: the interleaved, zero-bubble and V-shape schedules are
+    planned as 1F1B over all their stages (each stage charged its share of its process's
+    memory) until :func:`actions` has their own orders; then this goes."""
+    return "1f1b" if schedule in DISTRIBUTED_ONLY else schedule
+
 
 #: The most bytes one flat copy of gradients takes while a distributed step reduces them over
 #: data-parallel replicas: DDP's default bucket (``bucket_cap_mb=25``). One flat copy of them

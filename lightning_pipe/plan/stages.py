@@ -82,8 +82,15 @@ class Stages:
         return self._varied(thorough=True)
 
     def _varied(self, **changes: Any) -> "Stages":
-        """These stages with ``changes``, and none of what was found for these (cached) kept."""
-        return replace(self, **changes, cache=Found())
+        """These stages with ``changes`` (to how stages are optimised, not to the devices or the
+        schedule), and of what was found for these (cached) only what no optimisation changes:
+        peaks keeping everything, their bounds, and compute times, which a search for the
+        varied stages asks again for the same ranges."""
+        cache = self.cache
+        return replace(self, **changes, cache=Found(
+            compute_times=cache.compute_times, kept_peaks=cache.kept_peaks,
+            kept_bounds=cache.kept_bounds,
+        ))
 
     def further(self) -> "Stages":
         """:meth:`searched_further`, made once: the searches for the lowest peaks share its optima."""
@@ -342,7 +349,7 @@ class Stages:
 @dataclass
 class Found:
     """What a :class:`Stages` found, each cached by what it was asked; one object, so that
-    stages with a setting changed (:meth:`Stages._varied`) start over from none of it."""
+    stages with a setting changed (:meth:`Stages._varied`) start over from what it changes."""
 
     optima: dict[tuple[object, ...], StageOptimum] = field(default_factory=dict)
     placed: dict[tuple[int, ...], list[StageOptimum]] = field(default_factory=dict)

@@ -1,14 +1,14 @@
-"""Distributed: one pipeline stage per process, on ``torch.distributed.pipelining``.
+"""Distributed: one pipeline stage (or a few) per process, on ``torch.distributed.pipelining``.
 
 The one adapter around ``torch.distributed.pipelining``: nothing else imports it. A rank builds
 the same :class:`~lightning_pipe.runtime.build.Program` as the one-process runtime and keeps
-only its own stage (recompute and swap segments included). ``PipelineStage`` and the
-schedules (``ScheduleGPipe``, ``Schedule1F1B``) only talk between adjacent stages and only
-send tensors, so what crosses a cut is flattened: every value a later stage reads (a U-Net
-skip, the encoder output every decoder stage reads, a forward argument the last stage reads)
-is carried through the stages in between, and non-tensor leaves (sizes, flags) are constants
-taken from one example micro-batch. Shapes are static, as ``pipelining`` requires: the cut
-metadata is given to ``PipelineStage`` so that it runs no shape-inference pass of its own.
+only its own stages (recompute and swap segments included). ``PipelineStage`` and the
+schedules (:data:`SCHEDULES`) only talk between adjacent stages and only send tensors, so
+what crosses a cut is flattened: every value a later stage reads (a U-Net skip, the encoder
+output every decoder stage reads, a forward argument the last stage reads) is carried through
+the stages in between, and non-tensor leaves (sizes, flags) are constants taken from one
+example micro-batch. Shapes are static, as ``pipelining`` requires: the cut metadata is given
+to ``PipelineStage`` so that it runs no shape-inference pass of its own.
 
 Forward-only runs (validation, test, predict) take any batch size: they send each cut's
 values as objects, micro-batch by micro-batch.
@@ -19,17 +19,26 @@ computing (:class:`StageFailure`: zeros where it sends, no backward), and after 
 rank learns of the failure together.
 """
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import InitVar, dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.fx.node import map_aggregate
 
 from lightning_pipe.graph.capture import get_attr
@@ -40,14 +49,23 @@ from lightning_pipe.internals import (
     TreeSpec,
     fake_process_group,
     skip_backward,
+    skip_weight_backward,
     tree_flatten,
     tree_map,
     tree_unflatten,
 )
 from lightning_pipe.measure.clock import StageClock
 from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
-from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSchedule
+from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSchedule, placement, process_stages
 from lightning_pipe.runtime.build import Program, Stage
+from lightning_pipe.runtime.fsdp import (
+    MixedPrecisionPolicy,
+    fsdp_roots,
+    full_value,
+    is_shard,
+    reshard_value,
+    shard_stages,
+)
 from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, to_meta
 
 __all__ = [
@@ -57,6 +75,22 @@ __all__ = [
 
 #: What a step that ran out of memory raises: the meter's limit, or the device's.
 OUT_OF_MEMORY = (StageOutOfMemoryError, torch.OutOfMemoryError)
+
+#: ``torch.distributed.pipelining``'s schedule for each of ours: one stage per process, or
+#: several (``"1f1b"`` with several is Interleaved 1F1B). The zero-bubble and V-shape ones split
+#: each backward into the input gradients' and, later, the weights' (``stage_backward_input``,
+#: ``stage_backward_weight``).
+SCHEDULES: dict[tuple[DistributedSchedule, bool], type] = {
+    ("gpipe", False): ScheduleGPipe,
+    ("1f1b", False): Schedule1F1B,
+    ("1f1b", True): ScheduleInterleaved1F1B,
+    ("interleaved-1f1b", True): ScheduleInterleaved1F1B,
+    ("interleaved-1f1b", False): ScheduleInterleaved1F1B,
+    ("interleaved-zb", True): ScheduleInterleavedZeroBubble,
+    ("interleaved-zb", False): ScheduleInterleavedZeroBubble,
+    ("zbv", True): ScheduleZBVZeroBubble,
+    ("dualpipev", True): ScheduleDualPipeV,
+}
 
 
 
@@ -135,16 +169,26 @@ class StageRunner(nn.Module):
         self.is_last = self.sends is None
         # the running step's non-tensor forward arguments: they do not travel, every rank knows them
         self.arguments: dict[str, Any] = {}
+        # the stage module holding the parameters read by attribute, where FSDP shards them (hold_attributes)
+        self.attribute_source: list[StageModule] = []  # (in a list: not a child)
 
     def run(self, received: dict[str, Any]) -> Any:
         """What this stage sends on (by name), or on the last stage the forward's output."""
         env = dict(received)
         env.update((n, v) for n, v in self.arguments.items() if n in env)
-        env.update((n, v) for n, v in self.program.attribute_values(self._root[0]).items() if n in self.stage.inputs)
+        env.update((n, v) for n, v in self._attribute_values().items() if n in self.stage.inputs)
         env.update(zip(self.stage.outputs, self.stage(*[env[n] for n in self.stage.inputs])))
         if self.sends is None:
             return map_aggregate(self.program.output, lambda n: env[cast(str, n)])
         return {n: env[n] for n in self.sends}
+
+    def _attribute_values(self) -> dict[str, Tensor]:
+        values = self.program.attribute_values(self._root[0])
+        for source in self.attribute_source:
+            held = source.held_attributes
+            values.update((n, getattr(held, source.attribute_names[q])) for n, q in self.program.attributes.items()
+                          if q in source.attribute_names)
+        return values
 
     def tensors(self) -> list[Tensor]:
         """Every parameter and buffer the stage reads, by attribute or inside its modules."""
@@ -191,6 +235,25 @@ class StageModule(StageRunner):
         # around training_step, which on every rank but the last never calls a stage's forward
         self.step_context: Callable[[], AbstractContextManager[Any]] = nullcontext
         self.failure = StageFailure()  # the rank's, shared by its stages (DistributedPipeline)
+        self.held_attributes = nn.Module()  # the parameters the stage reads by attribute, once held
+        self.attribute_names: dict[str, str] = {}  # qualified name in the model -> name in held_attributes
+
+    def hold_attributes(self) -> None:
+        """Register the parameters this stage reads by attribute (not inside its modules) as
+        its own, so that FSDP shards them with the stage and gathers them for its forward."""
+        for name, qualname in self.program.attributes.items():
+            value = get_attr(self._root[0], qualname)
+            if name in self.stage.inputs and isinstance(value, nn.Parameter) and qualname not in self.attribute_names:
+                self.attribute_names[qualname] = f"p{len(self.attribute_names)}"
+                self.held_attributes.register_parameter(self.attribute_names[qualname], value)
+        self.attribute_source = [self]
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Every parameter the stage reads, by attribute too (a graph torch.export captured reads
+        them so): the zero-bubble schedules make the weights' gradients for these alone."""
+        for tensor in self.tensors():
+            if isinstance(tensor, nn.Parameter):
+                yield tensor
 
     def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
         if self.failure.error is None:
@@ -209,6 +272,11 @@ class StageModule(StageRunner):
         with self.step_context(), self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
             # (gloo sends only contiguous tensors: a transposed view leaving the stage is copied)
             outputs = tuple(t.contiguous() for t in self.outputs.flatten(self.run(self.inputs.unflatten(tensors))))
+        # the zero-bubble schedules detach a stage's outputs in place once their input gradients
+        # are made, and the weights' gradients come later: an output an operator saved for its
+        # backward (a ReLU's, a cut after it) leaves as an alias, which may be detached, and one
+        # without gradient as a detached tensor (no view: an expanded mask cannot be detached)
+        outputs = tuple(_Alias.apply(t) if t.requires_grad else t.detach() for t in outputs)  # type: ignore[no-untyped-call]
         if self.meter is not None:
             self.meter.tag_backward(outputs, 0)  # the backward's allocations are this stage's
         return outputs
@@ -223,7 +291,9 @@ class _Alias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad
+        # (a received input's gradient is sent back, and gloo sends only contiguous tensors: the
+        # zero-bubble schedules send what autograd.grad made, which may be an expanded view)
+        return grad.contiguous()
 
 
 @dataclass(eq=False)
@@ -231,7 +301,7 @@ class PipelineRank:
     """One rank's stages in one pipeline replica: training steps on a ``pipelining`` schedule,
     forward-only runs over object point-to-point, and the gradient reductions across ranks.
     ``modules``: the rank's stages, in order; ``indices``: their places among all
-    ``num_stages`` (a loop over the ranks: several run Interleaved 1F1B)."""
+    ``num_stages`` (placed on the ranks by ``schedule``, :func:`~lightning_pipe.plan.schedule.placement`)."""
 
     modules: list[StageModule]
     indices: list[int]
@@ -255,11 +325,12 @@ class PipelineRank:
             )
             for module, index in zip(self.modules, self.indices)
         ]
-        if len(stages) > 1:  # only 1F1B interleaves (checked where a schedule is chosen)
-            self._schedule: Any = ScheduleInterleaved1F1B(stages, self.chunks, loss_fn=self._loss, scale_grads=False)
+        kind = SCHEDULES[schedule, len(stages) > 1]  # (the options allow only these)
+        if kind in (ScheduleGPipe, Schedule1F1B):
+            self._schedule: Any = kind(stages[0], self.chunks, loss_fn=self._loss, scale_grads=False)
         else:
-            kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-            self._schedule = kind(stages[0], self.chunks, loss_fn=self._loss, scale_grads=False)
+            self._schedule = kind(stages, self.chunks, loss_fn=self._loss, scale_grads=False)
+        self._placement = placement(schedule, self.ranks, len(stages))
 
     @property
     def is_first(self) -> bool:
@@ -297,20 +368,23 @@ class PipelineRank:
         program of the model), one micro-batch at a time through every stage, any shapes: the
         first stage's rank passes them (by name); the last stage's rank returns the merged
         output, the others ``None``."""
-        outputs = []
+        outputs, rank = [], dist.get_rank(self.group)
         for i in range(count):
-            for runner, index in zip(runners, self.indices):
+            result: Any = None  # the previous stage's, when this rank runs it too (a V's turn)
+            for runner, index, module in zip(runners, self.indices, self.modules):
                 if index == 0:
                     assert microbatches is not None, "stage 0 needs the forward's arguments"
                     received = microbatches[i]
+                elif self._placement[index - 1] == rank:
+                    received = result
                 else:
-                    received = self._recv((index - 1) % self.ranks)
-                with torch.no_grad():
+                    received = self._recv(self._placement[index - 1])
+                with torch.no_grad(), _gathered(module):
                     result = runner.run(received)
                 if runner.is_last:
                     outputs.append(result)
-                else:
-                    self._send(result, (index + 1) % self.ranks)
+                elif self._placement[index + 1] != rank:
+                    self._send(result, self._placement[index + 1])
         return gather(outputs, self.device) if outputs else None
 
     def _send(self, value: Any, rank: int) -> None:
@@ -322,23 +396,47 @@ class PipelineRank:
         return to_device(box[0], self.device)
 
 
+@contextmanager
+def _gathered(module: nn.Module) -> Iterator[None]:
+    """A stage's root FSDP unit gathered around a run outside the schedule (its blocks'
+    units gather themselves, when called); nothing for an unsharded stage."""
+    roots = fsdp_roots([module])
+    for root in roots:
+        root.unshard()
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.reshard()
+
+
 class _TimedStage(PipelineStage):
-    """Times each micro-batch's backward on the stage module's clock; after this rank ran out
-    of memory in the step (:class:`StageFailure`), skips it, sending zero gradients."""
+    """Times each micro-batch's backward (both halves of a split one: zero-bubble, V-shape) on
+    the stage module's clock; after this rank ran out of memory in the step
+    (:class:`StageFailure`), skips it, sending zero gradients."""
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        inputs = len(cast(StageModule, self.submod).inputs.examples(False))
+        self._timed(partial(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs),
+                    partial(skip_backward, self, bwd_chunk_id, inputs))
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        self._timed(partial(super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs),
+                    partial(skip_weight_backward, self, bwd_chunk_id))
+
+    def _timed(self, run: Callable[[], None], skip: Callable[[], None]) -> None:
         module = cast(StageModule, self.submod)
         if module.failure.error is None:
             try:
                 with module.clock.backward(0, self.device) if module.clock else nullcontext():
-                    super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+                    run()
                 return
             except RuntimeError as error:  # (pipelining raises its own, from the backward's)
                 cause = error if isinstance(error, OUT_OF_MEMORY) else error.__cause__
                 if not isinstance(cause, OUT_OF_MEMORY):
                     raise
                 module.failure.fail(cause)
-        skip_backward(self, bwd_chunk_id, len(module.inputs.examples(False)))
+        skip()
 
 
 class _SilentStage(NoWarmupVotes, _TimedStage):
@@ -375,8 +473,8 @@ def _indices(chunks: int) -> Tensor:
 class DistributedPipeline:
     """This process's part of a pipeline of ``ranks`` processes times ``replicas``
     data-parallel copies, on a ``("pp", "dp")`` device mesh (pipeline outermost: global rank
-    = ``position * replicas + replica``). A program of more stages than ranks loops over them:
-    stage ``s`` runs on the rank at position ``s % ranks`` (Interleaved 1F1B).
+    = ``position * replicas + replica``). A program of more stages than ranks is placed on them
+    as ``schedule`` places it (:func:`~lightning_pipe.plan.schedule.placement`: a loop, or a V).
 
     Every rank builds the same program from the same plan and keeps only the tensors its
     stages read; the rest become empty. Global rank 0's values are the model's: it sends
@@ -398,6 +496,11 @@ class DistributedPipeline:
     released pipeline this one replaces (its ``held_by_rank``); a rank then receives what it
     lacks from the rank of its replica that held it. ``shapes``: that pipeline's
     :attr:`shapes`, the shape of each tensor by ``id`` (a released one's storage is empty).
+
+    ``fsdp`` (a mixed precision policy): shard this rank's stages over its replicas
+    (:mod:`~lightning_pipe.runtime.fsdp`) in place of reducing whole gradients across them;
+    :attr:`swapped` maps each old parameter's ``id`` to its sharded one, which the
+    optimizer must take (:func:`~lightning_pipe.runtime.fsdp.shard_optimizer`).
     """
 
     def __init__(
@@ -416,6 +519,7 @@ class DistributedPipeline:
         init: Callable[[nn.Module], None] | None = None,
         fake: bool = False,
         shapes: Mapping[int, torch.Size] | None = None,
+        fsdp: MixedPrecisionPolicy | None = None,
     ) -> None:
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
@@ -430,13 +534,15 @@ class DistributedPipeline:
         for module in modules:
             module.failure = self.failure
         self.shapes = {id(t): (shapes or {}).get(id(t), t.shape) for t in _unique(root)}
-        self.stages = list(range(self.position, self.num_stages, self.ranks))  # stage s runs on rank s % ranks
+        self.placement = placement(schedule, self.ranks, self.num_stages // self.ranks)  # each stage's rank
+        by_rank = process_stages(schedule, self.ranks, self.num_stages // self.ranks)
+        self.stages = by_rank[self.position]
         self.modules = [modules[s] for s in self.stages]
         self.names = dict(root.state_dict(keep_vars=True))  # name -> tensor, tied ones under each name
         self.owner = {id(t): stage.index for stage in reversed(program.stages) for t in stage.owned}
         by_stage = [{id(t) for t in m.tensors()} | {k for k, s in self.owner.items() if s == m.stage.index}
                     for m in modules]
-        held = [set().union(*by_stage[p :: self.ranks]) for p in range(self.ranks)]
+        held = [set().union(*(by_stage[s] for s in stages)) for stages in by_rank]
         self.held = [t for t in _unique(root) if id(t) in held[self.position]]
         self.held_by_rank = held
         meta_built = has_meta(root)
@@ -447,6 +553,10 @@ class DistributedPipeline:
         else:
             self._distribute(root, held, previous, init, device, meta_built)
             self._tied = self._tied_groups(root, held, timeout)
+        self.swapped: dict[int, nn.Parameter] = {}
+        self.sharded = fsdp is not None and not fake
+        if fsdp is not None and not fake:
+            self._shard(root, fsdp)
         self.rank = PipelineRank(
             self.modules, self.stages, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn, fake
         )
@@ -478,6 +588,8 @@ class DistributedPipeline:
             RuntimeError: such a stage reads a tensor this rank released.
         """
         runners = [StageRunner(program, s, root) for s in self.stages]
+        for runner, module in zip(runners, self.modules):  # parameters read by attribute, where FSDP holds them
+            runner.attribute_source = list(module.attribute_source)
         if self.released:
             held = {id(t) for t in self.held}
             reads = {id(t) for runner in runners for t in runner.tensors()}
@@ -489,6 +601,21 @@ class DistributedPipeline:
                     f"training graph. Give forward the same parameter order in both modes, or use runtime='local'."
                 )
         return runners
+
+    def _shard(self, root: nn.Module, policy: MixedPrecisionPolicy) -> None:
+        """FSDP over this stage's replicas; every record of a parameter follows it to its sharded one.
+        A stage reads a tied parameter it does not own as its own (not lent: a copy of the
+        unsharded parameter would take its gradient away from FSDP)."""
+        for module in self.modules:
+            module.hold_attributes()
+            for segment in module.stage.segments:
+                segment.borrowed.clear()
+        swapped = self.swapped = shard_stages(self.modules, root, self.mesh["dp"], policy)
+        self.held = [swapped.get(id(t), t) for t in self.held]
+        self.names = {name: swapped.get(id(t), t) for name, t in self.names.items()}
+        self.owner.update({id(p): self.owner[old] for old, p in swapped.items() if old in self.owner})
+        self.shapes.update({id(p): p.shape for p in swapped.values()})
+        self._tied = [(group, [swapped.get(id(p), p) for p in params]) for group, params in self._tied]
 
     def _global_rank(self, position: int, replica: int) -> int:
         return position * self.replicas + replica
@@ -576,11 +703,12 @@ class DistributedPipeline:
 
     def sync_gradients(self) -> None:
         """Sum tied parameters' gradients over the stages holding them, then average every
-        gradient over the data-parallel replicas of this stage."""
+        gradient over the data-parallel replicas of this stage (FSDP averaged its own already,
+        each replica's shard: the tied sum is of shards alike on every stage)."""
         for group, params in self._tied:
             all_reduce_grads(params, group, average=False)
         if self.replicas > 1:
-            params = [p for p in self.held if isinstance(p, nn.Parameter) and p.requires_grad]
+            params = [p for p in self.held if isinstance(p, nn.Parameter) and p.requires_grad and not is_shard(p)]
             all_reduce_grads(params, self.mesh.get_group("dp"), average=True)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -588,25 +716,31 @@ class DistributedPipeline:
         once (at the stage owning it), the norm reduced over the pipeline's ranks."""
         owned = [p for p in self.held if isinstance(p, nn.Parameter) and p.grad is not None and self._owns(p)]
         grads = [cast(Tensor, p.grad) for p in owned]
-        if norm_type == float("inf"):
-            local = max((g.abs().max() for g in grads), default=torch.zeros(()))
-            total = local.detach().clone().float()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.mesh.get_group("pp"))
-        else:
-            local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros(()))
-            total = local.detach().clone()
-            dist.all_reduce(total, group=self.mesh.get_group("pp"))
+        parts = [[_local(g) for g in grads if is_shard(g) == shards] for shards in (False, True)]
+        inf = norm_type == float("inf")
+        whole, shards = (
+            max((g.abs().max().float() for g in part), default=torch.zeros(())) if inf
+            else sum((g.float().norm(norm_type) ** norm_type for g in part), torch.zeros(()))
+            for part in parts
+        )
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        if self.sharded:  # each replica holds a shard of a sharded gradient
+            shards = shards.detach().clone()
+            dist.all_reduce(shards, op=op, group=self.mesh.get_group("dp"))
+        total = (torch.maximum(whole, shards) if inf else whole + shards).detach().clone()
+        dist.all_reduce(total, op=op, group=self.mesh.get_group("pp"))
+        if not inf:
             total = total ** (1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.held:
             if isinstance(p, nn.Parameter) and p.grad is not None:
-                p.grad.mul_(coefficient.to(p.grad.dtype))
+                _local(p.grad).mul_(coefficient.to(p.grad.dtype))
         return total
 
     def state_dict(self) -> dict[str, Tensor] | None:
         """The plain module's ``state_dict``, gathered on global rank 0 (``None`` elsewhere)
         from replica 0's ranks, each sending what its stages own."""
-        mine = to_host(self.owned_state())
+        mine = to_host(self.owned_state(gather=True))
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
         dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:
@@ -616,17 +750,19 @@ class DistributedPipeline:
             merged.update(part)
         return {name: merged[name] for name in self.names}
 
-    def owned_state(self) -> dict[str, Tensor]:
+    def owned_state(self, gather: bool = False) -> dict[str, Tensor]:
         """This rank's part of the plain module's ``state_dict``: what its stages own, on
-        replica 0 (the other replicas hold copies)."""
-        if self.replica:
-            return {}
-        return {name: t.detach() for name, t in self.names.items() if self._owns(t)}
+        replica 0 (the other replicas hold copies). Sharded by FSDP, each replica's shards;
+        ``gather``: whole, on replica 0 (every replica gathers)."""
+        owned = {name: t.detach() for name, t in self.names.items() if self._owns(t)}
+        if gather:
+            owned = {name: full_value(t) for name, t in owned.items()}
+        return {name: t for name, t in owned.items() if not self.replica or is_shard(t)}
 
     def _owns(self, tensor: Tensor) -> bool:
         """Whether one of this rank's stages owns ``tensor`` (the first stage reading it; a
         tensor no stage reads belongs to the first)."""
-        return self.owner.get(id(tensor), 0) % self.ranks == self.position
+        return self.placement[self.owner.get(id(tensor), 0)] == self.position
 
     def held_state(self) -> dict[str, Tensor]:
         """The tensors this rank holds, by every name of the plain module's ``state_dict``."""
@@ -638,7 +774,7 @@ class DistributedPipeline:
         with torch.no_grad():
             for name, tensor in self.held_state().items():
                 if name in state:
-                    tensor.copy_(state[name])
+                    tensor.copy_(reshard_value(tensor, state[name]))
 
 
 def pipeline_mesh(
@@ -693,7 +829,7 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, a
         by_dtype.setdefault(p.dtype, []).append(p)
     size = dist.get_world_size(group)
     for ps in by_dtype.values():
-        for bucket in _buckets([cast(Tensor, p.grad) for p in ps]):
+        for bucket in _buckets([_local(cast(Tensor, p.grad)) for p in ps]):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=group)
             if average:
@@ -702,6 +838,11 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, a
             for grad in bucket:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of a sharded tensor (written through), or ``t``."""
+    return t.to_local() if is_shard(t) else t  # type: ignore[attr-defined]
 
 
 def _buckets(grads: Sequence[Tensor]) -> list[list[Tensor]]:

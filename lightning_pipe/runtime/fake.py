@@ -279,6 +279,7 @@ def _scheduled_step(
             pipeline.backward(step.microbatch, step.stage, loss)
             if loss is not None:
                 losses[step.microbatch] = losses[step.microbatch].detach()
+            del loss  # its graph would keep the outputs alive through the next forward, as the strategy's does not
     if versions is not None:
         versions.advance()
 

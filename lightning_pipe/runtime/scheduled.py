@@ -92,11 +92,16 @@ class ScheduledPipeline:
             made.update(stage.outputs)
         leaves: dict[Key, Tensor] = {}
         on_grad = partial(self._output_grad, i)
+        last = len(self.program.stages) - 1
 
         def output(name: Any) -> Any:  # a value's name
             if name not in made:
                 return env[name]
-            return _cut((call, name), move(env[name], self.output_device), leaves, on_grad)
+            # on the output device, the last stage's: the loss holds its copy there, not the maker its own
+            value = _cut((call, name), move(env[name], self.output_device), leaves, on_grad)
+            if self.meter:
+                self.meter.keep(last, [value], "boundary")
+            return value
 
         return map_aggregate(self.program.output, output)
 

@@ -4,12 +4,13 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 
     python tests/lightning/distributed_fit.py OUT DEVICES SCENARIO...
 
-A scenario is ``family:schedule:stages[:metered][:features][:vN][:bf16|:fp16]`` (a few steps with
+A scenario is ``family:schedule:stages[:metered][:features][:vN][:cN][:bf16|:fp16][:fsdp]`` (a few steps with
 ``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
 configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut[:pN][:vN]``
 (:func:`recover`), ``shrink:family:limit[:pN]`` (:func:`shrink`; ``pN``: N pipeline ranks, the rest replicas),
 ``drift``, ``replans`` (:func:`replans`), ``faults:N`` (:func:`faults`), ``hooks``, ``features``, ``sharded``,
+``fsdp-sharded`` (:func:`sharded`), ``fsdp-empty``,
 ``refused``, ``exported``, ``indivisible``, ``raise`` or ``hang`` (:func:`fail`). ``exported`` ends with an error,
 which ends the processes; so do ``indivisible``, ``raise`` and ``hang``: each comes last (``replans`` ends with
 errors every rank raises together: the processes go on). Every object collective fails on a tensor that is not a
@@ -36,6 +37,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.faults import Cut, cases, run
@@ -56,20 +58,25 @@ ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping
 
 
 def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages: int, metered: bool,
-        features: bool, virtual: int = 1, saved: bool = False, precision: str = "32-true") -> None:
+        features: bool, virtual: int | None = None, saved: bool = False, precision: str = "32-true",
+        chunks: int = CHUNKS, fsdp: bool = False) -> None:
     """``metered``: plan (rank 0 profiles), measure memory and log per-stage metrics to a CSV
     logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
     and decay the learning rate every step (:func:`with_scheduler`). ``virtual``: stages per
-    process (Interleaved 1F1B). ``saved``: the plan ``out/saved-plan.json`` (written by the
-    test), followed as is. ``precision``: the Trainer's (``bf16-mixed``, ``16-mixed``: named in the tag)."""
-    model, data = _make(family)
+    process (``None``: the schedule's default). ``chunks``: micro-batches per batch (``-cN`` in the
+    tag where not :data:`CHUNKS`). ``saved``: the plan ``out/saved-plan-SCHEDULE.json`` (written by the
+    test), followed as is. ``precision``: the Trainer's (``bf16-mixed``, ``16-mixed``: named in the tag).
+    ``fsdp``: each stage sharded over its replicas (``data_parallel="fsdp"``)."""
+    model, data = make_model(family)
     if features:
         with_scheduler(model)
-    strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
+    strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=chunks,
                                   planner="dawnpiper" if metered else None, measure_memory=metered,
-                                  virtual_stages=virtual, plan=out / "saved-plan.json" if saved else None)
-    tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual > 1 else "") + \
-        {"bf16-mixed": "-bf16", "16-mixed": "-fp16"}.get(precision, "")
+                                  virtual_stages=virtual, plan=out / f"saved-plan-{schedule}.json" if saved else None,
+                                  data_parallel="fsdp" if fsdp else "ddp")
+    tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual else "") + \
+        (f"-c{chunks}" if chunks != CHUNKS else "") + \
+        {"bf16-mixed": "-bf16", "16-mixed": "-fp16"}.get(precision, "") + ("-fsdp" if fsdp else "")
     # (on the CPU, Lightning runs 16-mixed as bf16-mixed, without the grad scaler a GPU has: given here)
     mixed = {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]} \
         if precision == "16-mixed" else {"precision": precision}
@@ -93,8 +100,11 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
     mesh = model.device_mesh
     result = {"logged": logged, "mesh": list(mesh.shape), "balance": strategy.plan.balance if strategy.plan else None,
-              "policies": strategy.plan.policies if strategy.plan else None, "linear_dtypes": sorted(dtypes)}
-    if virtual > 1 and replicas == 1:  # evaluation through every rank's stages in turn (one replica: all data)
+              "policies": strategy.plan.policies if strategy.plan else None, "linear_dtypes": sorted(dtypes),
+              "local_shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters()
+                               if hasattr(p, "to_local")}}  # (FSDP's shards)
+    if ((virtual or 1) > 1 or schedule == "zbv") and replicas == 1 and is_overridden("validation_step", model):
+        # evaluation through every rank's stages in turn (one replica: all data), in a loop or a V
         result["val"] = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(result))
 
@@ -105,10 +115,11 @@ def overflow_at_second_step(model: LightningModule, step: Any) -> None:
     model.ln_f.weight.register_hook(lambda grad: grad * float("inf") if step() == 1 else grad)
 
 
-def _make(family: str) -> tuple[LightningModule, Any]:
-    """A model of :data:`tests.models.FAMILIES`, or ``hf``: a Hugging Face GPT-2 from a config
-    (torch.export captures it), with its dataset."""
+def make_model(family: str) -> tuple[LightningModule, Any]:
+    """A freshly seeded model of :data:`tests.models.FAMILIES`, or ``hf``: a Hugging Face GPT-2
+    from a config (torch.export captures it; its head tied to its embedding), with its dataset."""
     if family == "hf":
+        torch.manual_seed(0)
         return GPT2LM(layers=2, dim=32, heads=2, vocab=256, context=16, dropout=0.0), Counting(64, 256, 16)
     return make(family)
 
@@ -126,20 +137,20 @@ def with_scheduler(model: LightningModule) -> None:
 
 
 def recover(out: Path, devices: int, steps: int, family: str, schedule: str, stage: int, step: int, cut: float,
-            stages: int | None = None, virtual: int = 1) -> None:
+            stages: int | None = None, virtual: int | None = None) -> None:
     """``family`` planned at pp=``stages`` (every process: ``None``; the rest replicas) with
-    ``virtual`` stages a process (no memory limit); at batch ``step`` the meter of pipeline rank
-    ``stage`` of replica 0 alone is cut to ``1 - cut`` of its peak so far (:class:`_CutReplica`):
-    the step runs out of memory there, every rank plans again and runs it again. Every rank
-    saves the split before and after, its peak and capacity, the parameters it holds at the
-    end, and the re-plans warned."""
-    model, data = _make(family)
+    ``virtual`` stages a process (``None``: the schedule's; no memory limit); at batch ``step``
+    the meter of pipeline rank ``stage`` of replica 0 alone is cut to ``1 - cut`` of its peak so
+    far (:class:`_CutReplica`): the step runs out of memory there, every rank plans again and
+    runs it again. Every rank saves the split before and after, its peak and capacity, the
+    parameters it holds at the end, and the re-plans warned."""
+    model, data = make_model(family)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=CHUNKS,
                                   planner="dawnpiper", measure_memory=True, virtual_stages=virtual,
                                   timeout=timedelta(minutes=1))
     splits = _Splits(strategy)
     tag = f"recover-{family}-{schedule}-{stage}-{step}" + (f"-p{stages}" if stages else "") + \
-        (f"-v{virtual}" if virtual > 1 else "")
+        (f"-v{virtual}" if virtual else "")
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[_CutReplica(strategy, stage, step, 1 - cut, of_peak=True), splits])
@@ -374,25 +385,31 @@ class _Losses(Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def sharded(out: Path, devices: int) -> None:
+def sharded(out: Path, devices: int, fsdp: bool = False) -> None:
     """Two steps saved as a sharded checkpoint; a fresh model resumed from it for two more,
-    saved sharded again."""
+    saved sharded again. ``fsdp``: at pp=2, each stage sharded over its replicas, which see the
+    same batches; also saved full after the resumed steps."""
+    name = "fsdp-sharded" if fsdp else "sharded"
     model, data = make("gpt")
-    trainer = Trainer(**sharded_trainer(devices, steps=2))
+    trainer = Trainer(**sharded_trainer(devices, steps=2, fsdp=fsdp))
     trainer.fit(model, loader(data, BATCH))
-    trainer.save_checkpoint(out / "sharded")
+    trainer.save_checkpoint(out / name)
     resumed, _ = make("gpt", seed=1)
-    again = Trainer(**sharded_trainer(devices, steps=4))
-    again.fit(resumed, loader(data, BATCH), ckpt_path=out / "sharded")
-    again.save_checkpoint(out / "sharded-resumed")
+    again = Trainer(**sharded_trainer(devices, steps=4, fsdp=fsdp))
+    again.fit(resumed, loader(data, BATCH), ckpt_path=out / name)
+    again.save_checkpoint(out / f"{name}-resumed")
+    if fsdp:
+        again.strategy.options.state_dict_type = "full"
+        again.save_checkpoint(out / f"{name}-resumed.ckpt")
 
 
-def sharded_trainer(devices: int | None, steps: int) -> dict:
+def sharded_trainer(devices: int | None, steps: int, fsdp: bool = False) -> dict:
     """The sharded run's Trainer arguments; ``devices=None``: the single-device reference."""
     strategy = {} if devices is None else {
         "devices": devices, "use_distributed_sampler": False,
         "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS, planner=None,
-                                       state_dict_type="sharded"),
+                                       state_dict_type="sharded", stages=2 if fsdp else None,
+                                       data_parallel="fsdp" if fsdp else "ddp"),
     }
     return dict(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, **strategy)
@@ -420,11 +437,27 @@ def empty(out: Path, devices: int) -> None:
     again.save_checkpoint(out / "empty-resumed.ckpt")
 
 
-def empty_trainer(devices: int | None, steps: int) -> dict:
+def fsdp_empty(out: Path, devices: int) -> None:
+    """:func:`empty`'s first run at pp=2, each stage sharded over its replicas: validated
+    first (on the provisional, unsharded split), trained three steps, validated again (the
+    sharded stages gathered outside the schedule); every rank saves the validation loss."""
+    _, data = make("unet")
+    trainer = Trainer(**empty_trainer(devices, steps=3, fsdp=True))
+    with trainer.init_module(empty_init=True):
+        torch.manual_seed(0)
+        model = UNet()
+    trainer.fit(model, loader(data, BATCH), loader(data, BATCH))
+    trainer.save_checkpoint(out / "fsdp-empty.ckpt")
+    val = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
+    (out / f"fsdp-empty-rank{trainer.global_rank}.json").write_text(json.dumps({"val": val}))
+
+
+def empty_trainer(devices: int | None, steps: int, fsdp: bool = False) -> dict:
     """The meta-built run's Trainer arguments; ``devices=None``: the single-device reference."""
     strategy = {} if devices is None else {
         "devices": devices, "strategy": MemoryPipeStrategy(runtime="distributed", schedule="1f1b", chunks=CHUNKS,
-                                                           planner="dawnpiper"),
+                                                           planner="dawnpiper", stages=2 if fsdp else None,
+                                                           data_parallel="fsdp" if fsdp else "ddp"),
     }
     return dict(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, limit_val_batches=1,
                 num_sanity_val_steps=1, enable_progress_bar=False, enable_model_summary=False,
@@ -567,7 +600,8 @@ def refused(out: Path, devices: int) -> None:
 
 
 SCENARIOS = {"hooks": hooks, "refused": refused, "indivisible": indivisible, "features": features, "sharded": sharded,
-             "empty": empty, "exported": exported, "replans": replans,
+             "fsdp-sharded": partial(sharded, fsdp=True), "empty": empty, "fsdp-empty": fsdp_empty,
+             "exported": exported, "replans": replans,
              "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
 
@@ -585,7 +619,7 @@ if __name__ == "__main__":
         elif scenario.startswith("recover:"):
             _, family, schedule, stage, step, cut, *flags = scenario.split(":")
             pp = next((int(f[1:]) for f in flags if f.startswith("p")), None)
-            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
+            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), None)
             recover(out, devices, steps, family, schedule, int(stage), int(step), float(cut), pp, virtual)
         elif scenario == "drift":
             drift(out, devices, steps)
@@ -599,6 +633,7 @@ if __name__ == "__main__":
             metrics(out, devices, steps, schedule, int(stages))
         else:
             family, schedule, stages, *flags = scenario.split(":")
-            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), 1)
+            virtual = next((int(f[1:]) for f in flags if f.startswith("v")), None)
             fit(out, devices, steps, family, schedule, int(stages), "metered" in flags, "features" in flags, virtual,
-                "saved" in flags, "bf16-mixed" if "bf16" in flags else "16-mixed" if "fp16" in flags else "32-true")
+                "saved" in flags, "bf16-mixed" if "bf16" in flags else "16-mixed" if "fp16" in flags else "32-true",
+                next((int(f[1:]) for f in flags if f.startswith("c")), CHUNKS), "fsdp" in flags)

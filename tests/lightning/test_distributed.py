@@ -1,6 +1,7 @@
 """MemoryPipeStrategy(runtime="distributed"): Lightning's launcher starts a process per device
 (gloo on CPU); after a few optimizer steps on the same global batches the parameters equal
-single-device training, at pp=4 and pp=2 x dp=2 (every family under GPipe or 1F1B) and pp=2.
+single-device training, at pp=4 and pp=2 x dp=2 (every family under GPipe or 1F1B) and pp=2,
+and under every multi-stage schedule (interleaved, zero-bubble, V-shape) at pp=2 and pp=4.
 
 A launch's start-up is most of a short run's time, so one launch serves several tests: four
 ranks train every configuration and recover at pp=2 x dp=2, then one rank never answers; two
@@ -34,6 +35,7 @@ from lightning_pipe.lightning.distributed import DistributedEngine
 from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.memory import StagePeak
 from lightning_pipe.plan.plan import Plan, StageReport
+from lightning_pipe.runtime.fsdp import check_shardable, mixed_precision
 from lightning_pipe.runtime.materialize import materialize
 from tests.lightning.distributed_fit import (
     ACCUMULATE,
@@ -47,6 +49,7 @@ from tests.lightning.distributed_fit import (
     empty_trainer,
     exported_trainer,
     features_trainer,
+    make_model,
     overflow_at_second_step,
     sharded_trainer,
 )
@@ -68,9 +71,21 @@ PP2 = ["gpt:gpipe:2:metered", "unet:1f1b:2:metered", "unet:1f1b:2:metered:v2"]
 MEMORY_PP4 = ["gpt-1f1b-4", "unet-gpipe-4", "encdec-1f1b-4", "hf-1f1b-4"]
 MEMORY_PP2_DP2 = ["gpt-gpipe-2", "unet-1f1b-2", "encdec-gpipe-2"]
 MEMORY_PP2 = ["gpt-gpipe-2", "unet-1f1b-2", "hf-1f1b-2"]
+# the multi-stage schedules (two stages per process), each family with tied weights, skips or
+# torch.export's graph, on an even split: at pp=2 on two ranks, at pp=4 on four (DualPipeV
+# needs a micro-batch per stage there: 8)
+SCHEDULES = ["interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
+SCHEDULES_PP2 = [f"{family}:{s}:2" + (":metered" if (family, s) == ("gpt", "zbv") else "")  # planned, checked
+                 for family in ("gpt", "unet", "hf") for s in SCHEDULES]
+SCHEDULES_PP4 = [f"{family}:{s}:4" + (":c8" if s == "dualpipev" else "") for family in ("gpt", "unet", "hf")
+                 for s in SCHEDULES]
 # a step drawing noise before self(...): pp=4 under GPipe and 1F1B, interleaved at pp=2 x dp=2; pp=2 (1F1B)
 DENOISER_PP4 = ["denoiser:gpipe:4", "denoiser:1f1b:4", "denoiser:1f1b:2:v2"]
 DENOISER_PP2 = ["denoiser:1f1b:2"]
+# data_parallel="fsdp" at pp=2 x dp=2: the tied GPT and the encoder-decoder, each schedule (the
+# GPT's 1F1B run accumulating, clipping by norm and decaying the learning rate: FSDP_FEATURES)
+FSDP = ["gpt:gpipe:2:fsdp", "encdec:gpipe:2:fsdp", "encdec:1f1b:2:fsdp"]
+FSDP_FEATURES = "gpt:1f1b:2:features:fsdp"
 
 
 @dataclass
@@ -95,7 +110,7 @@ class Launch:
 
 def _launch(out: Path, devices: int, *scenarios: str, torchrun: bool = False) -> Launch:
     """Run the scenarios, under Lightning's launcher (the script starts the other ranks) or
-    ``torchrun``; once global rank 0 has ended (or after 5 minutes), end any rank left."""
+    ``torchrun``; once global rank 0 has ended (or after 10 minutes), end any rank left."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(SCRIPT), str(out), str(devices), *scenarios]
     if torchrun:
@@ -104,7 +119,7 @@ def _launch(out: Path, devices: int, *scenarios: str, torchrun: bool = False) ->
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
                                    start_new_session=True)
         try:
-            process.wait(timeout=300)
+            process.wait(timeout=600)
         finally:
             end = time.time()
             with contextlib.suppress(ProcessLookupError):
@@ -121,41 +136,50 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     # (a memory run needs two steps: the second has the first's optimizer state)
     return _launch(tmp_path_factory.mktemp("four_ranks"), 4, str(STEPS), *PP4, *PP2_DP2, RECOVER_DP,
                    f"shrink:gpt:{SHRINK_LIMIT_DP}:p2", "2", "hf:1f1b:4:metered",
-                   str(STEPS), "gpt:1f1b:2:features",
+                   str(STEPS), "gpt:1f1b:2:features", *FSDP, FSDP_FEATURES, "fsdp-sharded", "fsdp-empty",
+                   *SCHEDULES_PP4,
                    *DENOISER_PP4, str(METRIC_STEPS), "metrics:1f1b:2", "metrics:gpipe:4", "hang")
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    scenarios = [str(STEPS), *PP2, SAVED, BF16, FP16, "2", "hf:1f1b:2:metered", str(STEPS), *DENOISER_PP2,
-                 str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded", "empty", str(STEPS), RECOVER,
-                 RECOVER_V2, f"shrink:gpt:{SHRINK_LIMIT}", "drift", "replans", f"faults:{FAULTS}", "exported"]
+    scenarios = [str(STEPS), *PP2, *SCHEDULES_PP2, SAVED, SAVED_ZBV, BF16, FP16, "2", "hf:1f1b:2:metered", str(STEPS),
+                 *DENOISER_PP2, str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded", "empty",
+                 str(STEPS), RECOVER, RECOVER_V2, RECOVER_ZBV, f"shrink:gpt:{SHRINK_LIMIT}", "drift", "replans",
+                 f"faults:{FAULTS}", "exported"]
     out = tmp_path_factory.mktemp("two_ranks")
-    (out / "saved-plan.json").write_text(_saved_plan().to_json())
+    for schedule in ("1f1b", "zbv"):
+        (out / f"saved-plan-{schedule}.json").write_text(_saved_plan(schedule).to_json())
     return _launch(out, 2, *scenarios)
 
 
 SAVED = "gpt:1f1b:2:saved"  # the plan _saved_plan writes, followed as is
+SAVED_ZBV = "gpt:zbv:2:saved"  # its four-stage V twin: recompute under the split backward
 RECOVER = "recover:gpt:1f1b:1:1:0.1"  # the last rank's meter cut to 90% of its peak at batch 1: out mid-step
 RECOVER_DP = RECOVER + ":p2"  # at pp=2 x dp=2, replica 0's alone
 RECOVER_V2 = RECOVER + ":v2"  # Interleaved 1F1B, two stages a process
+RECOVER_ZBV = "recover:gpt:zbv:1:1:0.1"  # a V: the rank of the middle stages, its weight steps skipped once out
 FAULTS = 1  # the first case of python -m benchmarks.faults --runtime distributed (it runs 30)
 BF16 = "gpt:1f1b:2:metered:bf16"  # Trainer(precision="bf16-mixed")
 FP16 = "gpt:1f1b:2:fp16"  # 16-mixed, with the grad scaler a GPU has
 
 
-def _saved_plan() -> Plan:
+def _saved_plan(schedule: str = "1f1b") -> Plan:
     """A plan for the GPT family, as a dry run would save it: a split far from the even one,
-    the first stage's attention recomputed."""
+    the first stage's attention recomputed (under ``"zbv"``: four stages, the attention of all
+    but the last recomputed, which the split backward runs twice: input, then weights)."""
     model, _ = make("gpt")
     names = [n.name for n in capture(model).nodes]
-    even = balance_by_weight(capture(model).param_bytes(), 2)
-    balance = [even[0] + 9, even[1] - 9]
-    policies = ["recompute" if i < balance[0] and "attn" in name else "keep" for i, name in enumerate(names)]
-    stages = [StageReport(0, balance[0], 0, StagePeak(0, 0, 0, 0), 1.0, 1.0, 0.0, 0.0, 0, 0),
-              StageReport(balance[0], len(names), 0, StagePeak(0, 0, 0, 0), 1.0, 1.0, 0.0, 0.0, 0, 0)]
-    return Plan("dawnpiper", "1f1b", [1 << 30] * 2, BATCH // CHUNKS, CHUNKS, None, balance, policies, stages, 1.0, 0.5,
-                nodes=names)
+    count = 4 if schedule == "zbv" else 2
+    balance = balance_by_weight(capture(model).param_bytes(), count)
+    balance[0] += 9
+    balance[1 if schedule == "zbv" else -1] -= 9  # (the V's last stage is the head alone)
+    bounds = [sum(balance[:s]) for s in range(count + 1)]
+    policies = ["recompute" if i < bounds[-2] and "attn" in name else "keep" for i, name in enumerate(names)]
+    stages = [StageReport(bounds[s], bounds[s + 1], 0, StagePeak(0, 0, 0, 0), 1.0, 1.0, 0.0, 0.0, 0, 0)
+              for s in range(count)]
+    return Plan("dawnpiper", schedule, [1 << 30] * count, BATCH // CHUNKS, CHUNKS, None, balance, policies, stages,
+                1.0, 0.5, nodes=names)
 
 
 def _reference(family: str, replicas: int, features: bool = False, precision: str = "32-true", steps: int = STEPS
@@ -165,7 +189,7 @@ def _reference(family: str, replicas: int, features: bool = False, precision: st
     ``features``: accumulation, clipping and a learning rate decayed every step.
     ``precision``: ``bf16-mixed`` or ``16-mixed`` run each step under autocast, the second
     with a grad scaler, as Lightning does."""
-    model, data = make(family)
+    model, data = make_model(family)
     optimizer = model.configure_optimizers()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=GAMMA)
     accumulate = ACCUMULATE if features else 1
@@ -180,7 +204,7 @@ def _reference(family: str, replicas: int, features: bool = False, precision: st
             optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16 if precision == "16-mixed" else torch.bfloat16,
                             cache_enabled=False, enabled=precision != "32-true"):
-            loss = model.loss(batch)
+            loss = model.loss(batch) if family != "hf" else model(**batch).loss
         (scaler.scale(loss / accumulate) if scaler else loss / accumulate).backward()
         if (k + 1) % accumulate == 0:
             if features:
@@ -198,18 +222,22 @@ def _reference(family: str, replicas: int, features: bool = False, precision: st
 def _check(launch: Launch, devices: int, config: str) -> None:
     family, schedule, stages, *flags = config.split(":")
     replicas = devices // int(stages)
-    name = f"{family}-{schedule}-{stages}" + "".join(f"-{f}" for f in flags if f.startswith("v"))
+    name = f"{family}-{schedule}-{stages}" + "".join(f"-{f}" for f in flags if f.startswith(("v", "c")) or f == "fsdp")
     expected = _reference(family, replicas)
     state = torch.load(launch.path(f"{name}.ckpt"), weights_only=False)["state_dict"]
     assert list(state) == list(expected), name  # the plain module's keys
+    # AdamW's first steps divide a gradient by its own size: one near zero that differs in the
+    # 7th digit moves its weight by up to the learning rate. Hugging Face GPT-2's c_fc is 5.0e-6
+    # off under every schedule, 1F1B too; 1e-5 is the issue's bound
+    atol = 1e-5 if family == "hf" else 1e-6
     for key, value in expected.items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=atol, msg=f"{name} {key}")
     ranks = [json.loads(launch.path(f"{name}-rank{r}.json").read_text()) for r in range(devices)]
     assert all(r["mesh"] == [int(stages), replicas] for r in ranks)
     assert all("train_loss" in r["logged"] for r in ranks), name  # logged on every rank
     for r in range(devices):  # the ranks of one pipeline log the same (its last stage's) values
         assert ranks[r]["logged"] == ranks[r % replicas]["logged"], name
-    model, data = make(family)
+    model, data = make_model(family)
     model.load_state_dict(state)  # loads into the plain LightningModule
     if "val" in ranks[0]:  # every rank returns the validation loss of the trained model
         plain = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
@@ -272,13 +300,97 @@ def test_pp4_and_pp2_dp2_equal_single_device(four_ranks):
 
 
 @pytest.mark.slow
+def test_stages_sharded_by_fsdp_over_their_replicas_train_as_one_device(four_ranks):
+    """data_parallel="fsdp" at pp=2 x dp=2: every replica holds half of each parameter of its
+    stage (dim 0), the tied embedding and head one parameter across the stages, and the weights
+    after three steps are single-device training's on the union batch (under 1F1B, with
+    accumulation, clipping by norm over the shards and a step-wise LR decay); the full
+    checkpoint gathers the plain module's keys."""
+    for config in FSDP:
+        _check(four_ranks, 4, config)
+    state = torch.load(four_ranks.path("gpt-1f1b-2-fsdp-features.ckpt"), weights_only=False)
+    for key, value in _reference("gpt", 2, features=True).items():
+        torch.testing.assert_close(state["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for rank in range(4):  # (rank = stage * 2 + replica; the head's weight is the embedding's)
+        shapes = json.loads(four_ranks.path(f"gpt-gpipe-2-fsdp-rank{rank}.json").read_text())["local_shapes"]
+        assert shapes["tok_emb.weight"] == [48, 32] and shapes[f"blocks.{3 * (rank // 2)}.mlp.0.weight"] == [64, 32]
+
+
+@pytest.mark.slow
+def test_stages_sharded_by_fsdp_save_and_resume_sharded_checkpoints_like_one_device(four_ranks, tmp_path):
+    """The same sharded checkpoint as without FSDP (each key once, every replica writing its
+    shard), resumed by a fresh model for two more steps as one device resumes; the full
+    checkpoint saved then loads into the plain module."""
+    model, data = make("gpt")
+    Trainer(**sharded_trainer(None, steps=2)).fit(model, loader(data, BATCH))
+    saved, files = _sharded(four_ranks.path("fsdp-sharded"))
+    momentum = model.trainer.optimizers[0].state
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(saved[f"state_dict.{key}"], value, rtol=1e-5, atol=1e-6, msg=key)
+    for i, param in enumerate(model.parameters()):
+        torch.testing.assert_close(saved[f"optimizer_0.state.{i}.momentum_buffer"], momentum[param]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-6)
+    assert {files["state_dict.blocks.0.attn.qkv.weight"], files["state_dict.blocks.3.attn.qkv.weight"]} <= {
+        "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"}
+    model.trainer.save_checkpoint(tmp_path / "reference.ckpt")
+    resumed, _ = make("gpt", seed=1)
+    Trainer(**sharded_trainer(None, steps=4)).fit(resumed, loader(data, BATCH), ckpt_path=tmp_path / "reference.ckpt")
+    final, _ = _sharded(four_ranks.path("fsdp-sharded-resumed"))
+    full = torch.load(four_ranks.path("fsdp-sharded-resumed.ckpt"), weights_only=False)["state_dict"]
+    plain, _ = make("gpt")
+    plain.load_state_dict(full)
+    for key, value in resumed.state_dict().items():
+        torch.testing.assert_close(final[f"state_dict.{key}"], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(plain.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_a_model_built_on_the_meta_device_is_sharded_by_fsdp_and_trains_and_validates_like_one_device(four_ranks):
+    """trainer.init_module(empty_init=True) at pp=2 x dp=2 with data_parallel="fsdp": the
+    values are those of the whole model materialised in one process, training matches one
+    device, and every rank validates the trained, sharded stages as one device does."""
+    _, data = make("unet")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = UNet()
+    materialize(model, torch.device("cpu"))
+    trainer = Trainer(**empty_trainer(None, steps=3))
+    trainer.fit(model, loader(data, BATCH), loader(data, BATCH))
+    state = torch.load(four_ranks.path("fsdp-empty.ckpt"), weights_only=False)["state_dict"]
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    expected = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
+    for rank in range(4):
+        got = json.loads(four_ranks.path(f"fsdp-empty-rank{rank}.json").read_text())["val"]
+        assert got == pytest.approx(expected, rel=1e-5), rank
+
+
+@pytest.mark.slow
+def test_every_schedule_trains_as_one_device_at_pp4(four_ranks):
+    for config in SCHEDULES_PP4:
+        _check(four_ranks, 4, config)
+
+
+@pytest.mark.slow
+def test_every_schedule_trains_as_one_device_at_pp2_and_evaluates_through_a_v(two_ranks):
+    for config in SCHEDULES_PP2:
+        _check(two_ranks, 2, config)
+    for family in ("gpt", "unet"):  # evaluation handed the middle stages' values on within process 1
+        assert "val" in json.loads(two_ranks.path(f"{family}-zbv-2-rank0.json").read_text())
+    # planned with the 1F1B stand-in over four stages, checked by each rank's fake ZBV step:
+    # predicted +4.3% and +6.6% of the metered peaks, checked -0.5% and -3.1%
+    _check_predicted_peaks(two_ranks, ["gpt-zbv-2"])
+
+
+@pytest.mark.slow
 def test_a_saved_plan_is_followed_by_every_rank_and_trains_as_one_device(two_ranks):
-    _check(two_ranks, 2, SAVED)
-    saved = _saved_plan()
-    for rank in range(2):
-        got = json.loads(two_ranks.path(f"gpt-1f1b-2-rank{rank}.json").read_text())
-        assert (got["balance"], got["policies"]) == (saved.balance, saved.policies)
-    assert "recompute" in saved.policies
+    for config, schedule in ((SAVED, "1f1b"), (SAVED_ZBV, "zbv")):
+        _check(two_ranks, 2, config)
+        saved = _saved_plan(schedule)
+        for rank in range(2):
+            got = json.loads(two_ranks.path(f"gpt-{schedule}-2-rank{rank}.json").read_text())
+            assert (got["balance"], got["policies"]) == (saved.balance, saved.policies)
+        assert "recompute" in saved.policies
 
 
 @pytest.mark.slow
@@ -403,14 +515,51 @@ def test_runtime_distributed_runs_on_the_distributed_engine():
         ({"runtime": "mpi"}, "runtime must be"),
         ({"state_dict_type": "sharded"}, "needs runtime='distributed'"),
         ({"runtime": "distributed", "state_dict_type": "dcp"}, "'full' or 'sharded'"),
-        ({"runtime": "distributed", "schedule": "gpipe", "virtual_stages": 2}, "schedule='1f1b'"),
+        ({"runtime": "distributed", "schedule": "gpipe", "virtual_stages": 2}, "schedule='interleaved-1f1b'"),
         ({"schedule": "1f1b", "virtual_stages": 2}, "runtime='distributed'"),
         ({"runtime": "distributed", "schedule": "1f1b", "virtual_stages": 0}, "positive int"),
+        ({"data_parallel": "fsdp"}, "needs runtime='distributed'"),
+        ({"runtime": "distributed", "schedule": "2bw", "data_parallel": "fsdp"}, "schedule='1f1b' or 'gpipe' with "
+                                                                                  "data_parallel='fsdp'"),
+        ({"runtime": "distributed", "data_parallel": "zero3"}, "data_parallel must be 'ddp'"),
+        *[({"runtime": "distributed", "schedule": s, "data_parallel": "fsdp"}, f"schedule='{s}' holds 2 stages per "
+           "process.*virtual_stages=1, or data_parallel='ddp'") for s in ("interleaved-1f1b", "zbv")],
+        *[({"schedule": s}, f"schedule='{s}' runs only with runtime='distributed'.*Pass runtime='distributed'")
+          for s in ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")],
+        *[({"runtime": "distributed", "schedule": s, "virtual_stages": 3},
+           f"schedule='{s}' always holds 2 stages per process.*leave virtual_stages unset")
+          for s in ("zbv", "dualpipev")],
+        ({"runtime": "distributed", "schedule": "interleaved-zb", "virtual_stages": 3, "balance": [2] * 4},
+         r"balance has 4 stages, which virtual_stages=3 \(stages per process\) does not divide"),
+        ({"runtime": "distributed", "schedule": "zbv", "balance": [2] * 3}, "virtual_stages=2"),
+        ({"runtime": "distributed", "stages": 4, "schedule": "dualpipev", "chunks": 4},
+         "needs at least one micro-batch per stage: chunks=4 < 8 stages"),
+        ({"runtime": "distributed", "stages": 2, "schedule": "interleaved-zb", "chunks": 5},
+         "which must divide chunks=5"),
     ],
 )
 def test_bad_runtime_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MemoryPipeStrategy(**kwargs)
+
+
+def test_fsdp_with_one_replica_a_stage_is_named_before_any_process_starts():
+    strategy = MemoryPipeStrategy(runtime="distributed", stages=2, data_parallel="fsdp")
+    with pytest.raises(ValueError, match=r"2 processes for stages=2 leave one replica per stage.*more devices"):
+        Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+
+
+def test_a_parameter_fsdp_cannot_shard_is_named_with_the_fix():
+    model, _ = make("gpt")
+    check_shardable(model)
+    model.scale = torch.nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"Parameter 'scale' is a scalar .* shape \(1,\), or use data_parallel='ddp'"):
+        check_shardable(model)
+    model.scale = torch.nn.Parameter(torch.ones(4, 3).t())
+    with pytest.raises(ValueError, match=r"Parameter 'scale' is not contiguous .*\.contiguous\(\)"):
+        check_shardable(model)
+    with pytest.raises(ValueError, match="precision='bf16-mixed'"):
+        mixed_precision("16-mixed")
 
 
 def test_a_balance_needs_an_entry_per_stage_of_every_process():
@@ -422,6 +571,21 @@ def test_a_balance_needs_an_entry_per_stage_of_every_process():
         MemoryPipeStrategy(balance=[6, 6], **interleaved)
     # stages=None: a stage a process, counted once they start (the torchrun launch below)
     MemoryPipeStrategy(runtime="distributed", balance=[6])
+    with pytest.raises(ValueError, match=r"runs 4 stages \(4 processes x virtual_stages=1; stage s on process s % 4\)"):
+        MemoryPipeStrategy(runtime="distributed", schedule="1f1b", stages=4, balance=[6, 6])
+    v_shaped = MemoryPipeStrategy(runtime="distributed", schedule="zbv", stages=2, balance=[3] * 4).options
+    assert (v_shaped.virtual_stages, v_shaped.balance) == (2, [3] * 4)
+    with pytest.raises(ValueError, match=r"runs 8 stages \(4 processes x virtual_stages=2; stages r and 7 - r on "
+                                         r"process r\)"):
+        MemoryPipeStrategy(runtime="distributed", schedule="dualpipev", stages=4, chunks=8, balance=[3] * 4)
+
+
+def test_the_interleaved_schedules_hold_two_stages_per_process_unless_told():
+    options = {s: MemoryPipeStrategy(runtime="distributed", schedule=s).options.virtual_stages
+               for s in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")}
+    assert options == {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "interleaved-zb": 2, "zbv": 2, "dualpipev": 2}
+    three = MemoryPipeStrategy(runtime="distributed", schedule="interleaved-zb", virtual_stages=3)
+    assert three.options.virtual_stages == 3
 
 
 def test_a_directory_that_is_no_sharded_checkpoint_is_named(tmp_path):
@@ -712,6 +876,13 @@ def test_an_interleaved_rank_out_of_memory_is_named_by_its_stages_and_planned_ag
     _check_recovered(two_ranks, 2, "recover-gpt-1f1b-1-1-v2", 2, named)
     split = json.loads(two_ranks.path("recover-gpt-1f1b-1-1-v2-rank0.json").read_text())["splits"][-1]
     assert len(split[0]) == 4
+
+
+@pytest.mark.slow
+def test_a_v_shaped_rank_out_of_memory_is_named_by_its_stages_and_planned_again(two_ranks):
+    """ZBV, process 1 running the V's middle stages 1 and 2: it goes on through the split
+    backward without computing (input and weight steps skipped), and every rank plans again."""
+    _check_recovered(two_ranks, 2, "recover-gpt-zbv-1-1", 2, "Pipeline rank 1 (stages 1 and 2, which share its memory)")
 
 
 def _check_shrunk(launch: Launch, devices: int, name: str, limit: int, stages: int) -> None:

@@ -5,7 +5,8 @@ PyTorch's math attention (``data/``, made by ``benchmarks.paper`` before fake ex
 fused kernel) dawnpiper fits 179 micro-batches, not 180 to 182, and 183 again. A search probing
 other sizes (a model of where the limit lies, a start from another partitioner's answer, a
 bound from an earlier round) may stop at another edge, so its answer would not be today's; the
-tests here pin the probes themselves.
+tests here pin the probes themselves. A search told a size ``near`` the answer (a checked
+plan's next round, whose targets are near the last round's) starts there.
 """
 
 import json
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe.plan.plan import max_microbatch, plan_fits
+from lightning_pipe.plan.plan import largest_plan, max_microbatch, plan_fits
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
 from tests.plan.corpus.replay import EXPECTED, name, request
@@ -68,6 +69,23 @@ def test_the_search_probes_what_doubling_and_bisection_probe(monkeypatch, partit
     request = replace(REQUEST, partitioner=partitioner, schedule=schedule, host_bandwidth=1e6)
     for at_least in (1, 3):
         assert searched(monkeypatch, cnn_like(), request, at_least) == reference(cnn_like(), request, at_least)
+
+
+@pytest.mark.parametrize("partitioner", ["capslog", "dawnpiper"])
+def test_a_search_near_the_answer_probes_it_and_the_size_above(monkeypatch, partitioner):
+    profile, request = cnn_like(), replace(REQUEST, partitioner=partitioner, host_bandwidth=1e6)
+    largest = max_microbatch(profile, request)
+    probed: list[int] = []
+    scale = Profile.scaled
+    monkeypatch.setattr(Profile, "scaled", lambda self, size: probed.append(size) or scale(self, size))
+    for near in (largest, largest - 3, largest + 5):
+        probed.clear()
+        assert largest_plan(profile, request, near=near).microbatch_size == largest
+        assert probed[0] == near
+        assert near <= largest or max(probed[1:]) < near  # where near does not fit, the doubling below it
+    probed.clear()
+    largest_plan(profile, request, near=largest)
+    assert probed == [largest, largest + 1]  # not the doubling's dozen
 
 
 #: The replay corpus's largest micro-batch cases of the smaller profiles (some 3 s on a 2-core CPU).
