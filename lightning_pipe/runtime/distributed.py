@@ -60,6 +60,7 @@ from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSched
 from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.fsdp import (
     MixedPrecisionPolicy,
+    PlannedSharding,
     fsdp_roots,
     full_value,
     is_shard,
@@ -500,7 +501,9 @@ class DistributedPipeline:
     ``fsdp`` (a mixed precision policy): shard this rank's stages over its replicas
     (:mod:`~lightning_pipe.runtime.fsdp`) in place of reducing whole gradients across them;
     :attr:`swapped` maps each old parameter's ``id`` to its sharded one, which the
-    optimizer must take (:func:`~lightning_pipe.runtime.fsdp.shard_optimizer`).
+    optimizer must take (:func:`~lightning_pipe.runtime.fsdp.shard_optimizer`); ``planned``:
+    each stage's units and ``reshard_after_forward`` as its plan chose them
+    (:func:`~lightning_pipe.runtime.fsdp.planned_shardings`; ``None``: the runtime's own).
     """
 
     def __init__(
@@ -520,6 +523,7 @@ class DistributedPipeline:
         fake: bool = False,
         shapes: Mapping[int, torch.Size] | None = None,
         fsdp: MixedPrecisionPolicy | None = None,
+        planned: Sequence[PlannedSharding] | None = None,
     ) -> None:
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
@@ -556,7 +560,7 @@ class DistributedPipeline:
         self.swapped: dict[int, nn.Parameter] = {}
         self.sharded = fsdp is not None and not fake
         if fsdp is not None and not fake:
-            self._shard(root, fsdp)
+            self._shard(root, fsdp, planned)
         self.rank = PipelineRank(
             self.modules, self.stages, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn, fake
         )
@@ -602,7 +606,7 @@ class DistributedPipeline:
                 )
         return runners
 
-    def _shard(self, root: nn.Module, policy: MixedPrecisionPolicy) -> None:
+    def _shard(self, root: nn.Module, policy: MixedPrecisionPolicy, planned: Sequence[PlannedSharding] | None) -> None:
         """FSDP over this stage's replicas; every record of a parameter follows it to its sharded one.
         A stage reads a tied parameter it does not own as its own (not lent: a copy of the
         unsharded parameter would take its gradient away from FSDP)."""
@@ -610,7 +614,8 @@ class DistributedPipeline:
             module.hold_attributes()
             for segment in module.stage.segments:
                 segment.borrowed.clear()
-        swapped = self.swapped = shard_stages(self.modules, root, self.mesh["dp"], policy)
+        chosen = None if planned is None else [planned[s] for s in self.stages]
+        swapped = self.swapped = shard_stages(self.modules, root, self.mesh["dp"], policy, chosen)
         self.held = [swapped.get(id(t), t) for t in self.held]
         self.names = {name: swapped.get(id(t), t) for name, t in self.names.items()}
         self.owner.update({id(p): self.owner[old] for old, p in swapped.items() if old in self.owner})
