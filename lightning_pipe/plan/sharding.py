@@ -120,13 +120,15 @@ class Sharding:
     def _shard(self, node: NodeProfile) -> NodeProfile:
         """``node`` as one rank holds it: its parameters, gradients (those its backward adds
         too), optimizer state and the step's temporaries sharded, and no autocast copies under
-        mixed precision (the gathered parameters are in the compute dtype already)."""
+        mixed precision (the gathered parameters are in the compute dtype already); the
+        gradients a backward makes before adding them are whole (in the compute dtype)."""
         grads, cast = self.held(node.grad_bytes), node.cast_bytes if self.mixed else 0
+        fresh = node.grad_bytes if node.fresh_grad_bytes is None else node.fresh_grad_bytes
         return replace(
             node, param_bytes=self.held(node.param_bytes), grad_bytes=grads, optimizer_bytes=self.held(
                 node.optimizer_bytes), step_bytes=self.held(node.step_bytes),
             backward_bytes=max(0, node.backward_bytes - node.grad_bytes) + grads,
-            fresh_grad_bytes=None if node.fresh_grad_bytes is None else self.held(node.fresh_grad_bytes),
+            fresh_grad_bytes=fresh // 2 if self.mixed else fresh,
             saved_bytes=node.saved_bytes - cast, made_bytes=max(0, node.made_bytes - cast),
             cast_bytes=node.cast_bytes - cast)
 

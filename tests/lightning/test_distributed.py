@@ -323,8 +323,8 @@ def test_stages_sharded_by_fsdp_over_their_replicas_train_as_one_device(four_ran
 def test_stages_sharded_by_fsdp_peak_as_their_plan_predicts_within_a_tenth(four_ranks):
     """Real FSDP2 in a 1F1B pipeline at pp=2 x dp=2, each stage sharded into its plan's units
     (a block each), kept gathered (the planner's choice) and resharded after forward: every
-    rank's peak (storages alive) is its stage's predicted one within 10%. Measured: -0.4% kept
-    gathered, +3.3% to +3.5% resharded (pp=2 x dp=4: tests/plan/test_sharding.py)."""
+    rank's peak (storages alive) is its stage's predicted one within 10%. Measured: +0.1% kept
+    gathered, +6.3% to +6.6% resharded (pp=2 x dp=4: tests/plan/test_sharding.py)."""
     for key, rank, predicted, measured in fsdp_ranks.compared(four_ranks.out, 2, 2):
         assert predicted == pytest.approx(measured, rel=0.1), (key, rank, predicted, measured)
 

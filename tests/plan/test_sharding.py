@@ -92,7 +92,9 @@ def _free_port() -> int:
 
 @pytest.mark.slow  # eight processes of FSDP2 on gloo: about 75 s of CPU (50 user, 25 system), planning 2 s
 def test_predicted_peaks_are_within_a_tenth_of_real_fsdp2_in_a_pipeline_at_pp2_dp4(tmp_path):
-    # pp=2 x dp=2 runs in the four-rank launch (tests/lightning/test_distributed.py)
+    # pp=2 x dp=2 runs in the four-rank launch (tests/lightning/test_distributed.py). Measured:
+    # +0.1% kept gathered, +8.1% resharded (its later backwards' gathering again and their
+    # gradients made before they are added are priced as if at once)
     made = fsdp_ranks.write_plans(tmp_path, 2, 4)
     assert {key: [s.reshard_after_forward for s in p.stages] for key, p in made.items()} == {
         "False": [False, False], "True": [True, True]}
