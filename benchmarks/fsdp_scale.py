@@ -238,16 +238,25 @@ def section(results: dict[str, Any]) -> str:
         "Most layers per pipeline depth:",
         "\n".join(depth_lines),
         "![largest decoder per mode](img/fsdp-scale.png)",
-        "Read: at the same depth, sharding a stage over its R replicas fits about R times the layers DDP's "
-        "copies do (8 stages: 32 layers with DDP on any number of GPUs; 60 sharded over 2 replicas, 103 to 108 "
-        "over 4). The best depths compare less: a pipeline as deep as there are GPUs holds no copy, and by state "
-        "alone fits what FSDP does; here *pp + DDP* at 16 and 32 stages is held down by the probe's CPU cap (the "
-        "partitioner's search for a split of 16 or 32 stages takes longer than it), so its figures at 16 and 32 "
-        "GPUs are lower bounds and the last column overstates sharding's gain there (checked once without the "
-        "cap: 100 layers on 32 stages do not fit, 106 s of CPU, so 32 GPUs' *pp + DDP* lies between 63 and 99 "
-        "layers, under the 112 of *pp x FSDP*). What sharding buys at the "
-        "best depth is that depth: a shallow pipeline (a smaller bubble, fewer micro-batches to fill it) with "
-        "the capacity of a deep one.",
+        "Read: the target (pp x FSDP at least twice the model pp + DDP trains on the same GPUs) cannot be met, "
+        "by arithmetic. Per parameter under bf16-mixed with Adam a stage holds 16 bytes (fp32 parameter and "
+        "gradient, two moments); on G GPUs, *pp + DDP* at its best depth (G stages, no copies) holds 16 N / G "
+        "bytes of an N-parameter model per GPU. *pp x FSDP* at S stages, each sharded over R = G / S replicas, "
+        "holds 12 N / G sharded (parameter and moments) and, as `torch.distributed.pipelining` runs FSDP2, "
+        "each stage whole near the step's last backward: its parameters gathered in bf16 and its gradients "
+        "accumulated unsharded in fp32 (6 N / S), 6 N / S + 12 N / G in all: at R = 2 24 N / G, at R = 4 "
+        "36 N / G, never under 16 N / G; so by state pp x FSDP fits at most 16 / (6 R + 12) of what the deepest "
+        "pipeline fits (0.67 at R = 2). *FSDP* alone (one stage) holds the whole model gathered, 6 N + 12 N / G. "
+        "Even a runtime reduce-scattering and resharding after every micro-batch (FSDP2 outside a pipeline) "
+        "would hold 16 N / G and a block or two gathered: the same as the deepest pipeline, a ratio of at most 1. "
+        "Activations do not change this: under 1F1B with at least S micro-batches the first stage holds S "
+        "micro-batches of its L / S layers, one micro-batch of every layer at any depth, and sharding divides "
+        "no activations. A deeper pipeline divides the parameters by the GPUs as sharding does; what sharding "
+        "buys is a shallower pipeline at a fixed model (a smaller bubble, fewer micro-batches to fill it, "
+        "fewer layers than GPUs), not a larger model. The table bears this out where the probes are not cut "
+        "short: pp x FSDP's best is at its deepest depth tried, and pp + DDP at 16 and 32 stages is held "
+        "down by the probe's CPU cap (the partitioner's search for a split of 16 or 32 stages takes longer "
+        "than it), so its figures there are lower bounds and the last column overstates sharding.",
     ])
 
 
