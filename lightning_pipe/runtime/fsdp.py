@@ -2,10 +2,11 @@
 
 ``data_parallel="fsdp"``: every stage module is wrapped by ``torch.distributed.fsdp.fully_shard``
 over the ``"dp"`` dimension of the ``("pp", "dp")`` mesh, so a replica holds ``1 / replicas`` of
-its stage's parameters, gradients and optimizer state between steps. Inside the stage, the units that gather
-and free their parameters together are chosen by :func:`sharding` (the one place a planner's
-choice replaces); the stage module is the root unit, which ``torch.distributed.pipelining``
-drives (it defers the gradient reduce-scatter to the last micro-batch, then reshards).
+its stage's parameters, gradients and optimizer state between steps. Inside the stage, the
+units that gather and free their parameters together, and whether they free them after a
+forward, are the plan's (:func:`planned_shardings`, applied by :func:`sharding`); the stage
+module is the root unit, which ``torch.distributed.pipelining`` drives (it defers the gradient
+reduce-scatter to the last micro-batch, then reshards).
 
 ``fully_shard`` swaps each parameter for a new, sharded one (a ``DTensor``), registered where
 the old one was: the LightningModule, the optimizer and the pipeline's bookkeeping are told of
