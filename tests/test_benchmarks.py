@@ -397,3 +397,23 @@ def test_a_decoders_middle_layer_repeated_profiles_as_the_deeper_decoder_does(mo
     three, five = (PaperBench(fsdp_scale.llama(n), device, "bf16-mixed").profile for n in (3, 5))
     assert fsdp_scale.repeated(three, 3) == three
     assert fsdp_scale.repeated(three, 5) == five
+
+
+@pytest.mark.slow
+def test_schedule_time_benchmark_prints_simulated_and_measured_step_per_schedule(monkeypatch, capsys):
+    """``python -m benchmarks.schedule_time`` at a tiny size, on a V-shape schedule (two stages
+    per process, the split backward): a row with the plan's simulated step, the measured one and
+    their ratio."""
+    from benchmarks import schedule_time
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr("sys.argv", ["benchmarks/schedule_time.py", "--width", "64", "--layers", "2", "--context",
+                                     "16", "--batch", "8", "--chunks", "4", "--warmup", "1", "--steps", "2",
+                                     "--schedules", "zbv"])
+    schedule_time.main()
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines[3:-1]}
+    assert set(rows) == {"zbv"}
+    simulated, measured, ratio, *_ = rows["zbv"]
+    assert float(simulated) > 0 and float(measured) > 0
+    assert float(ratio) == pytest.approx(float(simulated) / float(measured), abs=0.01)

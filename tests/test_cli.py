@@ -57,6 +57,18 @@ def test_example_cli_keeps_its_config_out_of_the_working_directory_and_runs_twic
     assert (tmp_path / "lightning_logs" / "cli" / "config.yaml").read_text().count("examples.models.UNet") == 1
 
 
+def test_a_config_with_schedule_auto_builds_the_distributed_strategy(tmp_path):
+    """LightningCLI takes ``schedule: auto`` (a value of the annotation's one Literal); the
+    training it builds is the distributed launch's (tests/lightning/test_distributed.py)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(args=["--config", "examples/configs/gpt.yaml", "--trainer.strategy.schedule=auto",
+                             "--trainer.strategy.runtime=distributed", f"--trainer.default_root_dir={tmp_path}"],
+                       run=False)
+    options = cli.trainer.strategy.options
+    assert (options.schedule, options.runtime, options.memory_limit) == ("auto", "distributed", [64 * 2**20])
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--trainer.strategy.schedule=bogus", "Expected a typing.Literal"),
     ("--trainer.strategy.chunks=many", "chunks"),

@@ -91,7 +91,7 @@ from lightning_pipe.plan.balance import balance_by_weight
 from lightning_pipe.plan.headroom import checked, flat
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.schedule import actions, check_schedule, placement, process_stages
+from lightning_pipe.plan.schedule import DistributedSchedule, actions, check_schedule, placement, process_stages
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.runtime.build import build
 from lightning_pipe.runtime.distributed import (
@@ -155,6 +155,10 @@ class DistributedEngine(Engine):
         self._enforced: int | None = None  # the meter's capacity, while a failed step runs on without it
         self._limit_changed = False  # memory_limit was assigned since the last training batch
         self._metering = ExitStack()  # the meter, entered while the pipeline it meters trains
+        # the schedule the stages run and the stages per process: the options', or under schedule="auto" the
+        # first plan's pick, kept when planning again (before it, GPipe's: a provisional evaluation pipeline's)
+        self._schedule = cast(DistributedSchedule, "gpipe" if options.schedule == "auto" else options.schedule)
+        self._virtual = options.virtual_stages
 
     # --- ranks and processes, as Lightning's multi-process strategies ---------------------
 
@@ -209,11 +213,11 @@ class DistributedEngine(Engine):
     @property
     def _placement(self) -> list[int]:
         """The pipeline rank of each stage (:func:`~lightning_pipe.plan.schedule.placement`)."""
-        return placement(self.options.schedule, self.num_stages, self.options.virtual_stages)
+        return placement(self._schedule, self.num_stages, self._virtual)
 
     def _stages_of(self, position: int) -> list[int]:
         """The stages pipeline rank ``position`` runs, in order: they share its memory."""
-        return process_stages(self.options.schedule, self.num_stages, self.options.virtual_stages)[position]
+        return process_stages(self._schedule, self.num_stages, self._virtual)[position]
 
     @property
     def sampler_kwargs(self) -> dict[str, Any]:
@@ -327,17 +331,17 @@ class DistributedEngine(Engine):
         self._graphs = self._graphs or Variants(module, self.options.leaf_modules)
         captured = self._graphs.training_graph((args, kwargs))
         check_buffer_writes(captured, module, self.options.chunks)  # on every rank, before any collective
-        stages = self.num_stages * self.options.virtual_stages  # a process's stages share its memory
+        stages = self.num_stages * self._virtual  # a process's stages share its memory
         o = self.options  # on every rank, before any collective:
-        check_balance_entries(o.balance, self.num_stages, o.virtual_stages, o.schedule)
-        check_schedule(o.schedule, o.chunks, self.num_stages * o.virtual_stages, o.virtual_stages, distributed=True)
+        check_balance_entries(o.balance, self.num_stages, self._virtual, self._schedule)
+        check_schedule(self._schedule, o.chunks, stages, self._virtual, distributed=True)
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         final = training or not fitting
         saved = self.options.plan
         if saved is not None:  # on every rank, before any collective
             if len(saved.balance) != stages:
                 raise ValueError(f"the plan has {len(saved.balance)} stages, this run {stages} ({self.num_stages} "
-                                 f"processes x {self.options.virtual_stages} virtual stages): plan for {stages}.")
+                                 f"processes x {self._virtual} virtual stages): plan for {stages}.")
             check_follows(saved, captured, self.precision_plugin.precision)
             if training:
                 check_microbatch(saved, batch_shapes(batch))
@@ -355,13 +359,19 @@ class DistributedEngine(Engine):
         split) and build this rank's stages, each rank receiving the tensors it lacks from the
         rank that held them (rank 0, or in the pipeline this one replaces)."""
         module = self.module
-        stages = self.num_stages * self.options.virtual_stages
         old = self.pipe if self.pipe is not None and self.pipe.released else None
+        if not final and self._empty and self.options.data_parallel == "fsdp":
+            rank_zero_warn(
+                "data_parallel='fsdp': the model built on the meta device is evaluated before training (the sanity "
+                "check) on a provisional split that FSDP does not shard (training builds the sharded stages once, "
+                "planned): each rank holds its stage whole until then. Pass num_sanity_val_steps=0 to the Trainer "
+                "for no rank to ever hold its stage whole."
+            )
         box: list[Any] = [None]
         if self.global_rank == 0:
             sample = scatter(arguments, self.options.chunks)[0]
-            balance = plan.balance if plan else self.options.balance or balance_by_weight(captured.param_bytes(),
-                                                                                           stages)
+            balance = plan.balance if plan else self.options.balance or balance_by_weight(
+                captured.param_bytes(), self.num_stages * self._virtual)
             policies = policies_of(captured, plan) if plan else {}
             graph, root = captured, cast(nn.Module, module)
             if self._empty or old is not None:  # shapes are all a model without (all its) storage can give
@@ -369,14 +379,18 @@ class DistributedEngine(Engine):
                 if old is not None:
                     root, graph = meta_replica(module, captured, old.shapes)
             device = torch.device("meta") if self._empty or old is not None else self.root_device
-            program = build(graph, root, balance, [device] * stages, policies, place=False)
+            program = build(graph, root, balance, [device] * len(balance), policies, place=False)
             box = [(balance, policies, cuts(program, root, *sample), plan, torch.initial_seed(), self._checked_peaks)]
         dist.broadcast_object_list(box, src=0)
         balance, policies, boundaries, self.plan, self._seed, self._checked_peaks = box[0]
-        program = build(captured, module, balance, [self.root_device] * stages, policies, place=False)
+        if self.options.schedule == "auto" and self.plan is not None:  # the pick, on every rank
+            self._schedule, self._virtual = cast(DistributedSchedule, self.plan.schedule), self.plan.virtual_stages
+        if self.global_rank == 0 and plan is not None and plan is not self.options.plan:
+            self._report(plan)
+        program = build(captured, module, balance, [self.root_device] * len(balance), policies, place=False)
         with self._initialising():
             self.pipe = DistributedPipeline(
-                program, module, boundaries, self.device_mesh, self.options.schedule,  # type: ignore[arg-type]
+                program, module, boundaries, self.device_mesh, self._schedule,
                 self.options.chunks, self._loss, self.root_device, release=final, timeout=self.options.timeout,
                 previous=old.held_by_rank if old else None, init=partial(materialize_module, device=self.root_device),
                 shapes=old.shapes if old else None, fsdp=self._fsdp if final else None,
@@ -409,6 +423,16 @@ class DistributedEngine(Engine):
                     del optimizer.state[param]
             self._load_sharded_optimizers()
         return self.pipe
+
+    def _report(self, plan: Plan) -> None:
+        """On global rank 0: the plan the stages are built by as a table (under ``schedule="auto"``
+        the schedule picked, and every one weighed with its simulated step and peaks, or why it
+        has none), and as ``plan.json`` in the logger's folder, which ``plan=`` follows."""
+        rank_zero_info(f"lightning_pipe plan, which every rank builds:\n{plan.table()}")
+        logger = self.module.trainer.logger
+        if logger is not None and logger.log_dir is not None:
+            Path(logger.log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(logger.log_dir) / "plan.json").write_text(plan.to_json())
 
     @property
     def _fsdp(self) -> Any:
@@ -444,13 +468,22 @@ class DistributedEngine(Engine):
             self._deferred = None
 
     def _limits(self, limits: list[int] | None) -> list[int] | None:
-        """``memory_limit`` (``limits``) per stage (:func:`~lightning_pipe.lightning.options.limits_per_stage`)."""
-        return limits_per_stage(limits, self.num_stages * self.options.virtual_stages, "stages")
+        """``memory_limit`` (``limits``) per stage (:func:`~lightning_pipe.lightning.options.limits_per_stage`);
+        under ``schedule="auto"``, whose stages are the pick's, per pipeline process."""
+        if self.options.schedule == "auto":
+            return limits_per_stage(limits, self.num_stages, "pipeline processes (schedule='auto': one per process)")
+        return limits_per_stage(limits, self.num_stages * self._virtual, "stages")
+
+    def _process_limit(self, limits: list[int], position: int) -> int:
+        """What ``limits`` (:meth:`_limits`) give pipeline rank ``position``: its stages' together."""
+        if self.options.schedule == "auto":
+            return limits[position]
+        return sum(limits[s] for s in self._stages_of(position))
 
     def _rank_limit(self) -> int | None:
         """What ``memory_limit`` gives this rank's stages together (the meter enforces it)."""
         limits = self._limits(self.options.memory_limit)
-        return None if limits is None else sum(limits[s] for s in self._stages_of(self._position()))
+        return None if limits is None else self._process_limit(limits, self._position())
 
     def _position(self) -> int:
         coordinate = self.device_mesh.get_coordinate()
@@ -472,7 +505,7 @@ class DistributedEngine(Engine):
         capacities = []
         for p in range(self.num_stages):
             rank = every[p * replicas : (p + 1) * replicas]
-            given = min(m for m, _ in rank) if limits is None else sum(limits[s] for s in self._stages_of(p))
+            given = min(m for m, _ in rank) if limits is None else self._process_limit(limits, p)
             capacities.append(min([given, *(e for _, e in rank if e is not None)]))
         return capacities
 
@@ -528,9 +561,12 @@ class DistributedEngine(Engine):
             dist.broadcast_object_list([("check", plan, observed_workspaces())], src=0)
             return self._rank_peaks(plan, self._gather_checks(check(plan)))
 
-        # a check is one fake step on each rank at once: every plan is checked
-        request = PlanRequest(capacities, o.planner, o.schedule, o.chunks, o.host_bandwidth, o.link_bandwidth,
-                              carry=True, replicas=self.world_size // self.num_stages, virtual_stages=o.virtual_stages,
+        # a check is one fake step on each rank at once: every plan is checked. "auto" weighs the schedules at the
+        # first plan; planning again keeps its pick, whose stages are built (plan.auto)
+        picking = o.schedule == "auto" and not self._planned
+        request = PlanRequest(capacities, o.planner, "auto" if picking else self._schedule, o.chunks, o.host_bandwidth,
+                              o.link_bandwidth, carry=True, replicas=self.world_size // self.num_stages,
+                              virtual_stages=None if picking else self._virtual,
                               data_parallel=o.data_parallel)
         return checked(lambda targets: make_plan(profile, replace(request, capacities=targets)),
                        capacities, checked_on_every_rank, always=True)
@@ -676,7 +712,7 @@ class DistributedEngine(Engine):
     def _named(self, position: int) -> str | None:
         """Pipeline rank ``position`` by the stages it runs, where it runs several (interleaved:
         they share its memory, which the meter counts as one); ``None``: its one stage."""
-        if self.options.virtual_stages == 1:
+        if self._virtual == 1:
             return None
         *others, last = self._stages_of(position)
         return f"Pipeline rank {position} (stages {', '.join(map(str, others))} and {last}, which share its memory)"
@@ -1115,7 +1151,7 @@ class DistributedEngine(Engine):
         """The step's bubble fraction, simulated on the schedule's action order from each rank's
         measured forward and backward time (ms, all its micro-batches), dealt to its stages as
         the plan's times share them (evenly without a plan)."""
-        o, stages = self.options, self.num_stages * self.options.virtual_stages
+        o, stages = self.options, self.num_stages * self._virtual
         share = [1.0] * stages
         if self.plan is not None and len(self.plan.stages) == stages:
             share = [max(r.forward_ms + r.backward_ms, 1e-9) for r in self.plan.stages]
@@ -1123,7 +1159,7 @@ class DistributedEngine(Engine):
         for s, p in enumerate(self._placement):
             part = share[s] / sum(share[t] for t in self._stages_of(p)) / o.chunks
             times.append(StageTime(ranks[p][0] * part, ranks[p][1] * part))
-        return simulate(times, actions(o.schedule, o.chunks, stages, o.virtual_stages)).bubble
+        return simulate(times, actions(self._schedule, o.chunks, stages, self._virtual)).bubble
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         assert self.pipe is not None
@@ -1279,7 +1315,7 @@ class DistributedEngine(Engine):
             return None
         position, replica = coordinate
         ranks, replicas = self._mesh.size(0), self._mesh.size(1)
-        where = placement(self.options.schedule, ranks, self.options.virtual_stages)
+        where = placement(self._schedule, ranks, self._virtual)
         neighbours = {where[t] for s, p in enumerate(where) if p == position for t in (s - 1, s + 1)
                       if 0 <= t < len(where)} - {position}
         peers = [str(q * replicas + replica) for q in sorted(neighbours)]

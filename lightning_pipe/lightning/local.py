@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import Trainer
@@ -55,6 +55,7 @@ from lightning_pipe.plan.balance import balance_by_weight, check_stage_count
 from lightning_pipe.plan.headroom import checked, flat
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.request import PlanRequest
+from lightning_pipe.plan.schedule import Schedule
 from lightning_pipe.progress import progress_bar, tracker
 from lightning_pipe.runtime.batchnorm import DeferredBatchNorm
 from lightning_pipe.runtime.build import Policy, Program, build
@@ -153,9 +154,14 @@ class LocalEngine(Engine):
             self._batch_norm.commit()  # the batch's micro-batches ran as separate forward calls
         return loss
 
+    @property
+    def _schedule(self) -> Schedule:
+        """The options' schedule (``"auto"`` is refused with ``runtime="local"``)."""
+        return cast(Schedule, self.options.schedule)
+
     def log_step_metrics(self, step_ms: float) -> None:
         cuda = MemoryMeter.cuda_peaks(self.parallel_devices)
-        metrics = step_metrics(self.clock, self.meter, self.plan, self.options.schedule, self.options.chunks,
+        metrics = step_metrics(self.clock, self.meter, self.plan, self._schedule, self.options.chunks,
                                step_ms, cuda)
         log_step_metrics(self.module.trainer, metrics)
 
@@ -514,7 +520,7 @@ class LocalEngine(Engine):
         assert self._scheduled is not None
         o = self.options
         self._step = ScheduledStep(
-            self._scheduled, o.schedule, o.chunks, self.precision_plugin, self._versions, o.loss_reduction
+            self._scheduled, self._schedule, o.chunks, self.precision_plugin, self._versions, o.loss_reduction
         )
 
     def _batch_to_plan(self, batch: Any) -> Any | None:

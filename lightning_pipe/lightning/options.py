@@ -12,9 +12,10 @@ from typing import Literal, get_args
 from lightning_pipe.lightning.microlog import LossReduction
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
 from lightning_pipe.plan.plan import Plan
-from lightning_pipe.plan.request import check_settings
+from lightning_pipe.plan.request import PlanSchedule, check_settings
 from lightning_pipe.plan.schedule import (
     MULTI_STAGE,
+    SCHEDULES,
     V_SHAPED,
     Schedule,
     check_schedule,
@@ -35,7 +36,7 @@ class PipeOptions:
     """The strategy's arguments, checked and normalised (see its docstring for each)."""
 
     chunks: int = 4
-    schedule: Schedule = "gpipe"
+    schedule: PlanSchedule = "gpipe"  # "auto": the distributed engine runs the plan's pick
     balance: list[int] | None = None
     leaf_modules: list[str] = field(default_factory=list)
     planner: Partitioner | None = "dawnpiper"
@@ -48,7 +49,7 @@ class PipeOptions:
     loss_reduction: LossReduction = "mean"
     runtime: Runtime = "local"
     stages: int | None = None
-    virtual_stages: int = 1  # stages per process, resolved (plan.schedule.stages_per_process)
+    virtual_stages: int = 1  # stages per process, resolved (plan.schedule.stages_per_process; "auto": the pick's)
     timeout: timedelta = timedelta(minutes=30)
     state_dict_type: StateDictType = "full"
     max_replans: int = 3
@@ -60,7 +61,7 @@ class PipeOptions:
         cls,
         *,
         chunks: int,
-        schedule: Schedule,
+        schedule: PlanSchedule,
         balance: list[int] | None,
         leaf_modules: list[str] | None,
         planner: Partitioner | None,
@@ -89,7 +90,7 @@ class PipeOptions:
         _check_types(chunks=(chunks, int), max_replans=(max_replans, int),
                      host_bandwidth=(host_bandwidth, float | None), link_bandwidth=(link_bandwidth, float | None),
                      measure_memory=(measure_memory, bool), deferred_batch_norm=(deferred_batch_norm, bool))
-        check_settings(chunks, schedule, host_bandwidth, link_bandwidth)
+        check_settings(chunks, schedule, host_bandwidth, link_bandwidth, (*SCHEDULES, "auto"))
         if max_replans < 0:
             raise ValueError(f"max_replans must be >= 0 (0: never plan again after running out), got {max_replans}.")
         if loss_reduction not in ("mean", "sum"):
@@ -111,8 +112,11 @@ class PipeOptions:
         if balance is not None and any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no nodes; every entry must be >= 1.")
         _check_data_parallel(data_parallel, runtime, schedule)  # (before 2bw's own check: named for FSDP)
+        if schedule == "auto":
+            _check_auto(runtime, virtual_stages, planner, balance, data_parallel)
         _check_runtime(runtime, stages, schedule, timeout, virtual_stages)
-        virtual_stages = stages_per_process(schedule, virtual_stages)
+        # ("auto": one until the plan's pick, which the distributed engine runs)
+        virtual_stages = 1 if schedule == "auto" else stages_per_process(schedule, virtual_stages)
         if data_parallel == "fsdp" and virtual_stages > 1:
             raise ValueError(
                 f"data_parallel='fsdp' shards one stage per process; schedule={schedule!r} holds {virtual_stages} "
@@ -124,12 +128,14 @@ class PipeOptions:
                 f"balance has {len(balance)} stages, which virtual_stages={virtual_stages} (stages per process) does "
                 f"not divide: give {virtual_stages} entries for each process."
             )
-        if runtime == "distributed" and stages is not None:  # else the processes are counted at the first batch
+        # (stages None: at the first batch, once the processes are counted; "auto" weighs only what torch takes)
+        if runtime == "distributed" and stages is not None and schedule != "auto":
             check_balance_entries(balance, stages, virtual_stages, schedule)
             check_schedule(schedule, chunks, stages * virtual_stages, virtual_stages, distributed=True)
         _check_state_dict_type(runtime, state_dict_type)
         # (a plan names "1f1b" with several stages per process by what it is: with_virtual_stages)
-        saved = _check_plan(plan, balance, with_virtual_stages(schedule, virtual_stages), chunks)
+        running = schedule if schedule == "auto" else with_virtual_stages(schedule, virtual_stages)
+        saved = _check_plan(plan, balance, running, chunks)
         return cls(
             chunks=chunks, schedule=schedule, balance=balance, leaf_modules=list(leaf_modules or []), planner=planner,
             memory_limit=parse_limits(memory_limit), host_bandwidth=host_bandwidth, link_bandwidth=link_bandwidth,
@@ -141,7 +147,7 @@ class PipeOptions:
 
 
 def _check_plan(
-    plan: "str | os.PathLike[str] | None", balance: list[int] | None, schedule: Schedule, chunks: int
+    plan: "str | os.PathLike[str] | None", balance: list[int] | None, schedule: PlanSchedule, chunks: int
 ) -> Plan | None:
     """A saved plan to follow, read and checked against the settings it was made for."""
     if plan is None:
@@ -150,9 +156,12 @@ def _check_plan(
     if balance is not None:
         raise ValueError("give plan or balance, not both: a plan has its own split (plan.balance).")
     if (saved.schedule, saved.chunks) != (schedule, chunks):
+        made = f"schedule={saved.schedule!r}, chunks={saved.chunks}" + (  # (a count other than the schedule's own)
+            f", virtual_stages={saved.virtual_stages}" if saved.schedule in MULTI_STAGE
+            and saved.virtual_stages != stages_per_process(saved.schedule, None) else "")
         raise ValueError(
-            f"the plan was made for schedule={saved.schedule!r}, chunks={saved.chunks}, not schedule={schedule!r}, "
-            f"chunks={chunks}: pass schedule={saved.schedule!r}, chunks={saved.chunks} with it, or plan again."
+            f"the plan was made for {made}, not schedule={schedule!r}, chunks={chunks}: pass {made} with it, or plan "
+            f"again."
         )
     return saved
 
@@ -200,7 +209,7 @@ def check_balance_entries(balance: list[int] | None, processes: int, virtual_sta
 
 
 def _check_runtime(
-    runtime: Runtime, stages: int | None, schedule: Schedule, timeout: timedelta | None, virtual_stages: int | None
+    runtime: Runtime, stages: int | None, schedule: PlanSchedule, timeout: timedelta | None, virtual_stages: int | None
 ) -> None:
     if runtime not in ("local", "distributed"):
         raise ValueError(f"runtime must be 'local' (one process) or 'distributed' (one per stage), got {runtime!r}.")
@@ -239,6 +248,37 @@ def _check_runtime(
         )
 
 
+def _check_auto(
+    runtime: Runtime, virtual_stages: int | None, planner: Partitioner | None, balance: list[int] | None,
+    data_parallel: DataParallel,
+) -> None:
+    """``schedule="auto"``: the planner picks among the distributed engine's schedules, under
+    which ``training_step`` runs once per micro-batch whichever it picks. The local engine's
+    differ in what the user's code sees (GPipe runs it once on the whole batch, 2BW keeps two
+    weight versions): a pick among them would change the training, not only its speed."""
+    if runtime != "distributed":
+        raise ValueError(
+            "schedule='auto' picks among the schedules of runtime='distributed' (the planner weighs each by its "
+            "simulated step). Pass runtime='distributed', or with runtime='local' name the schedule: 'gpipe' "
+            "(training_step once per batch), '1f1b' (once per micro-batch, fewer activations held) or '2bw' (two "
+            "weight versions, no flush); `lightning-pipe plan --schedule gpipe` and `--schedule 1f1b` show each plan."
+        )
+    if virtual_stages is not None:
+        raise ValueError(f"schedule='auto' picks the stages per process itself, got virtual_stages={virtual_stages}: "
+                         f"leave it unset, or name a schedule.")
+    if planner is None or balance is not None:
+        raise ValueError(
+            f"schedule='auto' is the planner's pick, made with its split: it needs a planner and no balance (got "
+            f"planner={planner!r}, balance={balance}). Leave planner='dawnpiper' and balance unset, or name a "
+            f"schedule."
+        )
+    if data_parallel == "fsdp":
+        raise ValueError(
+            "data_parallel='fsdp' shards one stage per process, and schedule='auto' may pick several stages per "
+            "process. Name the schedule ('gpipe' or '1f1b'), or use data_parallel='ddp'."
+        )
+
+
 def _check_state_dict_type(runtime: Runtime, state_dict_type: StateDictType) -> None:
     if state_dict_type not in ("full", "sharded"):
         raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
@@ -249,7 +289,7 @@ def _check_state_dict_type(runtime: Runtime, state_dict_type: StateDictType) -> 
         )
 
 
-def _check_data_parallel(data_parallel: DataParallel, runtime: Runtime, schedule: Schedule) -> None:
+def _check_data_parallel(data_parallel: DataParallel, runtime: Runtime, schedule: PlanSchedule) -> None:
     """How a stage's replicas share its work: a whole copy each (``"ddp"``), or shards (``"fsdp"``),
     which needs processes (the replicas) and one version of every weight."""
     if data_parallel not in ("ddp", "fsdp"):

@@ -38,7 +38,7 @@ from lightning_pipe.measure.meter import MemoryMeter, StageOutOfMemoryError
 from lightning_pipe.plan.partitioners import Partitioner
 from lightning_pipe.plan.plan import Plan
 from lightning_pipe.plan.profile import Profile
-from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.plan.request import PlanSchedule
 from lightning_pipe.runtime.batchnorm import batch_norm_layers
 from lightning_pipe.units import MemorySize
 
@@ -55,7 +55,14 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
         schedule: ``"gpipe"`` (autograd-driven), ``"1f1b"`` or ``"2bw"`` (schedule-driven);
             under ``runtime="distributed"`` (not ``"2bw"``) also ``"interleaved-1f1b"``,
             ``"interleaved-zb"``, ``"zbv"`` and ``"dualpipev"``, several stages per process
-            (``virtual_stages``).
+            (``virtual_stages``), and ``"auto"``: at the first training batch the planner plans
+            each of these (:data:`~lightning_pipe.plan.auto.CANDIDATES`, those whose
+            micro-batch rule ``chunks`` meets) and every rank runs the one of fastest simulated
+            step that fits, with its stages per process; global rank 0 logs the plan with every
+            schedule weighed (step and per-process peaks, or why none) and writes it as
+            ``plan.json`` to the logger's folder. Plans made again keep the pick. Under
+            ``"auto"``, ``memory_limit`` is per process, and it needs a planner, no
+            ``balance``, ``virtual_stages`` or ``data_parallel="fsdp"``.
         balance: graph nodes per stage, in order; overrides the planner.
         leaf_modules: submodule names (``"blocks.3"``) or class names (``"Block"``) that
             tracing keeps as single nodes, e.g. code torch.fx cannot trace.
@@ -138,7 +145,7 @@ class MemoryPipeStrategy(ConfiguresLauncher, ParallelStrategy):
         self,
         *,
         chunks: int = 4,
-        schedule: Schedule = "gpipe",
+        schedule: PlanSchedule = "gpipe",
         balance: list[int] | None = None,
         leaf_modules: list[str] | None = None,
         planner: Partitioner | None = "dawnpiper",

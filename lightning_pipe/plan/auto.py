@@ -7,8 +7,10 @@ bubble by ``v`` at the cost of more micro-batches in flight, V-shapes fold the p
 that a process's two stages hold few together. Which wins depends on the model, the cap and
 the batch, so each is planned (dawnpiper under the same per-process targets) and the fastest
 simulated step wins: the micro-batches and their size are the request's, so the fastest step
-is the highest throughput. The plan lists every schedule weighed, with its step and peaks or
-why it has none (:attr:`~lightning_pipe.plan.plan.Plan.considered`).
+is the highest throughput. A schedule whose micro-batch rule torch.distributed.pipelining
+refuses for the request's ``chunks`` (:func:`~lightning_pipe.plan.schedule.check_schedule`, as
+the distributed runtime enforces it) is never planned. The plan lists every schedule weighed,
+with its step and peaks or why it has none (:attr:`~lightning_pipe.plan.plan.Plan.considered`).
 """
 
 from dataclasses import replace
@@ -16,7 +18,7 @@ from dataclasses import replace
 from lightning_pipe.plan.plan import Considered, InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.plan.schedule import Schedule, check_schedule
 
 __all__ = ["CANDIDATES", "auto_plan"]
 
@@ -44,13 +46,15 @@ def auto_plan(profile: Profile, request: PlanRequest) -> Plan:
     plans: list[Plan] = []
     refused: list[Considered] = []
     lowest: InfeasiblePlanError | None = None
+    processes = len(request.capacities)
     for schedule, virtual in CANDIDATES:
         try:
+            check_schedule(schedule, request.chunks, processes * virtual, virtual, distributed=True)
             plan = make_plan(profile, replace(request, schedule=schedule, virtual_stages=virtual))
         except InfeasiblePlanError as error:
             refused.append(Considered(schedule, virtual, None, why=f"does not fit: {error}"))
             lowest = error if lowest is None or error.min_peak < lowest.min_peak else lowest
-        except ValueError as error:  # settings the schedule cannot run
+        except ValueError as error:  # settings the schedule cannot run (on torch: distributed=True)
             refused.append(Considered(schedule, virtual, None, why=str(error)))
         else:
             plans.append(plan)

@@ -20,7 +20,7 @@ __all__ = ["PlanRequest", "PlanSchedule", "check_settings"]
 
 #: What a plan may be asked to run: a schedule, or ``"auto"``, the planner's pick
 #: (:func:`~lightning_pipe.plan.auto.auto_plan`).
-PlanSchedule = Schedule | Literal["auto"]
+PlanSchedule = Literal[Schedule, "auto"]  # (one Literal: LightningCLI names its values)
 
 
 @dataclass(frozen=True)

@@ -61,10 +61,13 @@ from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.fsdp import (
     MixedPrecisionPolicy,
     PlannedSharding,
+    fill_shard,
     fsdp_roots,
     full_value,
     is_shard,
+    managed_parameters,
     reshard_value,
+    shard_of,
     shard_stages,
 )
 from lightning_pipe.runtime.materialize import allocate, has_meta, own_tensors, to_meta
@@ -128,6 +131,13 @@ class Cut:
 
     def examples(self, requires_grad: bool) -> tuple[Tensor, ...]:
         return tuple(m.example(requires_grad) for m in self.leaves if isinstance(m, TensorMeta))
+
+    def cast(self, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """``tensors`` (flattened) in the dtypes the cut says: the receiver reads the bytes so.
+        A stage under autocast makes bfloat16 where the cut, described without it, says
+        float32 (a cut right after a linear layer), which would arrive as garbage."""
+        metas = [m for m in self.leaves if isinstance(m, TensorMeta)]
+        return tuple(t.to(m.dtype) for t, m in zip(tensors, metas))
 
 
 def cuts(program: Program, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Cut]:
@@ -272,7 +282,8 @@ class StageModule(StageRunner):
         tensors = tuple(_Alias.apply(t) if t.requires_grad and t.is_leaf else t for t in tensors)  # type: ignore[no-untyped-call]
         with self.step_context(), self.clock.forward(0, self.stage.device) if self.clock else nullcontext():
             # (gloo sends only contiguous tensors: a transposed view leaving the stage is copied)
-            outputs = tuple(t.contiguous() for t in self.outputs.flatten(self.run(self.inputs.unflatten(tensors))))
+            made = self.outputs.flatten(self.run(self.inputs.unflatten(tensors)))
+            outputs = tuple(t.contiguous() for t in self.outputs.cast(made))
         # the zero-bubble schedules detach a stage's outputs in place once their input gradients
         # are made, and the weights' gradients come later: an output an operator saved for its
         # backward (a ReLU's, a cut after it) leaves as an alias, which may be detached, and one
@@ -501,8 +512,10 @@ class DistributedPipeline:
     ``fsdp`` (a mixed precision policy): shard this rank's stages over its replicas
     (:mod:`~lightning_pipe.runtime.fsdp`) in place of reducing whole gradients across them;
     :attr:`swapped` maps each old parameter's ``id`` to its sharded one, which the
-    optimizer must take (:func:`~lightning_pipe.runtime.fsdp.shard_optimizer`); ``planned``:
-    each stage's units and ``reshard_after_forward`` as its plan chose them
+    optimizer must take (:func:`~lightning_pipe.runtime.fsdp.shard_optimizer`). A meta-built
+    model is then never whole in a stage either: each replica receives only its shard of each
+    parameter, and the rank that initialises or held a tensor keeps only its shard of it.
+    ``planned``: each stage's units and ``reshard_after_forward`` as its plan chose them
     (:func:`~lightning_pipe.runtime.fsdp.planned_shardings`; ``None``: the runtime's own).
     """
 
@@ -551,16 +564,24 @@ class DistributedPipeline:
         self.held_by_rank = held
         meta_built = has_meta(root)
         self.released = release or meta_built
+        sharding = fsdp is not None and not fake
+        managed = None  # what each pipeline rank's FSDP shards, travelling as shards (a meta-built model's)
+        if sharding:
+            for module in modules:
+                module.hold_attributes()
+            if meta_built:
+                managed = [set().union(*(managed_parameters(modules[s]) for s in stages)) for stages in by_rank]
+        shards: dict[int, Tensor] = {}
         if fake:  # a meta copy on a silent mesh: nothing to send; tied copies reduce over the pipeline's group
             tied = [p for p in self._shared(root, held) if id(p) in held[self.position]]
             self._tied = [(mesh.get_group("pp"), tied)] if tied else []
         else:
-            self._distribute(root, held, previous, init, device, meta_built)
+            shards = self._distribute(root, held, previous, init, device, meta_built, managed)
             self._tied = self._tied_groups(root, held, timeout)
         self.swapped: dict[int, nn.Parameter] = {}
-        self.sharded = fsdp is not None and not fake
-        if fsdp is not None and not fake:
-            self._shard(root, fsdp, planned)
+        self.sharded = sharding
+        if fsdp is not None and sharding:
+            self._shard(root, fsdp, shards, planned)
         self.rank = PipelineRank(
             self.modules, self.stages, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn, fake
         )
@@ -606,16 +627,22 @@ class DistributedPipeline:
                 )
         return runners
 
-    def _shard(self, root: nn.Module, policy: MixedPrecisionPolicy, planned: Sequence[PlannedSharding] | None) -> None:
+    def _shard(
+        self, root: nn.Module, policy: MixedPrecisionPolicy, shards: dict[int, Tensor],
+        planned: Sequence[PlannedSharding] | None,
+    ) -> None:
         """FSDP over this stage's replicas; every record of a parameter follows it to its sharded one.
         A stage reads a tied parameter it does not own as its own (not lent: a copy of the
-        unsharded parameter would take its gradient away from FSDP)."""
+        unsharded parameter would take its gradient away from FSDP). ``shards``: this replica's
+        rows of each parameter still on the meta device, by the parameter's ``id``."""
         for module in self.modules:
-            module.hold_attributes()
             for segment in module.stage.segments:
                 segment.borrowed.clear()
         chosen = None if planned is None else [planned[s] for s in self.stages]
         swapped = self.swapped = shard_stages(self.modules, root, self.mesh["dp"], policy, chosen)
+        for old, new in swapped.items():
+            if old in shards:
+                fill_shard(new, shards.pop(old))
         self.held = [swapped.get(id(t), t) for t in self.held]
         self.names = {name: swapped.get(id(t), t) for name, t in self.names.items()}
         self.owner.update({id(p): self.owner[old] for old, p in swapped.items() if old in self.owner})
@@ -633,20 +660,29 @@ class DistributedPipeline:
         init: Callable[[nn.Module], None] | None,
         device: torch.device,
         meta_built: bool,
-    ) -> None:
+        managed: Sequence[set[int]] | None = None,
+    ) -> dict[int, Tensor]:
         """Send every rank the values of its stages' tensors it lacks, module by module in
         ``modules()`` order (every rank walks the same order, so the blocking sends and
         receives meet), then release what this rank does not hold: back to the meta device
-        for a model built there, else to an empty tensor."""
-        me, seen = dist.get_rank(), set[int]()
-        for module in root.modules():
-            tensors = [t for t in own_tensors(module) if id(t) not in seen]
-            seen.update(map(id, tensors))
+        for a model built there, else to an empty tensor. A tensor several modules register (a
+        tied weight) travels after the last of them, whose ``reset_parameters()`` may set it
+        again, as :func:`~lightning_pipe.runtime.materialize.materialize` lets it.
+        ``managed``: the parameters each pipeline rank's FSDP shards; of those, each replica
+        receives or keeps only its shard (returned by ``id``), the tensor itself going back to
+        the meta device."""
+        me, shards = dist.get_rank(), dict[int, Tensor]()
+        modules = list(root.modules())
+        last = {id(t): k for k, module in enumerate(modules) for t in own_tensors(module)}
+        for k, module in enumerate(modules):
+            tensors = own_tensors(module)
             if me == 0 and previous is None and init is not None and any(t.is_meta for t in tensors):
                 init(module)
-            for tensor in tensors:
+            for tensor in [t for t in tensors if last[id(t)] == k]:  # (a later module may initialise it again)
                 for src, dst in self._transfers(id(tensor), held, previous):
-                    if me == dst:
+                    if managed is not None and id(tensor) in managed[dst // self.replicas]:
+                        self._send_shard(tensor, src, dst, device, shards)
+                    elif me == dst:
                         if tensor.is_meta:
                             allocate(tensor, device)
                         elif tensor.shape != self.shapes[id(tensor)]:  # released by this rank before
@@ -657,12 +693,28 @@ class DistributedPipeline:
                             tensor.copy_(buffer)
                     elif me == src:
                         dist.send(tensor.detach().contiguous(), dst)
+                if managed is not None and id(tensor) in managed[self.position] and not tensor.is_meta:
+                    shards[id(tensor)] = shard_of(tensor.detach(), self.replicas, self.replica).clone()
+                    to_meta(tensor)
                 if not self.released or id(tensor) in held[self.position] or tensor.is_meta:
                     continue
                 if meta_built:
                     to_meta(tensor)
                 else:
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return shards
+
+    def _send_shard(self, tensor: Tensor, src: int, dst: int, device: torch.device, shards: dict[int, Tensor]) -> None:
+        """Global rank ``src``'s value of ``tensor``, of it the shard of ``dst``'s replica alone,
+        to ``dst`` (into ``shards``); an empty shard does not travel."""
+        me, replica = dist.get_rank(), dst % self.replicas
+        shard = shard_of(tensor.detach(), self.replicas, replica)
+        if me == dst:
+            shards[id(tensor)] = torch.empty(shard.shape, dtype=tensor.dtype, device=device)
+            if shard.numel():
+                dist.recv(shards[id(tensor)], src)
+        elif me == src and shard.numel():
+            dist.send(shard.contiguous(), dst)
 
     def _transfers(
         self, tensor: int, held: list[set[int]], previous: Sequence[set[int]] | None

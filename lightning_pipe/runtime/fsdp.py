@@ -11,6 +11,10 @@ reduce-scatter to the last micro-batch, then reshards).
 ``fully_shard`` swaps each parameter for a new, sharded one (a ``DTensor``), registered where
 the old one was: the LightningModule, the optimizer and the pipeline's bookkeeping are told of
 the swap (:func:`shard_stages` returns it, old ``id`` to new parameter).
+
+A model built on the meta device is sharded before it has values: each replica is sent only
+its rows of each parameter (:func:`shard_of`, the rows ``fully_shard`` gives it), which
+:func:`fill_shard` puts under the sharded parameter, so no rank holds its stage whole.
 """
 
 import re
@@ -28,9 +32,9 @@ from torch.optim import Optimizer
 from lightning_pipe.internals import parameter_table
 
 __all__ = [
-    "MixedPrecisionPolicy", "PlannedSharding", "Sharding", "check_shardable", "fsdp_roots", "full_value",
-    "is_shard", "mixed_precision", "planned_shardings", "reshard_value", "shard_optimizer", "shard_stages",
-    "sharding",
+    "MixedPrecisionPolicy", "PlannedSharding", "Sharding", "check_shardable", "fill_shard", "fsdp_roots",
+    "full_value", "is_shard", "managed_parameters", "mixed_precision", "planned_shardings", "reshard_value",
+    "shard_of", "shard_optimizer", "shard_stages", "sharding",
 ]
 
 
@@ -122,20 +126,20 @@ def _block(name: str) -> str | None:
 
 
 def check_shardable(root: nn.Module) -> None:
-    """Raise unless ``fully_shard`` can shard every trainable parameter of ``root`` (on dim 0).
+    """Raise unless ``fully_shard`` can shard every parameter of ``root`` (on dim 0): frozen
+    ones too, which it shards alike, and ones on the meta device, which keep their strides
+    when they get storage.
 
     Raises:
         ValueError: a parameter is a scalar or not contiguous, named with the fix.
     """
     for name, p in root.named_parameters():
-        if not p.requires_grad:
-            continue
         if p.ndim == 0:
             raise ValueError(
                 f"Parameter {name!r} is a scalar (shape ()), which data_parallel='fsdp' cannot shard: fully_shard "
                 f"splits parameters along dim 0. Make it a tensor of shape (1,), or use data_parallel='ddp'."
             )
-        if not p.is_meta and not p.is_contiguous():
+        if not p.is_contiguous():
             raise ValueError(
                 f"Parameter {name!r} is not contiguous (shape {tuple(p.shape)}, stride {p.stride()}), which "
                 f"data_parallel='fsdp' cannot shard. Make it contiguous where it is built (.contiguous()), or use "
@@ -145,8 +149,11 @@ def check_shardable(root: nn.Module) -> None:
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """FSDP's mixed precision for a Trainer precision: ``bf16-mixed`` gathers parameters in
-    bfloat16 and reduces gradients in float32, as autocast would compute; other precisions
-    keep the parameters' dtype.
+    bfloat16 and reduces gradients in float32, as autocast would compute, and each unit hands
+    its outputs on in float32, as autocast's residual streams are (on bfloat16 parameters the
+    embeddings would make them bfloat16) and as a stage's boundary says
+    (:func:`~lightning_pipe.runtime.distributed.cuts`). Other precisions keep the parameters'
+    dtype.
 
     Raises:
         ValueError: ``16-mixed``, whose grad scaler cannot unscale sharded gradients here.
@@ -157,7 +164,8 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
             "gradients per rank). Use precision='bf16-mixed', or data_parallel='ddp'."
         )
     if precision in ("bf16-mixed", "bf16"):
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
@@ -195,6 +203,29 @@ def _places(root: nn.Module, stages: Sequence[nn.Module]) -> list[tuple[nn.Modul
         for stage in stages for module in stage.modules() for name, p in parameter_table(module).items()
         if p is not None
     ]
+
+
+def managed_parameters(stage: nn.Module) -> set[int]:
+    """``id`` of each parameter :func:`shard_stages` shards with ``stage``: every one
+    registered in its modules (buffers stay whole)."""
+    return {id(p) for _, _, p in _places(stage, [stage])}
+
+
+def shard_of(t: Tensor, replicas: int, replica: int) -> Tensor:
+    """The rows of ``t`` (dim 0) that ``fully_shard`` over ``replicas`` leaves ``replica``: a
+    view; empty past the last of ``torch.chunk``'s pieces."""
+    pieces = torch.chunk(t, replicas, dim=0)
+    return pieces[replica] if replica < len(pieces) else t[t.shape[0]:]
+
+
+def fill_shard(param: Tensor, local: Tensor) -> None:
+    """Give ``param``, sharded while on the meta device, this replica's rows ``local``
+    (:func:`shard_of` of its value) as storage. The object stays: FSDP, the optimizer and the
+    module keep it (FSDP pads an uneven shard when it first gathers)."""
+    assert isinstance(param, DTensor) and param.to_local().is_meta, "fill_shard takes a sharded parameter on meta"
+    value = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                               stride=param.stride())
+    torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))  # type: ignore[no-untyped-call]
 
 
 def is_shard(t: Tensor) -> bool:

@@ -4,9 +4,9 @@ processes; each saves what the tests compare (checkpoints, what each rank logged
 
     python tests/lightning/distributed_fit.py OUT DEVICES SCENARIO...
 
-A scenario is ``family:schedule:stages[:metered][:features][:vN][:cN][:bf16|:fp16][:fsdp]`` (a few steps with
-``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`), a number (the steps of the
-configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
+A scenario is ``family:schedule:stages[:metered][:features][:vN][:cN][:lN][:bf16|:fp16][:fsdp]`` (a few steps with
+``MemoryPipeStrategy(runtime="distributed")``, :func:`fit`; ``schedule`` may be ``auto``, with ``metered``), a
+number (the steps of the configurations after it), ``metrics:schedule:stages`` (:func:`metrics`),
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut[:pN][:vN]``
 (:func:`recover`), ``shrink:family:limit[:pN]`` (:func:`shrink`; ``pN``: N pipeline ranks, the rest replicas),
 ``drift``, ``replans`` (:func:`replans`), ``faults:N`` (:func:`faults`), ``hooks``, ``features``, ``sharded``,
@@ -60,21 +60,22 @@ ACCUMULATE, CLIP, GAMMA = 2, 0.05, 0.5  # a features run: accumulation, clipping
 
 def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages: int, metered: bool,
         features: bool, virtual: int | None = None, saved: bool = False, precision: str = "32-true",
-        chunks: int = CHUNKS, fsdp: bool = False) -> None:
+        chunks: int = CHUNKS, fsdp: bool = False, memory_limit: int | None = None) -> None:
     """``metered``: plan (rank 0 profiles), measure memory and log per-stage metrics to a CSV
     logger in ``out``; else an even split by parameter bytes. ``features``: accumulate, clip
     and decay the learning rate every step (:func:`with_scheduler`). ``virtual``: stages per
     process (``None``: the schedule's default). ``chunks``: micro-batches per batch (``-cN`` in the
     tag where not :data:`CHUNKS`). ``saved``: the plan ``out/saved-plan-SCHEDULE.json`` (written by the
     test), followed as is. ``precision``: the Trainer's (``bf16-mixed``, ``16-mixed``: named in the tag).
-    ``fsdp``: each stage sharded over its replicas (``data_parallel="fsdp"``)."""
+    ``fsdp``: each stage sharded over its replicas (``data_parallel="fsdp"``). ``memory_limit``: bytes (``:lN``,
+    not in the tag)."""
     model, data = make_model(family)
     if features:
         with_scheduler(model)
     strategy = MemoryPipeStrategy(runtime="distributed", stages=stages, schedule=schedule, chunks=chunks,
                                   planner="dawnpiper" if metered else None, measure_memory=metered,
                                   virtual_stages=virtual, plan=out / f"saved-plan-{schedule}.json" if saved else None,
-                                  data_parallel="fsdp" if fsdp else "ddp")
+                                  data_parallel="fsdp" if fsdp else "ddp", memory_limit=memory_limit)
     tag = f"{family}-{schedule}-{stages}" + (f"-v{virtual}" if virtual else "") + \
         (f"-c{chunks}" if chunks != CHUNKS else "") + \
         {"bf16-mixed": "-bf16", "16-mixed": "-fp16"}.get(precision, "") + ("-fsdp" if fsdp else "")
@@ -99,9 +100,12 @@ def fit(out: Path, devices: int, steps: int, family: str, schedule: str, stages:
     trainer.save_checkpoint(out / f"{name}.ckpt")
     rank = trainer.global_rank
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    mesh = model.device_mesh
-    result = {"logged": logged, "mesh": list(mesh.shape), "balance": strategy.plan.balance if strategy.plan else None,
-              "policies": strategy.plan.policies if strategy.plan else None, "linear_dtypes": sorted(dtypes),
+    mesh, plan = model.device_mesh, strategy.plan
+    result = {"logged": logged, "mesh": list(mesh.shape), "balance": plan.balance if plan else None,
+              "policies": plan.policies if plan else None, "linear_dtypes": sorted(dtypes),
+              "schedule": [plan.schedule, plan.virtual_stages] if plan else None,  # (schedule="auto": the pick)
+              "considered": [[c.schedule, c.virtual_stages, c.step_ms] for c in plan.considered] if plan else None,
+              "stages": strategy.engine.pipe.stages,  # this rank's
               "local_shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters()
                                if hasattr(p, "to_local")}}  # (FSDP's shards)
     if ((virtual or 1) > 1 or schedule == "zbv") and replicas == 1 and is_overridden("validation_step", model):
@@ -441,7 +445,8 @@ def empty(out: Path, devices: int) -> None:
 def fsdp_empty(out: Path, devices: int) -> None:
     """:func:`empty`'s first run at pp=2, each stage sharded over its replicas: validated
     first (on the provisional, unsharded split), trained three steps, validated again (the
-    sharded stages gathered outside the schedule); every rank saves the validation loss."""
+    sharded stages gathered outside the schedule); every rank saves the validation loss. Then
+    the same without the sanity check: the sharded stages built straight from the meta device."""
     _, data = make("unet")
     trainer = Trainer(**empty_trainer(devices, steps=3, fsdp=True))
     with trainer.init_module(empty_init=True):
@@ -451,6 +456,12 @@ def fsdp_empty(out: Path, devices: int) -> None:
     trainer.save_checkpoint(out / "fsdp-empty.ckpt")
     val = trainer.validate(model, loader(data, BATCH), verbose=False)[0]["val_loss"]
     (out / f"fsdp-empty-rank{trainer.global_rank}.json").write_text(json.dumps({"val": val}))
+    unchecked = Trainer(**{**empty_trainer(devices, steps=3, fsdp=True), "num_sanity_val_steps": 0})
+    with unchecked.init_module(empty_init=True):
+        torch.manual_seed(0)
+        model = UNet()
+    unchecked.fit(model, loader(data, BATCH))
+    unchecked.save_checkpoint(out / "fsdp-empty-unchecked.ckpt")
 
 
 def fsdp_peaks(out: Path, devices: int) -> None:
@@ -644,4 +655,5 @@ if __name__ == "__main__":
             virtual = next((int(f[1:]) for f in flags if f.startswith("v")), None)
             fit(out, devices, steps, family, schedule, int(stages), "metered" in flags, "features" in flags, virtual,
                 "saved" in flags, "bf16-mixed" if "bf16" in flags else "16-mixed" if "fp16" in flags else "32-true",
-                next((int(f[1:]) for f in flags if f.startswith("c")), CHUNKS), "fsdp" in flags)
+                next((int(f[1:]) for f in flags if f.startswith("c")), CHUNKS), "fsdp" in flags,
+                next((int(f[1:]) for f in flags if f.startswith("l")), None))

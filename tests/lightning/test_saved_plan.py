@@ -118,6 +118,21 @@ def test_a_plan_of_interleaved_1f1b_is_followed_under_its_alias(tmp_path):
     assert options.plan is not None and options.plan.schedule == "interleaved-1f1b"
 
 
+def test_a_plan_auto_picked_is_followed_under_the_schedule_it_names(tmp_path):
+    """A run under schedule="auto" saves its pick; following it names that schedule, and its
+    stages per process where the schedule's own count is another."""
+    saved = _written(tmp_path / "plan.json", Plan("dawnpiper", "interleaved-zb", [1 << 20] * 2, 2, 4, None, [1, 1],
+                                                  ["keep"] * 2, [], 1.0, 0.1, nodes=["a", "b"],
+                                                  virtual_stages=1).to_json())
+    with pytest.raises(ValueError, match="the plan was made for schedule='interleaved-zb', chunks=4, virtual_stages=1, "
+                                         "not schedule='auto', chunks=4: pass schedule='interleaved-zb', chunks=4, "
+                                         "virtual_stages=1 with it"):
+        MemoryPipeStrategy(plan=saved, chunks=4, schedule="auto", runtime="distributed")
+    options = MemoryPipeStrategy(plan=saved, chunks=4, schedule="interleaved-zb", virtual_stages=1,
+                                 runtime="distributed").options
+    assert options.plan is not None and options.virtual_stages == 1
+
+
 def test_a_file_that_is_not_a_plan_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"plan='.*missing.json' cannot be read \(No such file or directory\)"):
         MemoryPipeStrategy(plan=tmp_path / "missing.json")

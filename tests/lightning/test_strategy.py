@@ -129,7 +129,7 @@ def test_bad_configuration_errors():
     with pytest.raises(ValueError, match="every entry must be >= 1"):
         MemoryPipeStrategy(balance=[3, 0])
     with pytest.raises(ValueError, match="schedule must be one of 'gpipe', '1f1b', '2bw', 'interleaved-1f1b', "
-                                         "'interleaved-zb', 'zbv', 'dualpipev', got 'pipedream'"):
+                                         "'interleaved-zb', 'zbv', 'dualpipev', 'auto', got 'pipedream'"):
         MemoryPipeStrategy(schedule="pipedream")
 
 

@@ -121,6 +121,16 @@ def test_auto_says_why_a_schedule_has_no_plan():
         make_plan(uniform(24), replace(UNCAPPED, capacities=[1_000] * 4, schedule="auto"))
 
 
+def test_auto_refuses_a_schedule_torch_refuses_for_the_micro_batches():
+    """On torch 1F1B needs a micro-batch per stage, DualPipeV one per stage of the V: with 2 for
+    4 processes both are weighed as refused, with the rule, and never picked (the planner alone
+    would plan them)."""
+    plan = make_plan(uniform(24), replace(UNCAPPED, schedule="auto", chunks=2))
+    why = {c.schedule: c.why for c in plan.considered if c.step_ms is None}
+    assert list(why) == ["1f1b", "dualpipev"] and plan.schedule not in why
+    assert "chunks=2 < 4 stages" in why["1f1b"] and "chunks=2 < 8 stages" in why["dualpipev"]
+
+
 @pytest.mark.parametrize("changes,needs", [
     ({"schedule": "zbv"}, "runs only on the distributed engine"),
     ({"schedule": "zbv", "carry": True, "virtual_stages": 3}, "exactly 2 stages per process"),
