@@ -19,6 +19,7 @@ threads make, dropping a collective's buffers, at random: they drift by blocks.)
 import gc
 import json
 import os
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,8 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), foreach=False)
 
 
-def profile() -> Profile:
-    """The model's profile at one micro-batch."""
+def profile(precision: str = "32-true") -> Profile:
+    """The model's profile at one micro-batch, under the Trainer ``precision``'s autocast."""
     from lightning_pipe.graph.capture import capture
     from lightning_pipe.measure.profiler import profile_graph
 
@@ -89,13 +90,16 @@ def profile() -> Profile:
     model, x = Blocks(), batch()[: ROWS // CHUNKS]
     with torch.no_grad():
         captured = capture(model, example_inputs=((x,), {}))
-    return profile_graph(captured, (x,), optimizer=optimizer(model), repeats=1, warmup=0)
+    mixed = precision == "bf16-mixed"
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if mixed else nullcontext():
+        return profile_graph(captured, (x,), optimizer=optimizer(model), repeats=1, warmup=0)
 
 
-def plans(pp: int, dp: int) -> dict[str, Plan]:
+def plans(pp: int, dp: int, mixed: bool = False) -> dict[str, Plan]:
     """The plan for ``pp`` stages each sharded over ``dp`` replicas (no recompute: each stage
-    keeps it all), by ``reshard_after_forward``: the planner's (kept gathered), and its stages
-    resharded after forward, as the planner prices them."""
+    keeps it all), by ``reshard_after_forward``: the planner's (kept gathered, ``"False"``), and
+    its stages resharded after forward as the planner prices them (``"True"``); ``mixed``: and
+    the planner's under ``bf16-mixed`` (``"bf16-mixed"``: gathered in bfloat16, reduced in fp32)."""
     found = profile()
     asked = PlanRequest([2**40] * pp, "dawnpiper", "1f1b", CHUNKS, optimise_memory=False, carry=True, replicas=dp,
                         data_parallel="fsdp")
@@ -103,12 +107,15 @@ def plans(pp: int, dp: int) -> dict[str, Plan]:
     again = planning_stages(found, asked, sharding=Sharding(found, dp, CHUNKS, None, resharded=True))
     optima = again.pruned(kept.balance)
     stages = [replace(s, reshard_after_forward=True, peak=o.peak) for s, o in zip(kept.stages, optima)]
-    return {"False": kept, "True": replace(kept, stages=stages)}
+    made = {"False": kept, "True": replace(kept, stages=stages)}
+    if mixed:
+        made["bf16-mixed"] = replace(make_plan(profile("bf16-mixed"), asked), precision="bf16-mixed")
+    return made
 
 
-def write_plans(out: Path, pp: int, dp: int) -> dict[str, Plan]:
+def write_plans(out: Path, pp: int, dp: int, mixed: bool = False) -> dict[str, Plan]:
     """:func:`plans`, written where :func:`measure` reads them."""
-    made = plans(pp, dp)
+    made = plans(pp, dp, mixed)
     Path(out, f"fsdp-plans-pp{pp}-dp{dp}.json").write_text(json.dumps({k: p.to_json() for k, p in made.items()}))
     return made
 
@@ -136,13 +143,13 @@ def measure(out: Path, pp: int) -> None:
 
 
 def peak(mesh: Any, plan: Plan) -> int:
-    """This rank's stage of ``plan`` built on the meta device, sharded as planned,
-    materialised, and three steps of 1F1B run: the highest bytes alive (:class:`Live`) from
-    before it was built (the second and third steps hold the optimizer's state)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    """This rank's stage of ``plan`` built on the meta device, sharded as planned (in the
+    plan's precision, as the runtime takes it from the Trainer's), materialised, and three
+    steps of 1F1B run: the highest bytes alive (:class:`Live`) from before it was built (the
+    second and third steps hold the optimizer's state)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from lightning_pipe.runtime.fsdp import planned_shardings, shard_stages
+    from lightning_pipe.runtime.fsdp import mixed_precision, planned_shardings, shard_stages
 
     index, pp = mesh.get_coordinate()[0], mesh.size(0)
     report = plan.stages[index]
@@ -159,7 +166,7 @@ def peak(mesh: Any, plan: Plan) -> int:
         with torch.device("meta"):
             root = Blocks()
         stage = Stage(root, blocks, index == pp - 1)
-        shard_stages([stage], root, mesh["dp"], MixedPrecisionPolicy(), [planned[index]])
+        shard_stages([stage], root, mesh["dp"], mixed_precision(plan.precision), [planned[index]])
         stage.to_empty(device="cpu")
         with torch.no_grad():
             for p in stage.parameters():
@@ -169,11 +176,14 @@ def peak(mesh: Any, plan: Plan) -> int:
         adam = optimizer(stage)
         x = batch() if index == 0 else None
         target = torch.zeros(ROWS, 1) if index == pp - 1 else None  # (the loss reads none: pipelining asks one)
+        mixed = plan.precision == "bf16-mixed"
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if mixed else nullcontext()
         for _ in range(3):
-            if x is not None:
-                schedule.step(x, target=target)
-            else:
-                schedule.step(target=target)
+            with autocast:  # (the Trainer's step context)
+                if x is not None:
+                    schedule.step(x, target=target)
+                else:
+                    schedule.step(target=target)
             adam.step()
             adam.zero_grad(set_to_none=True)
     dist.barrier()
