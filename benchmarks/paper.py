@@ -45,6 +45,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import Tensor, nn
 
 import lightning_pipe
+from benchmarks import fsdp_scale
 from benchmarks.amoebanet import AmoebaNetD
 from benchmarks.run import quiet
 from examples.models import UNet
@@ -437,7 +438,8 @@ def merged(earlier: dict[str, Any] | None, run: dict[str, Any], device: DeviceSp
     every = sorted(kept + new, key=_order)
     runs = [r for r in earlier["runs"] if not _configurations(r["settings"]) <= ran]  # those with rows left
     return {"runs": [*runs, run], "device": asdict(device), "labels": {**earlier["labels"], **labels},
-            "rows": every, "ratios": ratios([Row(**r) for r in every])}
+            "rows": every, "ratios": ratios([Row(**r) for r in every]),
+            **({"fsdp": earlier["fsdp"]} if "fsdp" in earlier else {})}
 
 
 def _configurations(settings: dict[str, Any]) -> set[tuple[Any, ...]]:
@@ -585,6 +587,8 @@ def markdown(results: dict[str, Any]) -> str:
     parts.append(_scope_section(results))
     parts.append(_accuracy_section(rows, device["memory"]))
     parts.append(DIFFERENCES)
+    if "fsdp" in results:
+        parts.append(fsdp_scale.section(results["fsdp"]))
     parts.append(_devices_section())
     return "\n\n".join(parts) + "\n"
 
@@ -854,6 +858,19 @@ def summary(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _fsdp(out: Path) -> dict[str, Any]:
+    """``--fsdp``: :mod:`benchmarks.fsdp_scale`'s results kept in the results file beside the rows
+    (other runs keep them), the page written again with them and their plot."""
+    path = out / "benchmarks" / "paper_results.json"
+    results = json.loads(path.read_text())
+    results["fsdp"] = fsdp_scale.run()
+    path.write_text(json.dumps(results, indent=1))
+    (out / "docs" / "paper-scale.md").write_text(markdown(results))
+    fsdp_scale.plot(results["fsdp"], out / "docs" / "img" / "fsdp-scale.png")
+    print(fsdp_scale.section(results["fsdp"]))
+    return results
+
+
 def main(
     argv: list[str] | None = None, workloads: Sequence[Workload] | None = None, device: DeviceSpec = DEVICE
 ) -> dict[str, Any]:
@@ -866,7 +883,12 @@ def main(
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="(model, stage count) tasks run at once, each in its own process (default: one per CPU)")
     parser.add_argument("--out", type=Path, default=ROOT, help="root under which benchmarks/ and docs/ are written")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="only the pipeline x FSDP section: the largest Llama-style decoder per data-parallel "
+                             "mode on 8, 16 and 32 A100-80GB (benchmarks.fsdp_scale)")
     args = parser.parse_args(argv)
+    if args.fsdp:
+        return _fsdp(args.out)
     base = FULL if args.full else QUICK
     settings = Settings(args.models or base.models, args.stages or base.stages, base.schedules, base.partitioners,
                         precision=args.precision)

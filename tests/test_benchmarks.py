@@ -383,6 +383,22 @@ def test_planner_speed_grid_goes_in_place_of_the_docs_planner_time_section_with_
     assert page.read_text() == "# B\n\n" + section + "## Runtime overhead\n\nkept\n"
 
 
+@pytest.mark.slow  # fake-profiles two small decoders: about 4 s of CPU
+def test_a_decoders_middle_layer_repeated_profiles_as_the_deeper_decoder_does(monkeypatch):
+    # benchmarks.paper --fsdp plans decoders of hundreds of layers from a three-layer profile
+    pytest.importorskip("transformers")
+    from benchmarks import fsdp_scale
+    from benchmarks.paper import Bench as PaperBench
+
+    monkeypatch.setattr(fsdp_scale, "SEQ", 16)
+    monkeypatch.setattr(fsdp_scale, "WIDTH", {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                                               "num_key_value_heads": 2, "vocab_size": 64})
+    device = DEVICES["A100-80GB"]
+    three, five = (PaperBench(fsdp_scale.llama(n), device, "bf16-mixed").profile for n in (3, 5))
+    assert fsdp_scale.repeated(three, 3) == three
+    assert fsdp_scale.repeated(three, 5) == five
+
+
 @pytest.mark.slow
 def test_schedule_time_benchmark_prints_simulated_and_measured_step_per_schedule(monkeypatch, capsys):
     """``python -m benchmarks.schedule_time`` at a tiny size, on a V-shape schedule (two stages

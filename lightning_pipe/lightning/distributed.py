@@ -105,7 +105,13 @@ from lightning_pipe.runtime.distributed import (
     to_device,
     to_host,
 )
-from lightning_pipe.runtime.fsdp import check_shardable, full_value, mixed_precision, shard_optimizer
+from lightning_pipe.runtime.fsdp import (
+    check_shardable,
+    full_value,
+    mixed_precision,
+    planned_shardings,
+    shard_optimizer,
+)
 from lightning_pipe.runtime.materialize import check_resettable, has_meta, materialize_module
 
 __all__ = ["DistributedEngine"]
@@ -388,6 +394,7 @@ class DistributedEngine(Engine):
                 self.options.chunks, self._loss, self.root_device, release=final, timeout=self.options.timeout,
                 previous=old.held_by_rank if old else None, init=partial(materialize_module, device=self.root_device),
                 shapes=old.shapes if old else None, fsdp=self._fsdp if final else None,
+                planned=planned_shardings(self.plan) if final and self.plan is not None else None,
             )
         self.pipe.failure.on_failure = self._stop_enforcing
         self._load_deferred(final)
@@ -559,7 +566,8 @@ class DistributedEngine(Engine):
         picking = o.schedule == "auto" and not self._planned
         request = PlanRequest(capacities, o.planner, "auto" if picking else self._schedule, o.chunks, o.host_bandwidth,
                               o.link_bandwidth, carry=True, replicas=self.world_size // self.num_stages,
-                              virtual_stages=None if picking else self._virtual)
+                              virtual_stages=None if picking else self._virtual,
+                              data_parallel=o.data_parallel)
         return checked(lambda targets: make_plan(profile, replace(request, capacities=targets)),
                        capacities, checked_on_every_rank, always=True)
 

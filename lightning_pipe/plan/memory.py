@@ -45,7 +45,7 @@ import bisect
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias, TypeVar
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -57,6 +57,9 @@ from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.recompute import recomputed_regions, regions_inputs
 from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, BackwardState, Pending, Schedule
 from lightning_pipe.plan.times import WORK_BYTES, pooled_times
+
+if TYPE_CHECKING:
+    from lightning_pipe.plan.sharding import Sharding
 
 __all__ = ["CostModel", "StagePeak", "predict_peaks", "stage_ranges"]
 
@@ -132,12 +135,13 @@ class CostModel:
 
     def __init__(
         self, profile: Profile, link_bandwidth: float | None = None, *, schedule: Schedule = "1f1b", chunks: int = 1,
-        carry: int = 0, replicas: int = 1,
+        carry: int = 0, replicas: int = 1, sharding: "Sharding | None" = None,
     ) -> None:
         nodes = profile.nodes
         self.profile = profile
         self.carry = carry  # micro-batches whose carried values a stage holds (see carried, static)
         self.replicas = replicas  # data-parallel copies of each stage, which reduce its gradients
+        self.sharding = sharding  # FSDP over the replicas (None: each holds a whole copy)
         self.link_bandwidth = link_bandwidth  # bytes per second between stage devices
         self.n = len(nodes)
         # GPipe: a stage's outputs wait for the next stage, the last stage's for the merge
@@ -183,8 +187,12 @@ class CostModel:
         weighted = a.grads > 0
         weighted[[u for p in profile.shared for u in p.users[1:]]] = True
         self._weight_grads: list[int] = _prefix(np.where(weighted, column["output_grad_bytes"], 0).tolist())
-        self._forward = _prefix(self.forward_ms)
-        self._compute = _prefix([f + b for f, b in zip(self.forward_ms, self.backward_ms)])
+        forward, backward = self.forward_ms, self.backward_ms
+        if sharding is not None:  # a stage's all-gathers and reduce-scatters take its time, not a recompute's
+            gathers, reductions = sharding.collective_ms()
+            forward, backward = [f + g for f, g in zip(forward, gathers)], [b + r for b, r in zip(backward, reductions)]
+        self._forward = _prefix(forward)
+        self._compute = _prefix([f + b for f, b in zip(forward, backward)])
         self._transient = _RangeMax(np.maximum(a.workspace, column["backward_bytes"] - a.grads))
         self._step_sum: list[int] = _prefix(column["step_bytes"].tolist())
         self._step_max = _RangeMax(column["step_bytes"])
@@ -517,35 +525,41 @@ class CostModel:
         self, lo: int, hi: int, in_flight: float, live: LiveBytes, weight_versions: int, waiting: Waiting,
         pending: Pending | None,
     ) -> StagePeak:
-        static = self.static(lo, hi, weight_versions)
+        static = forward_static = backward_static = self.static(lo, hi, weight_versions)
+        first = 0  # what the first backward holds beyond the later ones
+        if self.sharding is not None:  # what FSDP holds gathered while the stage computes
+            # (its sharded gradients are made at the step's end: in forward it holds unsharded ones)
+            gathered, regathered, first_gathered = self.sharding.gathered_bytes(lo, hi)
+            forward_static = static - self.step_grads(lo, hi) + gathered
+            backward_static, first = static + regathered, first_gathered - regathered
         # stages as processes keep each micro-batch's outputs until its backward
         cached = live.leaving if self.carry and hi < self.n else 0
         states = waiting[1]
         kept = self.weight_grads(lo, hi) if pending is not None else 0
         if pending is not None and kept:  # stages as processes: nothing else waits
             states = [(held, count * kept) for held, count in pending.backward]
-        backward = self._backward_peaks(lo, hi, in_flight, live, static, states, cached)
+        backward = self._backward_peaks(lo, hi, in_flight, live, backward_static, states, cached, first)
         if cached:  # and the step begins with no gradients
-            fresh = static - self.step_grads(lo, hi)
+            fresh = forward_static - (self.step_grads(lo, hi) if self.sharding is None else 0)
             forward = [self._forward_peak(in_flight, live, fresh, round(in_flight * cached))]
         elif hi < self.n:
             # GPipe: outputs wait for the next stage; those in the graph's output for the merge
             outputs = min(1.0, in_flight - 1) if self.merges else 0.0
             merged = round(max(0.0, in_flight - 1 - outputs) * self.merged(lo, hi)) if self.merges else 0
-            forward = [self._forward_peak(in_flight, live, static, round(outputs * live.leaving) + merged)]
+            forward = [self._forward_peak(in_flight, live, forward_static, round(outputs * live.leaving) + merged)]
         else:
-            forward, loss_backward = self._last_peaks(lo, in_flight, live, static)
+            forward, loss_backward = self._last_peaks(lo, in_flight, live, forward_static)
             if loss_backward is not None:  # it begins the stage's backward: what waits then waits with it
                 backward.append(loss_backward.waiting(max((w for _, w in states), default=0)))
         if pending is not None and kept:
             forward = [p.waiting(pending.forward * kept) for p in forward]
             # the end of an input half: its micro-batch's stash, which it does not free as a
             # whole backward does, and the gradients it keeps, with those pending before it
-            backward += [StagePeak(static, round(held * live.stashed), 0, round(held * cached) + (count + 1) * kept)
-                         for held, count in pending.backward]
+            backward += [StagePeak(backward_static, round(held * live.stashed), 0,
+                                   round(held * cached) + (count + 1) * kept) for held, count in pending.backward]
         # the optimizer's step: the stage's state, the step's temporaries (the last: the batch)
         step = [StagePeak(static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0)]
-        if self.replicas > 1:  # before it, the gradients' reduction over the replicas: a bucket copied flat
+        if self.replicas > 1 and self.sharding is None:  # before it, the gradients' reduction: a bucket copied flat
             step.append(StagePeak(static, 0, min(self.step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
         if waiting[0]:
             forward = [p.waiting(waiting[0]) for p in forward]
@@ -581,6 +595,7 @@ class CostModel:
         static: int,
         states: Sequence[tuple[float, int]],
         cached: int = 0,
+        first: int = 0,
     ) -> list[StagePeak]:
         """The peaks of a step's backwards: the first with the micro-batches in flight stashed
         and the gradients of the parameters made as it goes (they were freed for it), the
@@ -588,7 +603,8 @@ class CostModel:
         the bytes of gradients waiting (:meth:`waiting`); without them (a search pricing a
         range), the first holds ``in_flight`` and the later ones one fewer, unless the
         schedule runs another forward before each (1F1B and 2BW with more micro-batches).
-        ``cached``: bytes of one micro-batch's outputs kept until its backward is done."""
+        ``cached``: bytes of one micro-batch's outputs kept until its backward is done; ``first``:
+        bytes the first backward holds beyond ``static`` less the gradients (FSDP's, gathered)."""
         gradient = self._last_backward(lo, in_flight) if hi == self.n else 0
         grads = self.step_grads(lo, hi)
         if not states:
@@ -600,7 +616,7 @@ class CostModel:
             others = round((held - 1) * live.stashed)
             boundary = gradient + waiting + round(held * cached)
             if j == 0:
-                peaks.append(StagePeak(static - grads, others + first_stash, first_rest, boundary))
+                peaks.append(StagePeak(static - grads + first, others + first_stash, first_rest, boundary))
             else:
                 peaks.append(StagePeak(static, others + live.backward[0], live.backward[1], boundary))
         return peaks

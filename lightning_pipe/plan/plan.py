@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.optimize import StageOptimum
-from lightning_pipe.plan.partitioners import Partitioner, fitting_split, floor, split
+from lightning_pipe.plan.partitioners import fitting_split, floor, split
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
 from lightning_pipe.plan.schedule import (
@@ -28,6 +28,7 @@ from lightning_pipe.plan.schedule import (
     weight_versions,
     weights_pending,
 )
+from lightning_pipe.plan.sharding import Sharding, choose_resharding
 from lightning_pipe.plan.sharing import device_peaks
 from lightning_pipe.plan.simulate import StageTime, simulate
 from lightning_pipe.plan.stages import Stages
@@ -68,7 +69,9 @@ class InfeasiblePlanError(ValueError):
 class StageReport:
     """One stage of a plan: nodes ``[start, stop)``, its predicted peak and per micro-batch
     times (ms; ``send_ms`` moves its outputs to the next stage), and the bytes per micro-batch
-    it recomputes or swaps."""
+    it recomputes or swaps. Sharded by FSDP (:mod:`~lightning_pipe.plan.sharding`): its block
+    units' node ranges ``[start, stop)`` (none: the stage is one unit) and whether it reshards
+    after forward (``None``: not sharded)."""
 
     start: int
     stop: int
@@ -81,6 +84,8 @@ class StageReport:
     recomputed_bytes: int
     swapped_bytes: int
     send_ms: float = 0.0
+    fsdp_units: list[list[int]] = field(default_factory=list)
+    reshard_after_forward: bool | None = None
 
     @property
     def time_ms(self) -> float:
@@ -131,6 +136,8 @@ class Plan:
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     nodes: list[str] = field(default_factory=list)
     precision: str = "32-true"  # the Trainer precision whose bytes it planned
+    data_parallel: str = "ddp"  # how each stage's replicas hold it: whole copies, or sharded by FSDP
+    replicas: int = 1
     virtual_stages: int = 1
     placement: list[int] = field(default_factory=list)
     device_peaks: list[int] = field(default_factory=list)
@@ -277,7 +284,7 @@ def _shared_plan(
         needs: list[int] = []
         for factor in OVERCOMMIT:
             stages = planning_stages(profile, r, _shares(r.capacities, where, weights, factor))
-            balance, optima = _chosen(stages, r.partitioner)
+            stages, balance, optima = _chosen(stages, r)
             needs = needs or [o.peak.total for o in optima]
             if not all(o.fits for o in optima):
                 failed = failed or (stages, balance, optima)
@@ -344,6 +351,8 @@ def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list
                 recomputed_bytes=sum(model.saved[i] for i, p in o.policies.items() if p == "recompute"),
                 swapped_bytes=sum(model.saved[i] for i, p in o.policies.items() if p == "swap"),
                 send_ms=send,
+                fsdp_units=[] if model.sharding is None else model.sharding.units(r.start, r.stop),
+                reshard_after_forward=None if model.sharding is None else bool(model.sharding.resharded[r.start]),
             )
         )
         times.append(StageTime(forward, backward, o.recompute_ms, o.swap_ms, send))
@@ -369,6 +378,8 @@ def _plan(stages: Stages, request: PlanRequest, balance: list[int], optima: list
         placement=placement(schedule, len(request.capacities), virtual) if schedule in MULTI_STAGE else [],
         device_peaks=device_peaks(model, balance, chosen, [o.peak for o in optima], stages.in_flight, order,
                                   stages.pending),
+        data_parallel=request.data_parallel,
+        replicas=request.replicas,
     )
 
 
@@ -403,7 +414,7 @@ def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1, n
         return make_plan(profile.scaled(size), request)
     if stages is None:  # at_least, never probed
         stages = planning_stages(profile.scaled(size), request)
-    balance, optima = _chosen(stages, request.partitioner)
+    stages, balance, optima = _chosen(stages, request)
     if not all(o.fits for o in optima):  # at_least did not fit after all
         raise _infeasible(stages, request.partitioner, balance, optima)
     return _plan(stages, request, balance, optima)
@@ -443,16 +454,23 @@ def _largest(profile: Profile, request: PlanRequest, at_least: int,
     return low, found
 
 
-def planning_stages(profile: Profile, request: PlanRequest, shares: Sequence[int] | None = None) -> Stages:
+def planning_stages(
+    profile: Profile, request: PlanRequest, shares: Sequence[int] | None = None, sharding: Sharding | None = None,
+) -> Stages:
     """What :func:`make_plan` hands its partitioner (:func:`~lightning_pipe.plan.partitioners.split`).
 
     Several stages on a process share its planning target: ``shares`` gives each stage its
     part (bytes), else each gets the part its held micro-batches ask (:func:`_shares`), so that
     their peaks together, and so the process's (:func:`~lightning_pipe.plan.sharing.device_peaks`,
-    at most their sum), fit it."""
+    at most their sum), fit it. Sharded by FSDP (``data_parallel="fsdp"``): by ``sharding``
+    (default: every stage kept gathered after forward)."""
     r, schedule = request, _schedule(request)
-    count, model = r.stage_count, CostModel(profile, r.link_bandwidth, schedule=schedule, chunks=r.chunks,
-                                            carry=r.chunks if r.carry else 0, replicas=r.replicas)
+    if sharding is None and r.data_parallel == "fsdp":
+        sharding = Sharding(profile, r.replicas, r.chunks, r.link_bandwidth,
+                            accumulates_in_forward=schedule != "gpipe")
+    count = r.stage_count
+    model = CostModel(profile if sharding is None else sharding.profile, r.link_bandwidth, schedule=schedule,
+                      chunks=r.chunks, carry=r.chunks if r.carry else 0, replicas=r.replicas, sharding=sharding)
     held = in_flight(schedule, r.chunks, count, r.virtual)
     order = actions(schedule, r.chunks, count, r.virtual)
     pending = weights_pending(schedule, r.chunks, count, r.virtual)
@@ -494,13 +512,19 @@ def _shares(capacities: Sequence[int], where: Sequence[int], weights: Sequence[i
 def _attempt(profile: Profile, request: PlanRequest) -> tuple[Stages, list[int], list[StageOptimum]]:
     """Split and optimise every stage; the caller checks whether all fit."""
     stages = planning_stages(profile, request)
-    return stages, *_chosen(stages, request.partitioner)
+    return _chosen(stages, request)
 
 
-def _chosen(stages: Stages, partitioner: Partitioner) -> tuple[list[int], list[StageOptimum]]:
-    """``partitioner``'s split of ``stages`` and its stages optimised; the caller checks whether all fit."""
-    balance = split(partitioner, stages)
-    return balance, stages.pruned(balance)
+def _chosen(stages: Stages, request: PlanRequest) -> tuple[Stages, list[int], list[StageOptimum]]:
+    """The request's partitioner's split of ``stages`` and its stages optimised, with the stages
+    that priced them (sharded: after each stage's ``reshard_after_forward`` is chosen); the
+    caller checks whether all fit."""
+    balance = split(request.partitioner, stages)
+    optima = stages.pruned(balance)
+    if stages.model.sharding is not None:
+        stages, optima = choose_resharding(
+            stages, balance, optima, lambda sharding: planning_stages(sharding.source, request, sharding=sharding))
+    return stages, balance, optima
 
 
 def _infeasible(

@@ -14,6 +14,7 @@ from lightning_pipe.plan.schedule import (
     stages_per_process,
     with_virtual_stages,
 )
+from lightning_pipe.plan.sharding import DATA_PARALLEL, DataParallel
 
 __all__ = ["PlanRequest", "PlanSchedule", "check_settings"]
 
@@ -40,7 +41,9 @@ class PlanRequest:
     devices) prices the values crossing each cut (``None``: free). ``optimise_memory`` false:
     no stage recomputes or swaps. ``carry``: stages run as processes (``runtime="distributed"``)
     and pass on what later stages read, holding it for every micro-batch of a step, and reduce
-    their gradients over ``replicas`` data-parallel copies.
+    their gradients over ``replicas`` data-parallel copies: each a whole copy of its stage
+    (``data_parallel="ddp"``), or the stage sharded over them by FSDP (``"fsdp"``,
+    :mod:`~lightning_pipe.plan.sharding`).
 
     Raises:
         ValueError: a setting out of range, naming it and the fix.
@@ -56,6 +59,7 @@ class PlanRequest:
     carry: bool = False
     replicas: int = 1
     virtual_stages: int | None = None
+    data_parallel: DataParallel = "ddp"
 
     @property
     def virtual(self) -> int:
@@ -99,6 +103,18 @@ class PlanRequest:
                 f"replicas must be >= 1, got {self.replicas}: give the number of data-parallel copies of the "
                 f"pipeline (1 for none)."
             )
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel must be one of {', '.join(map(repr, DATA_PARALLEL))}, got "
+                             f"{self.data_parallel!r}.")
+        if self.data_parallel == "fsdp" and self.replicas == 1:
+            raise ValueError("data_parallel='fsdp' with replicas=1 has nothing to shard over: give replicas >= 2 "
+                             "(the data-parallel copies of each stage), or data_parallel='ddp'.")
+        if self.data_parallel == "fsdp" and self.schedule == "2bw":
+            raise ValueError("data_parallel='fsdp' cannot keep PipeDream-2BW's two weight versions sharded: use "
+                             "schedule '1f1b' or 'gpipe' with FSDP, or data_parallel='ddp' with '2bw'.")
+        if self.data_parallel == "fsdp" and self.schedule != "auto" and self.virtual > 1:
+            raise ValueError(f"data_parallel='fsdp' shards one stage per process; schedule {self.schedule!r} holds "
+                             f"{self.virtual}: use 'gpipe' or '1f1b' with FSDP, or data_parallel='ddp'.")
 
 
 def check_settings(

@@ -60,6 +60,7 @@ from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, DistributedSched
 from lightning_pipe.runtime.build import Program, Stage
 from lightning_pipe.runtime.fsdp import (
     MixedPrecisionPolicy,
+    PlannedSharding,
     fill_shard,
     fsdp_roots,
     full_value,
@@ -514,6 +515,8 @@ class DistributedPipeline:
     optimizer must take (:func:`~lightning_pipe.runtime.fsdp.shard_optimizer`). A meta-built
     model is then never whole in a stage either: each replica receives only its shard of each
     parameter, and the rank that initialises or held a tensor keeps only its shard of it.
+    ``planned``: each stage's units and ``reshard_after_forward`` as its plan chose them
+    (:func:`~lightning_pipe.runtime.fsdp.planned_shardings`; ``None``: the runtime's own).
     """
 
     def __init__(
@@ -533,6 +536,7 @@ class DistributedPipeline:
         fake: bool = False,
         shapes: Mapping[int, torch.Size] | None = None,
         fsdp: MixedPrecisionPolicy | None = None,
+        planned: Sequence[PlannedSharding] | None = None,
     ) -> None:
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
@@ -577,7 +581,7 @@ class DistributedPipeline:
         self.swapped: dict[int, nn.Parameter] = {}
         self.sharded = sharding
         if fsdp is not None and sharding:
-            self._shard(root, fsdp, shards)
+            self._shard(root, fsdp, shards, planned)
         self.rank = PipelineRank(
             self.modules, self.stages, self.num_stages, mesh.get_group("pp"), device, schedule, chunks, loss_fn, fake
         )
@@ -623,7 +627,10 @@ class DistributedPipeline:
                 )
         return runners
 
-    def _shard(self, root: nn.Module, policy: MixedPrecisionPolicy, shards: dict[int, Tensor]) -> None:
+    def _shard(
+        self, root: nn.Module, policy: MixedPrecisionPolicy, shards: dict[int, Tensor],
+        planned: Sequence[PlannedSharding] | None,
+    ) -> None:
         """FSDP over this stage's replicas; every record of a parameter follows it to its sharded one.
         A stage reads a tied parameter it does not own as its own (not lent: a copy of the
         unsharded parameter would take its gradient away from FSDP). ``shards``: this replica's
@@ -631,7 +638,8 @@ class DistributedPipeline:
         for module in self.modules:
             for segment in module.stage.segments:
                 segment.borrowed.clear()
-        swapped = self.swapped = shard_stages(self.modules, root, self.mesh["dp"], policy)
+        chosen = None if planned is None else [planned[s] for s in self.stages]
+        swapped = self.swapped = shard_stages(self.modules, root, self.mesh["dp"], policy, chosen)
         for old, new in swapped.items():
             if old in shards:
                 fill_shard(new, shards.pop(old))

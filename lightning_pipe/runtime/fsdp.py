@@ -2,10 +2,11 @@
 
 ``data_parallel="fsdp"``: every stage module is wrapped by ``torch.distributed.fsdp.fully_shard``
 over the ``"dp"`` dimension of the ``("pp", "dp")`` mesh, so a replica holds ``1 / replicas`` of
-its stage's parameters, gradients and optimizer state between steps. Inside the stage, the units that gather
-and free their parameters together are chosen by :func:`sharding` (the one place a planner's
-choice replaces); the stage module is the root unit, which ``torch.distributed.pipelining``
-drives (it defers the gradient reduce-scatter to the last micro-batch, then reshards).
+its stage's parameters, gradients and optimizer state between steps. Inside the stage, the
+units that gather and free their parameters together, and whether they free them after a
+forward, are the plan's (:func:`planned_shardings`, applied by :func:`sharding`); the stage
+module is the root unit, which ``torch.distributed.pipelining`` drives (it defers the gradient
+reduce-scatter to the last micro-batch, then reshards).
 
 ``fully_shard`` swaps each parameter for a new, sharded one (a ``DTensor``), registered where
 the old one was: the LightningModule, the optimizer and the pipeline's bookkeeping are told of
@@ -16,8 +17,10 @@ its rows of each parameter (:func:`shard_of`, the rows ``fully_shard`` gives it)
 :func:`fill_shard` puts under the sharded parameter, so no rank holds its stage whole.
 """
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -29,9 +32,9 @@ from torch.optim import Optimizer
 from lightning_pipe.internals import parameter_table
 
 __all__ = [
-    "MixedPrecisionPolicy", "Sharding", "check_shardable", "fill_shard", "fsdp_roots", "full_value",
-    "is_shard", "managed_parameters", "mixed_precision", "reshard_value", "shard_of", "shard_optimizer",
-    "shard_stages", "sharding",
+    "MixedPrecisionPolicy", "PlannedSharding", "Sharding", "check_shardable", "fill_shard", "fsdp_roots",
+    "full_value", "is_shard", "managed_parameters", "mixed_precision", "planned_shardings", "reshard_value",
+    "shard_of", "shard_optimizer", "shard_stages", "sharding",
 ]
 
 
@@ -46,14 +49,51 @@ class Sharding:
     reshard_after_forward: bool = True
 
 
-def sharding(stage: nn.Module, root: nn.Module) -> Sharding:
-    """The units of ``stage`` (a stage module of ``root``): one per layer block it runs (the
-    modules under one index of a ``ModuleList`` or ``Sequential``, ``blocks.3``), or none (the
-    whole stage one unit) where it runs fewer than two blocks; each unit frees its parameters
-    after the forward. A module sharing a parameter with a module outside its block stays in
-    the root unit (FSDP keeps a parameter in one unit).
+@dataclass(frozen=True)
+class PlannedSharding:
+    """A plan's choice for one stage (:class:`~lightning_pipe.plan.plan.StageReport`): the
+    blocks that are units of their own, by the graph's name of their module (``model_layers_3``
+    for ``model.layers.3``; none: the stage is one unit), and ``reshard_after_forward``."""
 
-    The planner's choice of units and ``reshard_after_forward`` per stage replaces this."""
+    blocks: frozenset[str]
+    reshard_after_forward: bool
+
+
+class _PlannedStage(Protocol):
+    fsdp_units: list[list[int]]
+    reshard_after_forward: bool | None
+
+
+class _Plan(Protocol):
+    """What :func:`planned_shardings` reads of a :class:`~lightning_pipe.plan.plan.Plan`."""
+
+    data_parallel: str
+    nodes: list[str]
+
+    @property
+    def stages(self) -> Sequence[_PlannedStage]: ...
+
+
+_NODE_BLOCK = re.compile(r"^(.*?_\d+)_")  # as the planner names a node's block (plan.sharding.block_of)
+
+
+def planned_shardings(plan: _Plan) -> list[PlannedSharding] | None:
+    """Each stage's :class:`PlannedSharding` in a plan made for ``data_parallel="fsdp"`` (``None``
+    for another: the runtime then chooses, :func:`sharding`)."""
+    if plan.data_parallel != "fsdp":
+        return None
+    return [PlannedSharding(frozenset(m.group(1) for start, _ in s.fsdp_units
+                                      if (m := _NODE_BLOCK.match(plan.nodes[start]))),
+                            bool(s.reshard_after_forward)) for s in plan.stages]
+
+
+def sharding(stage: nn.Module, root: nn.Module, planned: PlannedSharding | None = None) -> Sharding:
+    """The units of ``stage`` (a stage module of ``root``): one per layer block it runs (the
+    modules under one index of a ``ModuleList`` or ``Sequential``, ``blocks.3``) that the plan
+    made a unit (``planned``; without one: every block, or none, the whole stage one unit,
+    where it runs fewer than two), and its ``reshard_after_forward`` (without a plan: each unit
+    frees its parameters after the forward). A module sharing a parameter with a module
+    outside its block stays in the root unit (FSDP keeps a parameter in one unit)."""
     names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
     blocks: dict[str, list[nn.Module]] = {}
     for module in stage.modules():
@@ -70,9 +110,11 @@ def sharding(stage: nn.Module, root: nn.Module) -> Sharding:
                     outside.setdefault(other, set()).add(id(p))
     units = [
         [m for m in modules if not {id(p) for p in m.parameters(recurse=False)} & outside.get(block, set())]
-        for block, modules in blocks.items()
+        for block, modules in blocks.items() if planned is None or block.replace(".", "_") in planned.blocks
     ]
     units = [u for u in units if u]
+    if planned is not None:
+        return Sharding(units, planned.reshard_after_forward)
     return Sharding(units if len(units) > 1 else [], reshard_after_forward=True)
 
 
@@ -128,14 +170,16 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 
 
 def shard_stages(
-    stages: Sequence[nn.Module], root: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy
+    stages: Sequence[nn.Module], root: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy,
+    planned: Sequence[PlannedSharding] | None = None,
 ) -> dict[int, nn.Parameter]:
     """``fully_shard`` each of ``stages`` (modules of ``root``'s parameters) over ``mesh``, its
-    units first (:func:`sharding`), then every parameter ``root`` registers swapped for its
-    sharded one. The swap: ``id`` of each old parameter to its sharded one."""
+    units first (:func:`sharding`, by ``planned``, one per stage, where given), then every
+    parameter ``root`` registers swapped for its sharded one. The swap: ``id`` of each old
+    parameter to its sharded one."""
     places = _places(root, stages)
-    for stage in stages:
-        plan = sharding(stage, root)
+    for k, stage in enumerate(stages):
+        plan = sharding(stage, root, None if planned is None else planned[k])
         for unit in plan.units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=policy)
         fully_shard(stage, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=policy)

@@ -10,7 +10,7 @@ number (the steps of the configurations after it), ``metrics:schedule:stages`` (
 ``denoiser:schedule:stages[:vN]`` (:func:`denoiser`), ``recover:family:schedule:stage:step:cut[:pN][:vN]``
 (:func:`recover`), ``shrink:family:limit[:pN]`` (:func:`shrink`; ``pN``: N pipeline ranks, the rest replicas),
 ``drift``, ``replans`` (:func:`replans`), ``faults:N`` (:func:`faults`), ``hooks``, ``features``, ``sharded``,
-``fsdp-sharded`` (:func:`sharded`), ``fsdp-empty``,
+``fsdp-sharded`` (:func:`sharded`), ``fsdp-empty``, ``fsdp-peaks`` (:func:`fsdp_peaks`; after a fit: on its group),
 ``refused``, ``exported``, ``indivisible``, ``raise`` or ``hang`` (:func:`fail`). ``exported`` ends with an error,
 which ends the processes; so do ``indivisible``, ``raise`` and ``hang``: each comes last (``replans`` ends with
 errors every rank raises together: the processes go on). Every object collective fails on a tensor that is not a
@@ -45,6 +45,7 @@ from examples.hf_gpt2 import GPT2LM, Counting
 from examples.models import ImageDataset, TokenDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
 from tests.models import Denoiser, HookRecorder, MetricUNet, WritesInForward, make
+from tests.plan.fsdp_ranks import measure
 
 BATCH, CHUNKS = 8, 4
 # the GPT's fuller stage at pp=2 under 1F1B needs 707,456 B unconstrained, no plan less than 512,896 B:
@@ -463,6 +464,12 @@ def fsdp_empty(out: Path, devices: int) -> None:
     unchecked.save_checkpoint(out / "fsdp-empty-unchecked.ckpt")
 
 
+def fsdp_peaks(out: Path, devices: int) -> None:
+    """Real FSDP2 in a 1F1B pipeline at pp=2 x dp=2 on the launch's group, sharded by the plans
+    the test wrote (``tests/plan/fsdp_ranks.py``): each rank's peak, for its prediction."""
+    measure(out, 2)
+
+
 def empty_trainer(devices: int | None, steps: int, fsdp: bool = False) -> dict:
     """The meta-built run's Trainer arguments; ``devices=None``: the single-device reference."""
     strategy = {} if devices is None else {
@@ -612,6 +619,7 @@ def refused(out: Path, devices: int) -> None:
 
 SCENARIOS = {"hooks": hooks, "refused": refused, "indivisible": indivisible, "features": features, "sharded": sharded,
              "fsdp-sharded": partial(sharded, fsdp=True), "empty": empty, "fsdp-empty": fsdp_empty,
+             "fsdp-peaks": fsdp_peaks,
              "exported": exported, "replans": replans,
              "raise": partial(fail, hang=False), "hang": partial(fail, hang=True)}
 
