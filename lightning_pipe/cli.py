@@ -11,6 +11,7 @@ import argparse
 import importlib
 import inspect
 import json
+import multiprocessing
 import os
 import re
 import sys
@@ -239,11 +240,7 @@ def _dry_run(args: argparse.Namespace, setup: _Setup, error: Callable[[str], NoR
         return _search(args, setup, captured, sample_args, sample_kwargs)
     with progress_bar() as bar:
         profile = _profile(setup, captured, sample_args, sample_kwargs, bar)
-        advance = tracker(bar, "planning", len(PARTITIONERS))
-        results = []
-        for done, name in enumerate(PARTITIONERS, 1):
-            results.append((name, _plan(profile, name, setup, partial(_fake_peaks, setup, captured))))
-            advance(done, len(PARTITIONERS))
+    results = list(zip(PARTITIONERS, _plans(profile, setup, captured)))
     loss = (f"training_step on {setup.batch_from}" if setup.batch is not None
             else "loss not checked: the outputs' sum stands in; give --batch, or a config with a data module, "
                  "to run training_step")
@@ -668,6 +665,45 @@ def _config_limits(path: str, devices: Any, limit: Any) -> list[int]:
         return [parse_bytes(limit)] * devices
     except ValueError as err:
         raise ValueError(f"trainer.strategy.init_args.memory_limit in {path}: {err}") from None
+
+
+def _plans(profile: Profile, setup: _Setup, captured: Captured) -> list[Plan | InfeasiblePlanError]:
+    """Each partitioner's :func:`_plan` with its fake checks, in :data:`PARTITIONERS`' order.
+    They share nothing once the model is profiled, so they run in processes forked from this
+    one, one per CPU this process may run on (on two CPUs the dry run of GPT-2 large takes
+    some half the time), the first (dawnpiper, whose search takes the longest) first. Forked,
+    not spawned: the model and its graph are the children's as they are here, unpickled; and
+    before the progress bar's thread starts, which could hold a lock of stderr as it forks."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(cpus, len(PARTITIONERS)) if "fork" in multiprocessing.get_all_start_methods() else 1
+    forked = multiprocessing.get_context("fork").Pool(workers, _adopt, (profile, setup, captured)) \
+        if workers > 1 else None
+    plans: list[Plan | InfeasiblePlanError] = []
+    with forked or nullcontext(), progress_bar() as bar:
+        advance = tracker(bar, "planning", len(PARTITIONERS))
+        for plan in (forked.imap(_forked_plan, PARTITIONERS) if forked
+                     else (_partitioned(profile, name, setup, captured) for name in PARTITIONERS)):
+            plans.append(plan)
+            advance(len(plans), len(PARTITIONERS))
+    return plans
+
+
+_adopted: tuple[Profile, _Setup, Captured] | None = None  # what a process _plans forked plans for
+
+
+def _adopt(profile: Profile, setup: _Setup, captured: Captured) -> None:
+    global _adopted
+    _adopted = profile, setup, captured
+
+
+def _forked_plan(name: Partitioner) -> Plan | InfeasiblePlanError:
+    assert _adopted is not None, "runs in a process _plans forked"
+    profile, setup, captured = _adopted
+    return _partitioned(profile, name, setup, captured)
+
+
+def _partitioned(profile: Profile, name: Partitioner, setup: _Setup, captured: Captured) -> Plan | InfeasiblePlanError:
+    return _plan(profile, name, setup, partial(_fake_peaks, setup, captured))
 
 
 def _plan(profile: Profile, name: Partitioner, setup: _Setup, check: Check) -> Plan | InfeasiblePlanError:
