@@ -17,6 +17,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from copy import deepcopy
 from dataclasses import dataclass, field, replace
@@ -676,16 +677,23 @@ def _plans(profile: Profile, setup: _Setup, captured: Captured) -> list[Plan | I
     before the progress bar's thread starts, which could hold a lock of stderr as it forks."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(cpus, len(PARTITIONERS)) if "fork" in multiprocessing.get_all_start_methods() else 1
-    forked = multiprocessing.get_context("fork").Pool(workers, _adopt, (profile, setup, captured)) \
-        if workers > 1 else None
-    plans: list[Plan | InfeasiblePlanError] = []
-    with forked or nullcontext(), progress_bar() as bar:
-        advance = tracker(bar, "planning", len(PARTITIONERS))
-        for plan in (forked.imap(_forked_plan, PARTITIONERS) if forked
-                     else (_partitioned(profile, name, setup, captured) for name in PARTITIONERS)):
-            plans.append(plan)
-            advance(len(plans), len(PARTITIONERS))
-    return plans
+    if workers == 1:
+        plans: Iterator[Plan | InfeasiblePlanError] = (_partitioned(profile, name, setup, captured)
+                                                      for name in PARTITIONERS)
+    else:  # (a child that dies, killed for memory, breaks the pool: an error, not a wait)
+        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), _adopt, (profile, setup, captured))
+        plans = pool.map(_forked_plan, PARTITIONERS)
+    done: list[Plan | InfeasiblePlanError] = []
+    try:
+        with progress_bar() as bar:
+            advance = tracker(bar, "planning", len(PARTITIONERS))
+            for plan in plans:
+                done.append(plan)
+                advance(len(done), len(PARTITIONERS))
+    finally:
+        if workers > 1:
+            pool.shutdown(cancel_futures=True)
+    return done
 
 
 _adopted: tuple[Profile, _Setup, Captured] | None = None  # what a process _plans forked plans for
