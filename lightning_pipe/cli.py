@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -58,6 +59,10 @@ _CHUNKS, _SCHEDULE = 4, "gpipe"
 # --search profiles a micro-batch of this many samples (scaled to each size it plans) and prints
 # this many configurations.
 _SEARCH_PROFILED, _TOP = 2, 10
+# The partitioners plan in processes of their own where profiling took at least this many CPU
+# seconds: forking and the copies its children make of the memory they touch cost some half a
+# second, which a check (a training step on fake tensors, some twice the profiling's run) repays.
+_FORK_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -240,8 +245,10 @@ def _dry_run(args: argparse.Namespace, setup: _Setup, error: Callable[[str], NoR
     if args.search:
         return _search(args, setup, captured, sample_args, sample_kwargs)
     with progress_bar() as bar:
+        profiling = time.process_time()
         profile = _profile(setup, captured, sample_args, sample_kwargs, bar)
-    results = list(zip(PARTITIONERS, _plans(profile, setup, captured)))
+        profiling = time.process_time() - profiling
+    results = list(zip(PARTITIONERS, _plans(profile, setup, captured, forked=profiling >= _FORK_AFTER_S)))
     loss = (f"training_step on {setup.batch_from}" if setup.batch is not None
             else "loss not checked: the outputs' sum stands in; give --batch, or a config with a data module, "
                  "to run training_step")
@@ -668,15 +675,16 @@ def _config_limits(path: str, devices: Any, limit: Any) -> list[int]:
         raise ValueError(f"trainer.strategy.init_args.memory_limit in {path}: {err}") from None
 
 
-def _plans(profile: Profile, setup: _Setup, captured: Captured) -> list[Plan | InfeasiblePlanError]:
+def _plans(profile: Profile, setup: _Setup, captured: Captured, forked: bool) -> list[Plan | InfeasiblePlanError]:
     """Each partitioner's :func:`_plan` with its fake checks, in :data:`PARTITIONERS`' order.
-    They share nothing once the model is profiled, so they run in processes forked from this
-    one, one per CPU this process may run on (on two CPUs the dry run of GPT-2 large takes
-    some half the time), the first (dawnpiper, whose search takes the longest) first. Forked,
-    not spawned: the model and its graph are the children's as they are here, unpickled; and
-    before the progress bar's thread starts, which could hold a lock of stderr as it forks."""
+    They share nothing once the model is profiled, so where ``forked`` they run in processes
+    forked from this one, one per CPU this process may run on (on two CPUs the dry run of
+    GPT-2 large takes a third less time), the first (dawnpiper, whose search takes the
+    longest) first. Forked, not spawned: the model and its graph are the children's as they
+    are here, unpickled; and before the progress bar's thread starts, which could hold a lock
+    of stderr as it forks."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = min(cpus, len(PARTITIONERS)) if "fork" in multiprocessing.get_all_start_methods() else 1
+    workers = min(cpus, len(PARTITIONERS)) if forked and "fork" in multiprocessing.get_all_start_methods() else 1
     if workers == 1:
         plans: Iterator[Plan | InfeasiblePlanError] = (_partitioned(profile, name, setup, captured)
                                                       for name in PARTITIONERS)
