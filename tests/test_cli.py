@@ -136,6 +136,34 @@ def test_lightning_pipe_plan_prints_every_partitioner_with_its_max_microbatch(ca
         assert (tmp_path / name / "plan.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_partitioners_plan_in_processes_of_their_own_and_print_the_same(capsys, monkeypatch, tmp_path):
+    """Where profiling took long enough, each partitioner plans and checks in a process forked
+    per CPU (two here), and the dry run prints what it prints planning all in one."""
+    import lightning_pipe.cli as cli
+
+    plan = cli._plan
+
+    def spied(profile, name, setup, check):  # each partitioner's process, where it plans
+        (tmp_path / name).write_text(str(os.getpid()))
+        return plan(profile, name, setup, check)
+
+    monkeypatch.setattr(cli, "_plan", spied)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    monkeypatch.setattr(cli, "PARTITIONERS", ("dawnpiper", "capslog", "time"))  # (three are enough, and quicker)
+    args = ["plan", "--model", "examples.models.UNet", "--init-args", '{"channels": 4, "depth": 2}',
+            "--input", "image=float32[8,3,16,16]", "--devices", "2xA100-40GB", "--memory-limit", "2MiB",
+            "--chunks", "4"]
+    printed, planners = {}, {}  # (a named GPU's times, estimated: the same every run)
+    for forked in (False, True):
+        monkeypatch.setattr(cli, "_FORK_AFTER_S", 0.0 if forked else float("inf"))
+        assert cli.main(args) == 0
+        printed[forked] = capsys.readouterr().out
+        planners[forked] = {int(f.read_text()) for f in tmp_path.iterdir()}
+    assert planners[False] == {os.getpid()}
+    assert len(planners[True]) == 2 and os.getpid() not in planners[True]
+    assert printed[True] == printed[False] and "== dawnpiper: largest micro-batch that fits" in printed[True]
+
+
 @pytest.mark.slow
 def test_lightning_pipe_plan_shows_progress_on_stderr_only(capsys, monkeypatch):
     from lightning_pipe.cli import main

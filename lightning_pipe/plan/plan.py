@@ -64,6 +64,9 @@ class InfeasiblePlanError(ValueError):
         self.min_peak = min_peak
         self.stage = stage
 
+    def __reduce__(self) -> tuple[type["InfeasiblePlanError"], tuple[str, int, int]]:
+        return type(self), (str(self), self.min_peak, self.stage)  # pickled whole (a dry run plans in processes)
+
 
 @dataclass
 class StageReport:
