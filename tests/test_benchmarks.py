@@ -394,14 +394,14 @@ def test_paper_bound_is_the_largest_micro_batch_whose_bytes_fit_the_devices_toge
     _, tiny, small = _tiny_gpt2_on_a_small_gpu()
     bench = paper.Bench(tiny, small)
     rows = [bench.measure(2, schedule, False, "dawnpiper") for schedule in ("gpipe", "1f1b")]
+
+    def total(row: paper.Row, size: int, held: int) -> int:
+        model = CostModel(bench.profile.scaled(size), schedule=row.schedule, chunks=2)
+        return model.peak(0, model.n, held).total
+
     for row, held in zip(rows, (2, 1)):
-
-        def total(size: int) -> int:
-            model = CostModel(bench.profile.scaled(size), schedule=row.schedule, chunks=2)
-            return model.peak(0, model.n, held).total
-
         assert 0 < row.max_microbatch <= row.b_agg
-        assert total(row.b_agg) <= 2 * small.memory < total(row.b_agg + 1)
+        assert total(row, row.b_agg, held) <= 2 * small.memory < total(row, row.b_agg + 1, held)
     assert rows[1].b_agg > rows[0].b_agg  # 1F1B's last stage holds one micro-batch, GPipe's every stage both
     optimised = paper.aggregate_bound(bench.profile, "1f1b", 2, 2, 1, True, 2 * small.memory, small.host_bandwidth)
     assert optimised >= rows[1].b_agg
