@@ -344,9 +344,10 @@ class Bench:
         key = (row.stages, row.schedule, row.memopt, row.chunks)
         if key not in self._bounds:
             devices = self.device.memory * row.stages
-            options = [(self.profile, s, row.chunks, row.stages * v, v, row.memopt, devices, self.device.host_bandwidth)
-                       for s, v in _bounded_schedules(row.schedule, row.stages, row.chunks)]
-            self._bounds[key] = max(aggregate_bound(*o) for o in options)
+            self._bounds[key] = max(
+                aggregate_bound(self.profile, s, row.chunks, row.stages * v, v, row.memopt, devices,
+                                self.device.host_bandwidth, row.max_microbatch)
+                for s, v in _bounded_schedules(row.schedule, row.stages, row.chunks))
         return self._bounds[key]
 
     def run_ranks(self, plan: Plan) -> list[int]:
@@ -477,7 +478,7 @@ SCHEDULE_ORDER = ("gpipe", "1f1b", "2bw", *DISTRIBUTED)
 
 
 def aggregate_bound(profile: Profile, schedule: Schedule, chunks: int, stages: int, virtual: int, memopt: bool,
-                    memory: int, host_bandwidth: float | None) -> int:
+                    memory: int, host_bandwidth: float | None, near: int = 1) -> int:
     """B_agg: the largest micro-batch whose bytes, every stage's together, fit ``memory`` (all
     the devices' memory summed). The whole model is priced as one stage by the planner's cost
     model (:class:`~lightning_pipe.plan.memory.CostModel`, ``schedule`` with ``chunks``
@@ -488,7 +489,8 @@ def aggregate_bound(profile: Profile, schedule: Schedule, chunks: int, stages: i
     and swap over ``host_bandwidth`` to get the stage under ``memory``, as a row's planner
     does per stage; without, every activation is kept. Per-device limits, what crosses a
     cut (boundaries, receive buffers) and the optimiser's cost in time are left out: a split
-    adds to each, so no row's plan trains a larger micro-batch (0: not even one fits)."""
+    adds to each, so no row's plan should train a larger micro-batch (0: not even one fits).
+    ``near``: a size likely to fit (a row's max), where the search starts doubling."""
     held = min(in_flight(schedule, chunks, stages, virtual))
     versions = weight_versions(schedule)
 
@@ -496,9 +498,10 @@ def aggregate_bound(profile: Profile, schedule: Schedule, chunks: int, stages: i
         model = CostModel(profile.scaled(size), schedule=schedule, chunks=chunks)
         return optimize_stage(model, 0, model.n, held, memory, versions, host_bandwidth, memopt).fits
 
-    if not fits(1):
+    start = near if near > 1 and fits(near) else 1
+    if start == 1 and not fits(1):
         return 0
-    low, high = 1, 2
+    low, high = start, 2 * start
     while fits(high):
         low, high = high, 2 * high
     while high - low > 1:
