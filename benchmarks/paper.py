@@ -1108,6 +1108,31 @@ pooled memory the split leaves usable. B_agg ignores that the early stages of 1F
 schedules hold more micro-batches than the last: there it is loose by construction (the
 *held* column: the fewest and the most micro-batches a stage holds)."""
 
+#: Why dawnpiper's S+R rows stay far under B_agg: measured once (commit 22a02db) on the
+#: planner's plan at the row's max (``Bench.plan``), its stages' predicted peaks by kind,
+#: against the one stage B_agg prices at the same size.
+BOUND_GAP = """Why the S+R rows stay far under B_agg, measured on dawnpiper's plan at the row's max (the
+planner's predicted peaks by kind, summed over the stages; `Bench.plan`, commit 22a02db), against
+the one stage B_agg prices at the same micro-batch:
+
+- BERT x8 1F1B S+R, max 208 (B_agg 748): the stages together hold 263 of 320 GiB (82%; seven at
+  34-36 GiB). They add 110 GiB of working bytes (each stage its own forward's or backward's at its
+  peak), where the one stage has 36; the first stages hold up to 8 micro-batches where B_agg counts
+  one; and the last stage's 36 GiB are the LM head's logits, loss and batch, which no memory option
+  moves (at 748, the logits alone would be 46 GB on that one device). The one stage needs 261 GiB at
+  208 and can be optimised down to 107 GiB.
+- GPT-2 x8 1F1B S+R, max 53 (B_agg 220): 271 of 320 GiB (85%); 102 GiB of working bytes over the
+  stages, and the first stages hold up to 8 micro-batches.
+- BERT x8 GPipe S+R, max 62 (B_agg 307): 145 of 320 GiB (45%). The last stage holds every
+  micro-batch's output for GPipe's merge (36 GiB at 62), the one limit; dawnpiper puts 609 of the
+  617 nodes on one stage and leaves the rest nearly empty, since no split moves that merge off the
+  last device.
+
+So the 90% target is not met because B_agg pools what cannot be pooled: bytes tied to one device
+(the LM head's outputs and loss, GPipe's merge), one working set per stage, and the micro-batches
+1F1B's early stages hold. Without memory optimisation (every activation kept, GPipe's stages holding
+as many micro-batches as the bound counts) dawnpiper reaches 0.83-0.89 of it."""
+
 
 def _held(row: Row) -> tuple[int, int]:
     """The fewest and the most micro-batches a stage of ``row``'s schedule holds (auto: its pick's)."""
@@ -1158,7 +1183,7 @@ def _schedule_sections(rows: Sequence[Row], labels: dict[str, str]) -> list[str]
             table.append([_column(labels, g[0], g[1]), g[2], g[3], _mo(g[4]), f"{low}–{high}", first.b_agg,  # noqa: RUF001
                           *(f"{r.max_microbatch} ({_fraction(r):.2f})" if (r := part.get(p)) else None
                             for p in peers)])
-        parts += ["## B_agg: the aggregate-memory bound, for every row", BOUND,
+        parts += ["## B_agg: the aggregate-memory bound, for every row", BOUND, BOUND_GAP,
                   "Per partitioner: max (max ÷ B_agg).",
                   _table(["model", "devices", "schedule", "memopt", "held", "B_agg", *peers], table)]
     parts.append(_schedule_targets(rows))
