@@ -389,9 +389,10 @@ class Bench:
     def measure_distributed(self, processes: int, label: str, memopt: bool, at_least: int = 0) -> Row:
         """The row of one schedule of :data:`DISTRIBUTED` on ``processes`` devices (dawnpiper):
         as :meth:`measure`, each size planned for the distributed engine and run fake rank by
-        rank (:meth:`run_ranks`); ``"auto"`` is planned at ``at_least`` (the largest micro-batch
-        its candidates trained) and below, where :func:`~lightning_pipe.plan.auto.auto_plan`
-        picks the fastest simulated step among them."""
+        rank (:meth:`run_ranks`); ``"auto"`` is planned at ``at_least`` (the micro-batch of the
+        fastest of the other rows, in samples per second) and below, where
+        :func:`~lightning_pipe.plan.auto.auto_plan` picks the fastest simulated step among its
+        candidates: at least as fast as that row's."""
         start, cpu = time.perf_counter(), time.process_time()
         runs_before = len(self._runs)
         request = self._distributed_request(processes, label, memopt)
@@ -557,10 +558,12 @@ def _paper_task(task: tuple[str, int, str, bool, list[str]]) -> list[Row]:
 
 def measure_schedules(bench: Bench, processes: int, memopt: bool, labels: Sequence[str]) -> list[Row]:
     """The rows of ``labels`` (of :data:`DISTRIBUTED`) on ``processes`` devices, ``"auto"``
-    last: it is planned at the largest micro-batch the others trained."""
+    last: it is planned at the micro-batch of the fastest of the others (samples per second;
+    the largest micro-batch is rarely the fastest: more of it is recomputed or swapped)."""
     rows = [bench.measure_distributed(processes, label, memopt) for label in labels if label != "auto"]
     if "auto" in labels:
-        rows.append(bench.measure_distributed(processes, "auto", memopt, max(r.max_microbatch for r in rows)))
+        fastest = max(rows, key=lambda r: r.samples_per_s)
+        rows.append(bench.measure_distributed(processes, "auto", memopt, fastest.max_microbatch))
     return rows
 
 
@@ -1161,8 +1164,9 @@ def _schedule_sections(rows: Sequence[Row], labels: dict[str, str]) -> list[str]
                   "(`torch.distributed.pipelining`'s, every rank's step on a silent mesh, `fake_rank_training`), the "
                   "planner's prediction in brackets; *step*: the plan's simulated step at that size; *samples/s*: "
                   "max x micro-batches per step. `dist-1f1b` is 1F1B there, the baseline of the `auto` target; "
-                  "`auto` is `schedule=\"auto\"` planned at the largest micro-batch the others trained (below, where "
-                  "its pick does not train), *picked* its choice.",
+                  "`auto` is `schedule=\"auto\"` planned at the micro-batch of the fastest of the others (in "
+                  "samples/s; below, where its pick does not train), *picked* its choice: at least as fast as that "
+                  "row, where it trains.",
                   _table(["model", "devices", "schedule", "stages/process", "memopt", "max (predicted)", "step ms",
                           "samples/s", "B_agg", "max ÷ B_agg", "picked", "metered GiB", "predicted GiB", "fake runs",
                           "s"],
