@@ -1139,10 +1139,13 @@ as many micro-batches as the bound counts) dawnpiper reaches 0.83-0.89 of it."""
 
 def _held(row: Row) -> tuple[int, int]:
     """The fewest and the most micro-batches a stage of ``row``'s schedule holds (auto: its pick's)."""
-    label = row.picked.split(" x")[0] if row.schedule == "auto" and row.picked else row.schedule
-    schedule, virtual = DISTRIBUTED.get(label, (label, 1)) if label in DISTRIBUTED else (label, row.virtual_stages)
-    if schedule == "auto":
-        return 0, 0
+    if row.schedule == "auto":
+        if not row.picked:
+            return 0, 0
+        name, stages = row.picked.split(" x")
+        schedule, virtual = name, int(stages)
+    else:
+        schedule, virtual = DISTRIBUTED.get(row.schedule, (row.schedule, 1))
     counts = in_flight(schedule, row.chunks, row.stages * virtual, virtual)  # type: ignore[arg-type]
     return min(counts), max(counts)
 
