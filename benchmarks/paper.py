@@ -370,7 +370,7 @@ class Bench:
                             model, graph, batch, self.workload.inputs(batch),
                             lambda output, microbatch: self.workload.step(lambda *_, **__: output, microbatch),
                             self._optimizer(model), plan.balance, policies, silent_mesh(processes, 1),
-                            schedule=plan.schedule, chunks=plan.chunks, tensors=tensors,  # type: ignore[arg-type]
+                            schedule=plan.schedule, chunks=plan.chunks, tensors=tensors,
                             step_context=self.precision.step, cuda=self.device.cuda)
                 finally:
                     dist.destroy_process_group()
@@ -515,9 +515,9 @@ def _bounded_schedules(label: str, processes: int, chunks: int) -> list[tuple[Sc
     """The (schedule, stages per process) a row's bound is the largest of: its own, or under
     ``"auto"`` every candidate that can run ``chunks`` micro-batches."""
     if label not in DISTRIBUTED:
-        return [(label, 1)]  # type: ignore[list-item]
+        return [(label, 1)]
     if label != "auto":
-        return [DISTRIBUTED[label]]  # type: ignore[list-item]
+        return [DISTRIBUTED[label]]
     found = []
     for schedule, virtual in CANDIDATES:
         try:
@@ -1146,7 +1146,7 @@ def _held(row: Row) -> tuple[int, int]:
         schedule, virtual = name, int(stages)
     else:
         schedule, virtual = DISTRIBUTED.get(row.schedule, (row.schedule, 1))
-    counts = in_flight(schedule, row.chunks, row.stages * virtual, virtual)  # type: ignore[arg-type]
+    counts = in_flight(schedule, row.chunks, row.stages * virtual, virtual)
     return min(counts), max(counts)
 
 
