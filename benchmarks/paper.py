@@ -1133,8 +1133,11 @@ the one stage B_agg prices at the same micro-batch:
 
 So the 90% target is not met because B_agg pools what cannot be pooled: bytes tied to one device
 (the LM head's outputs and loss, GPipe's merge), one working set per stage, and the micro-batches
-1F1B's early stages hold. Without memory optimisation (every activation kept, GPipe's stages holding
-as many micro-batches as the bound counts) dawnpiper reaches 0.83-0.89 of it."""
+1F1B's early stages hold. Where the bound counts what the stages hold (GPipe, every activation kept)
+dawnpiper reaches 0.83-0.89 of it on BERT, GPT-2 and AmoebaNet-D (T5 0.56, U-Net 0.58-0.74). The
+bf16-mixed rows are from a run whose attention kept the math kernel's tensors (see
+[what differs](#what-differs-from-the-paper)); their B_agg is from today's profile, so their
+fractions are low for that reason too."""
 
 
 def _held(row: Row) -> tuple[int, int]:
