@@ -1210,6 +1210,9 @@ def _schedule_targets(rows: Sequence[Row]) -> str:
             auto = max((r for r in same if r.schedule == "auto"), key=lambda r: r.samples_per_s, default=None)
             base = max((r for r in same if r.schedule == "dist-1f1b"), key=lambda r: r.samples_per_s, default=None)
             if auto is None or base is None or not base.samples_per_s:
+                if stages == 8:
+                    lines.append(f"- `auto` ÷ best 1F1B, {model} x8 (target 1.15x): not measured (`python -m "
+                                 f"benchmarks.paper --models bert gpt2 --schedules all` measures it)")
                 continue
             best = max((r for r in same if r.schedule in DISTRIBUTED), key=lambda r: r.samples_per_s)
             lines.append(
