@@ -417,3 +417,51 @@ def test_schedule_time_benchmark_prints_simulated_and_measured_step_per_schedule
     simulated, measured, ratio, *_ = rows["zbv"]
     assert float(simulated) > 0 and float(measured) > 0
     assert float(ratio) == pytest.approx(float(simulated) / float(measured), abs=0.01)
+
+
+def test_paper_bound_is_the_largest_micro_batch_whose_bytes_fit_the_devices_together():
+    """B_agg: the whole model priced as one stage, holding as many micro-batches as the
+    schedule's stage holding the fewest (GPipe: both, 1F1B: the last stage's one), fits the
+    two devices' memory together at B_agg and not one more; no row trains more, memory
+    optimisation only raises it, and the page gives each row's max over it."""
+    from benchmarks import paper
+    from lightning_pipe.plan.memory import CostModel
+
+    _, tiny, small = _tiny_gpt2_on_a_small_gpu()
+    bench = paper.Bench(tiny, small)
+    rows = [bench.measure(2, schedule, False, "dawnpiper") for schedule in ("gpipe", "1f1b")]
+
+    def total(row: paper.Row, size: int, held: int) -> int:
+        model = CostModel(bench.profile.scaled(size), schedule=row.schedule, chunks=2)
+        return model.peak(0, model.n, held).total
+
+    for row, held in zip(rows, (2, 1)):
+        assert 0 < row.max_microbatch <= row.b_agg
+        assert total(row, row.b_agg, held) <= 2 * small.memory < total(row, row.b_agg + 1, held)
+    assert rows[1].b_agg > rows[0].b_agg  # 1F1B's last stage holds one micro-batch, GPipe's every stage both
+    optimised = paper.aggregate_bound(bench.profile, "1f1b", 2, 2, 1, True, 2 * small.memory, small.host_bandwidth)
+    assert optimised >= rows[1].b_agg
+    page = "\n\n".join(paper._schedule_sections(rows, {"gpt2": "tiny GPT-2"}))
+    assert all(f"{r.max_microbatch} ({r.max_microbatch / r.b_agg:.2f})" in page for r in rows)
+
+
+@pytest.mark.slow
+def test_paper_schedule_rows_train_by_fake_execution_of_each_ranks_schedule():
+    """``--schedules``: a V-shape schedule's largest micro-batch trains rank by rank on torch's
+    own action order (the planner's prediction may be refused), its throughput is the
+    simulated step's, and ``auto``, planned at the size of the fastest of the others, is at
+    least as fast, says what it picked and stays under the largest of its candidates' bounds."""
+    _, tiny, small = _tiny_gpt2_on_a_small_gpu()
+    from benchmarks import paper
+
+    rows = paper.measure_schedules(paper.Bench(tiny, small), 2, True, ["dist-1f1b", "zbv", "auto"])
+    for r in rows:
+        assert 0 < r.max_microbatch <= r.predicted and r.fake_peak_gib * 2**30 <= small.memory
+        assert r.samples_per_s == pytest.approx(r.max_microbatch * r.chunks * 1e3 / r.step_ms)
+        assert r.chunks == 4 and r.max_microbatch <= r.b_agg
+    one, zbv, auto = rows
+    assert (one.virtual_stages, zbv.virtual_stages) == (1, 2)
+    fastest = max(one, zbv, key=lambda r: r.samples_per_s)
+    assert auto.max_microbatch == fastest.max_microbatch and auto.picked
+    assert auto.samples_per_s >= fastest.samples_per_s
+    assert auto.b_agg >= max(one.b_agg, zbv.b_agg)

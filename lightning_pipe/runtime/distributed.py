@@ -368,7 +368,8 @@ class PipelineRank:
         ``loss_fn`` receives each micro-batch's output and a one-element tensor with its index."""
         if self.is_first:
             assert received is not None, "stage 0 needs the forward's arguments"
-            inputs = self.modules[0].inputs.flatten(received)
+            first = self.modules[0]  # the arguments it receives, in its cut's order (not the binding's)
+            inputs = first.inputs.flatten({name: received[name] for name in first.receives})
             self._schedule.step(*inputs, target=_indices(self.chunks), return_outputs=False)
         elif self.is_last:  # losses come from loss_fn: no merged outputs to keep
             self._schedule.step(target=_indices(self.chunks), return_outputs=False)

@@ -196,7 +196,8 @@ def fake_rank_training(
     received = bound if pipe.is_first else None
     meter.own(0, [t for t in tree_flatten(received)[0] if isinstance(t, Tensor)], "boundary")
     try:
-        with mode, meter, meter.saved_tensors_hooks(), cuda_attention() if cuda else nullcontext():
+        with (mode, _own_host_pool(device), meter, meter.saved_tensors_hooks(),
+              cuda_attention() if cuda else nullcontext()):
             for _ in range(2):
                 optimizer.zero_grad()
                 with meter.running(0):
