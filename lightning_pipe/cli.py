@@ -59,10 +59,10 @@ _CHUNKS, _SCHEDULE = 4, "gpipe"
 # --search profiles a micro-batch of this many samples (scaled to each size it plans) and prints
 # this many configurations.
 _SEARCH_PROFILED, _TOP = 2, 10
-# The partitioners plan in processes of their own where profiling took at least this many CPU
-# seconds: forking and the copies its children make of the memory they touch cost some half a
-# second, which a check (a training step on fake tensors, some twice the profiling's run) repays.
-_FORK_AFTER_S = 1.0
+#: The partitioners plan in processes of their own where profiling took at least this many CPU
+#: seconds: forking and the copies its children make of the memory they touch cost some half a
+#: second, which a check (a training step on fake tensors, some twice the profiling's run) repays.
+FORK_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ def _dry_run(args: argparse.Namespace, setup: _Setup, error: Callable[[str], NoR
         profiling = time.process_time()
         profile = _profile(setup, captured, sample_args, sample_kwargs, bar)
         profiling = time.process_time() - profiling
-    results = list(zip(PARTITIONERS, _plans(profile, setup, captured, forked=profiling >= _FORK_AFTER_S)))
+    results = list(zip(PARTITIONERS, _plans(profile, setup, captured, forked=profiling >= FORK_AFTER_S)))
     loss = (f"training_step on {setup.batch_from}" if setup.batch is not None
             else "loss not checked: the outputs' sum stands in; give --batch, or a config with a data module, "
                  "to run training_step")

@@ -141,13 +141,13 @@ def test_the_partitioners_plan_in_processes_of_their_own_and_print_the_same(caps
     per CPU (two here), and the dry run prints what it prints planning all in one."""
     import lightning_pipe.cli as cli
 
-    plan = cli._plan
+    plan = cli.checked_largest_plan
 
-    def spied(profile, name, setup, check):  # each partitioner's process, where it plans
-        (tmp_path / name).write_text(str(os.getpid()))
-        return plan(profile, name, setup, check)
+    def spied(profile, request, check):  # each partitioner's process, where it plans
+        (tmp_path / request.partitioner).write_text(str(os.getpid()))
+        return plan(profile, request, check)
 
-    monkeypatch.setattr(cli, "_plan", spied)
+    monkeypatch.setattr(cli, "checked_largest_plan", spied)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
     monkeypatch.setattr(cli, "PARTITIONERS", ("dawnpiper", "capslog", "time"))  # (three are enough, and quicker)
     args = ["plan", "--model", "examples.models.UNet", "--init-args", '{"channels": 4, "depth": 2}',
@@ -155,7 +155,7 @@ def test_the_partitioners_plan_in_processes_of_their_own_and_print_the_same(caps
             "--chunks", "4"]
     printed, planners = {}, {}  # (a named GPU's times, estimated: the same every run)
     for forked in (False, True):
-        monkeypatch.setattr(cli, "_FORK_AFTER_S", 0.0 if forked else float("inf"))
+        monkeypatch.setattr(cli, "FORK_AFTER_S", 0.0 if forked else float("inf"))
         assert cli.main(args) == 0
         printed[forked] = capsys.readouterr().out
         planners[forked] = {int(f.read_text()) for f in tmp_path.iterdir()}
