@@ -133,9 +133,9 @@ def depths(gpus: int, mode: str) -> list[int]:
     return [s for s in (2, 4, 8) if s <= gpus // 2]
 
 
-def most_layers(fits: Callable[[int], bool], start: int = 3) -> int:
-    """The largest layer count ``fits`` takes (fitting is monotone in layers), by doubling then
-    bisection; 0: not even ``start``."""
+def largest_fitting(fits: Callable[[int], bool], start: int) -> int:
+    """The largest count from ``start`` that ``fits`` takes (layers, a micro-batch's size:
+    fitting is monotone in it), by doubling then bisection; 0: not even ``start``."""
     if not fits(start):
         return 0
     low, high = start, 2 * start
@@ -180,7 +180,7 @@ def largest(profile: Profile, gpus: int, mode: str, progress: Callable[[str], No
         asked = request(gpus, stages, mode)
         key = (stages, mode, asked.replicas if mode != "pp + DDP" else min(asked.replicas, 2))
         if key not in _FOUND:
-            _FOUND[key] = most_layers(lambda layers, asked=asked: fits(profile, layers, asked), start=max(3, stages))
+            _FOUND[key] = largest_fitting(lambda layers, asked=asked: fits(profile, layers, asked), max(3, stages))
         by_depth[stages] = _FOUND[key]
         progress(f"{gpus} GPUs, {mode}, {stages} stages: {by_depth[stages]} layers")
     stages = max(by_depth, key=lambda s: (by_depth[s], -s))

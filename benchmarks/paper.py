@@ -37,6 +37,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -496,20 +497,12 @@ def aggregate_bound(profile: Profile, schedule: Schedule, chunks: int, stages: i
     held = min(in_flight(schedule, chunks, stages, virtual))
     versions = weight_versions(schedule)
 
+    @cache  # (near is probed twice where it fits)
     def fits(size: int) -> bool:
         model = CostModel(profile.scaled(size), schedule=schedule, chunks=chunks)
         return optimize_stage(model, 0, model.n, held, memory, versions, host_bandwidth, memopt).fits
 
-    start = near if near > 1 and fits(near) else 1
-    if start == 1 and not fits(1):
-        return 0
-    low, high = start, 2 * start
-    while fits(high):
-        low, high = high, 2 * high
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    return fsdp_scale.largest_fitting(fits, near if near > 1 and fits(near) else 1)
 
 
 def _bounded_schedules(label: str, processes: int, chunks: int) -> list[tuple[Schedule, int]]:
