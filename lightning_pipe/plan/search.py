@@ -30,7 +30,7 @@ from typing import Any
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, Plan, fitting_plan
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.schedule import Schedule
+from lightning_pipe.plan.schedule import Schedule, check_schedule
 
 __all__ = ["BOUND_ROUNDING", "CHUNKS_PER_STAGE", "SEARCHED_SCHEDULES", "Candidate", "Cluster", "Configuration",
            "Search", "allreduce_ms", "bound", "candidates", "search"]
@@ -140,7 +140,8 @@ def candidates(
     """Every configuration of ``gpus`` GPUs for ``global_batch`` samples per step: each depth
     dividing ``gpus`` up to ``max_depth`` (the graph's nodes: a stage holds one at least), whose
     width divides the batch; each schedule; each number of micro-batches dividing the replica's
-    batch up to :data:`CHUNKS_PER_STAGE` per stage (only ``chunks`` where given).
+    batch up to :data:`CHUNKS_PER_STAGE` per stage (only ``chunks`` where given) that the
+    schedule runs on torch (:func:`~lightning_pipe.plan.schedule.check_schedule`).
 
     Raises:
         ValueError: a global batch below one, a schedule without replicas (2BW), or no
@@ -162,10 +163,20 @@ def candidates(
         replica = global_batch // width
         counts = [chunks] if chunks is not None else range(1, CHUNKS_PER_STAGE * depth + 1)
         for count in (c for c in counts if replica % c == 0):
-            found += [Candidate(depth, width, s, count, replica // count) for s in schedules]
+            found += [Candidate(depth, width, s, count, replica // count) for s in schedules if _runs(s, count, depth)]
     if not found:
         raise ValueError(_none_found(gpus, global_batch, max_depth, chunks))
     return found
+
+
+def _runs(schedule: Schedule, chunks: int, depth: int) -> bool:
+    """Whether torch runs ``schedule`` with ``chunks`` micro-batches over ``depth`` processes
+    (1F1B: one per stage at least); a pipeline of one stage takes any."""
+    try:
+        check_schedule(schedule, chunks, depth, 1, distributed=True)
+    except ValueError:
+        return False
+    return True
 
 
 def allreduce_ms(plan: Plan, width: int, link_bandwidth: float | None) -> float:
