@@ -20,9 +20,8 @@ import transformers
 
 from lightning_pipe.plan.devices import DEVICES
 from lightning_pipe.plan.plan import PLANNING_HEADROOM, plan_fits
-from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.profile import NodeProfile, Profile, block_of
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.sharding import block_of
 
 DEVICE = DEVICES["A100-80GB"]
 GPUS = (8, 16, 32)

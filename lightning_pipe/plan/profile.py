@@ -6,10 +6,13 @@ activation-like counts scale linearly with the micro-batch size (:meth:`Profile.
 """
 
 import json
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["NodeProfile", "Profile", "SharedParam"]
+__all__ = ["NodeProfile", "Profile", "SharedParam", "block_of"]
+
+_BLOCK = re.compile(r"^(.*?_\d+)_")  # a node name's prefix up to its first layer index
 
 
 @dataclass
@@ -200,3 +203,11 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         return cls.from_json(Path(path).read_text())
+
+
+def block_of(name: str) -> str | None:
+    """The layer block a node belongs to by its name (``model_layers_3_mlp_up_proj`` ->
+    ``model_layers_3``), as FSDP's units are planned and built; ``None``: none (``add_1``'s
+    index only tells apart nodes alike)."""
+    match = _BLOCK.match(name)
+    return match.group(1) if match else None

@@ -39,7 +39,6 @@ upper bound).
 
 import copy
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
@@ -47,27 +46,17 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from lightning_pipe.plan.nodes import Array
-from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.profile import NodeProfile, Profile, block_of
 from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES
 
 if TYPE_CHECKING:
     from lightning_pipe.plan.optimize import StageOptimum
     from lightning_pipe.plan.stages import Stages
 
-__all__ = ["DATA_PARALLEL", "DataParallel", "Sharding", "block_of", "choose_resharding"]
+__all__ = ["DATA_PARALLEL", "DataParallel", "Sharding", "choose_resharding"]
 
 DataParallel = Literal["ddp", "fsdp"]
 DATA_PARALLEL: tuple[DataParallel, ...] = ("ddp", "fsdp")
-
-_BLOCK = re.compile(r"^(.*?_\d+)_")  # a node name's prefix up to its first layer index
-
-
-def block_of(name: str) -> str | None:
-    """The block a node belongs to by its name (``model_layers_3_mlp_up_proj`` ->
-    ``model_layers_3``); ``None``: none (``add_1``'s index only tells apart nodes alike)."""
-    match = _BLOCK.match(name)
-    return match.group(1) if match else None
-
 
 @dataclass(frozen=True)
 class _Stage:

@@ -17,7 +17,6 @@ its rows of each parameter (:func:`shard_of`, the rows ``fully_shard`` gives it)
 :func:`fill_shard` puts under the sharded parameter, so no rank holds its stage whole.
 """
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_pipe.internals import parameter_table
+from lightning_pipe.plan.profile import block_of
 
 __all__ = [
     "MixedPrecisionPolicy", "PlannedSharding", "Sharding", "check_shardable", "fill_shard", "fsdp_roots",
@@ -74,16 +74,12 @@ class _Plan(Protocol):
     def stages(self) -> Sequence[_PlannedStage]: ...
 
 
-_NODE_BLOCK = re.compile(r"^(.*?_\d+)_")  # as the planner names a node's block (plan.sharding.block_of)
-
-
 def planned_shardings(plan: _Plan) -> list[PlannedSharding] | None:
     """Each stage's :class:`PlannedSharding` in a plan made for ``data_parallel="fsdp"`` (``None``
     for another: the runtime then chooses, :func:`sharding`)."""
     if plan.data_parallel != "fsdp":
         return None
-    return [PlannedSharding(frozenset(m.group(1) for start, _ in s.fsdp_units
-                                      if (m := _NODE_BLOCK.match(plan.nodes[start]))),
+    return [PlannedSharding(frozenset(b for start, _ in s.fsdp_units if (b := block_of(plan.nodes[start]))),
                             bool(s.reshard_after_forward)) for s in plan.stages]
 
 

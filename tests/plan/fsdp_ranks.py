@@ -33,9 +33,9 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_pipe.plan.plan import Plan, make_plan, planning_stages
-from lightning_pipe.plan.profile import Profile
+from lightning_pipe.plan.profile import Profile, block_of
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.sharding import Sharding, block_of
+from lightning_pipe.plan.sharding import Sharding
 
 WIDTH, HIDDEN, BLOCKS, ROWS, CHUNKS = 1024, 4096, 4, 64, 4  # a block: 33.6 MB of fp32 parameters
 

@@ -6,9 +6,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_pipe.plan.plan import Plan, fitting_plan, make_plan, planning_stages
-from lightning_pipe.plan.profile import NodeProfile, Profile
+from lightning_pipe.plan.profile import NodeProfile, Profile, block_of
 from lightning_pipe.plan.request import PlanRequest
-from lightning_pipe.plan.sharding import Sharding, block_of
+from lightning_pipe.plan.sharding import Sharding
 from lightning_pipe.runtime.fsdp import planned_shardings, sharding
 from tests.plan import fsdp_ranks
 
