@@ -60,7 +60,6 @@ _T = TypeVar("_T")
 # Bytes an operator allocates and frees inside itself, by signature (see _workspace): a pure
 # function of the operator and its inputs' layout, so observed once per process.
 _WORKSPACE: dict[Hashable, int] = {}
-_SPENDING: set[Any] = set()  # operators some signature of which has a workspace of some bytes
 
 
 @contextmanager
@@ -487,26 +486,16 @@ def _workspace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: l
     call of each signature (operator, input layouts, other arguments), which is all they depend
     on; while another profiler runs, an unseen signature counts none, and so does one on fake
     or meta tensors, which allocate nothing to observe (they get what a real call showed)."""
-    if on_meta(flat) or any(map(_without_data, flat)):
-        # (the signature only of an operator some real call showed a workspace for: most show none)
-        key = _signature(func, kwargs, flat) if func in _SPENDING else None
-        workspace = _WORKSPACE.get(key, 0) if key is not None else 0
-        return meta_call(func, args, kwargs, flat) if on_meta(flat) else func(*args, **kwargs), workspace
     key = _signature(func, kwargs, flat)
     known = _WORKSPACE.get(key) if key is not None else None
-    if known is not None or profiler_enabled():
+    if on_meta(flat):
+        return meta_call(func, args, kwargs, flat), known or 0
+    if known is not None or profiler_enabled() or any(map(_without_data, flat)):
         return func(*args, **kwargs), known or 0
     out, workspace = _observed(lambda: func(*args, **kwargs), _on_cuda(flat))
     if key is not None:
-        _learn(key, workspace)
+        _WORKSPACE[key] = workspace
     return out, workspace
-
-
-def _learn(key: Hashable, nbytes: int) -> None:
-    """Keep an operator's workspace by its signature (the first seen stays)."""
-    _WORKSPACE.setdefault(key, nbytes)
-    if nbytes:
-        _SPENDING.add(cast(tuple[Any, ...], key)[0])
 
 
 def observed_workspaces() -> dict[Hashable, int]:
@@ -527,7 +516,7 @@ def learn_workspaces(observed: dict[Hashable, int]) -> None:
         name, *rest = cast(tuple[Any, ...], key)
         namespace, op, overload = str(name).split(".")
         func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
-        _learn((func, *rest), nbytes)
+        _WORKSPACE.setdefault((func, *rest), nbytes)
 
 
 def _observed(run: Callable[[], Any], cuda: bool) -> tuple[Any, int]:
