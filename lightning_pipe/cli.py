@@ -38,7 +38,7 @@ from lightning_pipe.internals import FakeTensorMode, tree_flatten, tree_map
 from lightning_pipe.measure.profiler import FAKE_DEVICE, profile_graph
 from lightning_pipe.plan import report
 from lightning_pipe.plan.devices import DEVICES, DeviceSpec, parse_devices
-from lightning_pipe.plan.headroom import Check, checked_largest_plan
+from lightning_pipe.plan.headroom import checked_largest_plan
 from lightning_pipe.plan.partitioners import PARTITIONERS, Partitioner
 from lightning_pipe.plan.plan import InfeasiblePlanError, Plan, make_plan
 from lightning_pipe.plan.profile import Profile
@@ -676,7 +676,7 @@ def _config_limits(path: str, devices: Any, limit: Any) -> list[int]:
 
 
 def _plans(profile: Profile, setup: _Setup, captured: Captured, forked: bool) -> list[Plan | InfeasiblePlanError]:
-    """Each partitioner's :func:`_plan` with its fake checks, in :data:`PARTITIONERS`' order.
+    """Each partitioner's :func:`_plan`, in :data:`PARTITIONERS`' order.
     They share nothing once the model is profiled, so where ``forked`` they run in processes
     forked from this one, one per CPU this process may run on (on two CPUs the dry run of
     GPT-2 large takes a third less time), the first (dawnpiper, whose search takes the
@@ -686,8 +686,7 @@ def _plans(profile: Profile, setup: _Setup, captured: Captured, forked: bool) ->
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(cpus, len(PARTITIONERS)) if forked and "fork" in multiprocessing.get_all_start_methods() else 1
     if workers == 1:
-        plans: Iterator[Plan | InfeasiblePlanError] = (_partitioned(profile, name, setup, captured)
-                                                      for name in PARTITIONERS)
+        plans: Iterator[Plan | InfeasiblePlanError] = (_plan(profile, name, setup, captured) for name in PARTITIONERS)
     else:  # (a child that dies, killed for memory, breaks the pool: an error, not a wait)
         pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), _adopt, (profile, setup, captured))
         plans = pool.map(_forked_plan, PARTITIONERS)
@@ -715,16 +714,13 @@ def _adopt(profile: Profile, setup: _Setup, captured: Captured) -> None:
 def _forked_plan(name: Partitioner) -> Plan | InfeasiblePlanError:
     assert _adopted is not None, "runs in a process _plans forked"
     profile, setup, captured = _adopted
-    return _partitioned(profile, name, setup, captured)
+    return _plan(profile, name, setup, captured)
 
 
-def _partitioned(profile: Profile, name: Partitioner, setup: _Setup, captured: Captured) -> Plan | InfeasiblePlanError:
-    return _plan(profile, name, setup, partial(_fake_peaks, setup, captured))
-
-
-def _plan(profile: Profile, name: Partitioner, setup: _Setup, check: Check) -> Plan | InfeasiblePlanError:
+def _plan(profile: Profile, name: Partitioner, setup: _Setup, captured: Captured) -> Plan | InfeasiblePlanError:
     """The partitioner's plan at its largest micro-batch, checked as the strategy checks its
-    plan, or why not even one sample fits."""
+    plan (:func:`_fake_peaks`), or why not even one sample fits."""
+    check = partial(_fake_peaks, setup, captured)
     processes = setup.schedule == "auto" or setup.schedule in MULTI_STAGE  # only runtime='distributed' runs them
     request = PlanRequest(setup.limits, name, setup.schedule, setup.chunks, setup.host_bandwidth, setup.link_bandwidth,
                           carry=processes)
