@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.policy import Policy
-from lightning_pipe.plan.schedule import HELD_CHANGE, Action, Pending
+from lightning_pipe.plan.schedule import HELD_CHANGE, Action, Pending, TaskKind
 
 __all__ = ["device_peaks", "stashes"]
 
@@ -76,7 +76,7 @@ def device_peaks(
     # backward, the gradients it sends back
     waited = bool(model.carry) and any(len({a.stage for a in tasks}) > 1 for tasks in order)
     # there, at each kind of task, the stage's peak at it (less the same); else the stage's peak
-    kinds = ("forward", "backward", "input", "weight")
+    kinds: tuple[TaskKind, ...] = ("forward", "backward", "input", "weight")
     at_task = {kind: [model.task_peak(r.start, r.stop, h, kind, policies, w).total - (p.total - o)
                       for r, h, w, p, o in zip(ranges, in_flight, split, peaks, own)] if waited else own
                for kind in kinds}
