@@ -55,7 +55,7 @@ from lightning_pipe.plan.nodes import Array, NodeArrays
 from lightning_pipe.plan.policy import CodedPolicies, Policy, policy_codes
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.recompute import recomputed_regions, regions_inputs
-from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, BackwardState, Pending, Schedule
+from lightning_pipe.plan.schedule import GRADIENT_BUCKET_BYTES, BackwardState, Pending, Schedule, TaskKind
 from lightning_pipe.plan.times import WORK_BYTES, pooled_times
 
 if TYPE_CHECKING:
@@ -158,6 +158,7 @@ class CostModel:
         self._depends: dict[tuple[int, int], list[int]] = {}
         self._outsides: dict[tuple[int, int], Array] = {}
         self._received: dict[int, Array] = {}
+        self._input_half: dict[tuple[int, int], int] = {}
         self._range_gradients: tuple[tuple[int, int], Array] = ((0, 0), np.zeros(0, dtype=np.int64))
         self._kept_bounds: _KeptBounds | None = None  # made when first asked (capslog's search)
         self._gradient_bytes: tuple[tuple[int, ...], list[list[int]]] = ((), [])  # the last split's
@@ -284,6 +285,23 @@ class CostModel:
         for i in self._leaving(hi) if hi < self.n else []:
             total += self.profile.nodes[i].output_grad_bytes
         return total
+
+    def passed_on(self, lo: int, hi: int) -> int:
+        """Bytes of one micro-batch's values a stage of nodes ``[lo, hi)`` receives and sends
+        on as they are: made before ``lo`` (a graph input counts, from the second stage on)
+        and read from ``hi`` on. Handed to a next stage on its own process, such a value is
+        the storage of the stage's own receive buffer."""
+        total = self.profile.input_bytes if lo > 0 and any(u >= hi for u in self.reads_input) else 0
+        return total + sum(self.output[i] for i in self._leaving(hi) if i < lo)
+
+    def input_grads(self, lo: int) -> int:
+        """Bytes of the gradients one micro-batch's backward of a stage from node ``lo`` on sends
+        back: one for every value it receives (none on the first stage)."""
+        return sum(self.profile.nodes[i].output_grad_bytes for i in self._leaving(lo)) if lo else 0
+
+    def made_sent(self, lo: int, hi: int) -> int:
+        """Bytes of one micro-batch's values nodes ``[lo, hi)`` make that a later stage reads."""
+        return sum(self.output[i] for i in self._leaving(hi) if i >= lo)
 
     def received_kept(self, lo: int) -> Array:
         """Per node, the bytes it keeps first of values made before ``lo`` (see
@@ -494,6 +512,15 @@ class CostModel:
         ``None``: its backwards are whole)."""
         return self._peak(lo, hi, in_flight, self.live(lo, hi, policies), weight_versions, waiting, pending)
 
+    def task_peak(
+        self, lo: int, hi: int, in_flight: float, task: TaskKind, policies: Mapping[int, Policy] = {},
+        pending: Pending | None = None,
+    ) -> StagePeak:
+        """:meth:`peak` at one kind of the stage's tasks: a process holding several stages runs
+        one stage's forward, or weight half, while another's fullest moment may come elsewhere
+        (a weight half does not run an input half's, whose stash is whole while its gradients flow)."""
+        return self._peak(lo, hi, in_flight, self.live(lo, hi, policies), 1, (0, ()), pending, task)
+
     def kept_peak_at_most(
         self, lo: int, hi: int, in_flight: float, weight_versions: int = 1, pending: Pending | None = None
     ) -> int:
@@ -523,7 +550,7 @@ class CostModel:
 
     def _peak(
         self, lo: int, hi: int, in_flight: float, live: LiveBytes, weight_versions: int, waiting: Waiting,
-        pending: Pending | None,
+        pending: Pending | None, task: TaskKind | None = None,
     ) -> StagePeak:
         static = forward_static = backward_static = self.static(lo, hi, weight_versions)
         first = 0  # what the first backward holds beyond the later ones
@@ -539,6 +566,7 @@ class CostModel:
         if pending is not None and kept:  # stages as processes: nothing else waits
             states = [(held, count * kept) for held, count in pending.backward]
         backward = self._backward_peaks(lo, hi, in_flight, live, backward_static, states, cached, first)
+        held_last = self._last_held(lo) if hi == self.n and kept else 0
         if cached:  # and the step begins with no gradients
             fresh = forward_static - (self.step_grads(lo, hi) if self.sharding is None else 0)
             forward = [self._forward_peak(in_flight, live, fresh, round(in_flight * cached))]
@@ -553,17 +581,25 @@ class CostModel:
                 backward.append(loss_backward.waiting(max((w for _, w in states), default=0)))
         if pending is not None and kept:
             forward = [p.waiting(pending.forward * kept) for p in forward]
-            # the end of an input half: its micro-batch's stash, which it does not free as a
-            # whole backward does, and the gradients it keeps, with those pending before it
+            # an input half frees no stash as a whole backward does (it keeps the graph for the
+            # weight half): its micro-batch's whole stash while it runs (:meth:`input_half`) and
+            # at its end, with the gradients it keeps and those pending before it
+            running = self.input_half(lo, hi)
+            inputs = [StagePeak(backward_static, round(held * live.stashed), running,
+                                held_last + round(held * cached) + count * kept) for held, count in pending.backward]
             backward += [StagePeak(backward_static, round(held * live.stashed), 0,
                                    round(held * cached) + (count + 1) * kept) for held, count in pending.backward]
         # the optimizer's step: the stage's state, the step's temporaries (the last: the batch)
+        inputs = inputs if pending is not None and kept else []
         step = [StagePeak(static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0)]
         if self.replicas > 1 and self.sharding is None:  # before it, the gradients' reduction: a bucket copied flat
             step.append(StagePeak(static, 0, min(self.step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
         if waiting[0]:
             forward = [p.waiting(waiting[0]) for p in forward]
-        return _highest([*forward, *backward, *step])
+        if task == "forward":
+            return _highest(forward)
+        later = [*backward, *step] if task in ("weight", "backward") else [*backward, *inputs, *step]
+        return _highest(later if task else [*forward, *later])
 
     def backward_peak_runs(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> list[int]:
         """The nodes of ``[lo, hi)`` in the runs of one policy (kept runs aside) holding a node
@@ -661,10 +697,26 @@ class CostModel:
         if self.merges:
             return self.batch + round(in_flight * out)
         grads = out if p.loss_grad_bytes is None else min(out, p.loss_grad_bytes)  # of the outputs the loss reads
-        return self._last_batch + out + grads + self.chunks * p.loss_kept_bytes
+        return self._last_held(lo) + grads
+
+    def _last_held(self, lo: int) -> int:
+        """What the last stage holds besides its own through a micro-batch's backward once the
+        gradient of its outputs is taken: the batch, the output, the losses."""
+        return self._last_batch + self._final_outputs(lo) + self.chunks * self.profile.loss_kept_bytes
 
     def _final_outputs(self, lo: int) -> int:
         return self._to_graph_output[self.n] - self._to_graph_output[lo]
+
+    def input_half(self, lo: int, hi: int) -> int:
+        """The most bytes beside its stash one micro-batch's input half of a split backward holds
+        on a stage of nodes ``[lo, hi)``, all kept: at a node, the gradients in flight there, its
+        backward's growth, and the gradients kept so far for the weight half (at the outputs of
+        the weighted nodes after it); no parameter gradient (cached)."""
+        if (found := self._input_half.get((lo, hi))) is None:
+            kept = self._weight_grads[hi] - np.asarray(self._weight_grads[lo + 1 : hi + 1], dtype=np.int64)
+            level = self.range_gradients(lo, hi) + self._arrays.backward[lo:hi] + kept
+            found = self._input_half[lo, hi] = int(level.max())
+        return found
 
     def range_gradients(self, lo: int, hi: int) -> Array:
         """:func:`~lightning_pipe.plan.activations.backward_gradients` of ``[lo, hi)``, kept for

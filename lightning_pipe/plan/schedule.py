@@ -6,7 +6,7 @@ from typing import Literal, NamedTuple, get_args
 
 __all__ = [
     "HELD_CHANGE", "MULTI_STAGE", "SCHEDULES", "V_SHAPED", "Action", "BackwardState",
-    "DistributedSchedule", "Pending", "Schedule", "Step", "actions", "backward_states", "check_schedule",
+    "DistributedSchedule", "Pending", "Schedule", "Step", "TaskKind", "actions", "backward_states", "check_schedule",
     "clock_cycles", "global_order", "gradient_waits", "in_flight", "placement", "process_stages",
     "stages_per_process", "weight_versions", "weights_pending", "with_virtual_stages",
 ]
@@ -41,6 +41,10 @@ V_SHAPED: tuple[Schedule, ...] = ("zbv", "dualpipev")
 GRADIENT_BUCKET_BYTES = 25 * 2**20
 
 
+#: What one task of a stage runs (:class:`Action`).
+TaskKind = Literal["forward", "backward", "input", "weight", "update"]
+
+
 class Action(NamedTuple):
     """One task of one stage: a micro-batch's forward or backward, or the stage's weight update
     (``microbatch`` is -1 for an update, which covers all micro-batches of the step). Zero-bubble
@@ -48,7 +52,7 @@ class Action(NamedTuple):
     the stage before waits for) and ``weight`` (its parameters' gradients, run later to fill the
     bubble; the micro-batch's stash lives until then)."""
 
-    kind: Literal["forward", "backward", "input", "weight", "update"]
+    kind: TaskKind
     microbatch: int
     stage: int
 

@@ -18,6 +18,11 @@ whole backward or a weight half): before it, the stage holds none while another 
 process runs (DualPipeV's first process runs its last stage's backwards while its first stage
 holds every micro-batch: counting them there, 8% over the meter).
 
+Where a process holds two adjacent stages (a V's turn), ``torch.distributed.pipelining``
+hands the first's outputs to the second as they are, in place of the second's receive
+buffers: a value the first only passes on is the first's own buffer, and one it makes lives
+on as the second's buffer until the next step's, not in the first's stash.
+
 Under a split backward each micro-batch between its halves also keeps the gradients its
 weight half reads (:meth:`~lightning_pipe.plan.memory.CostModel.weight_grads`), counted
 likewise: per stage, those of the micro-batches pending at the task, its own peak counting
@@ -28,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 from lightning_pipe.plan.memory import CostModel, StagePeak, stage_ranges
 from lightning_pipe.plan.policy import Policy
-from lightning_pipe.plan.schedule import HELD_CHANGE, Action, Pending
+from lightning_pipe.plan.schedule import HELD_CHANGE, Action, Pending, TaskKind
 
 __all__ = ["device_peaks", "stashes"]
 
@@ -66,21 +71,50 @@ def device_peaks(
     own = [p.total - max([(h - 1) * b + (w.forward * k if w else 0)] + [(j - 1) * b + c * k for j, c in w.backward])
            if w and k else p.total - (h - 1) * b for p, h, b, w, k in zip(peaks, in_flight, stash, split, kept)]
     loaded = model.batch if model.carry else 0  # each stage's static counts the batch its process loads once
+    # what a stage sends another process stays alive until the step ends where a process holds
+    # several stages (the schedules waiting for their sends there): its outputs past their
+    # backward, the gradients it sends back
+    waited = bool(model.carry) and any(len({a.stage for a in tasks}) > 1 for tasks in order)
+    # there, at each kind of task, the stage's peak at it (less the same); else the stage's peak
+    kinds: tuple[TaskKind, ...] = ("forward", "backward", "input", "weight")
+    at_task = {kind: [model.task_peak(r.start, r.stop, h, kind, policies, w).total - (p.total - o)
+                      for r, h, w, p, o in zip(ranges, in_flight, split, peaks, own)] if waited else own
+               for kind in kinds}
+    if waited:
+        at_task["forward"] = [model.task_peak(r.start, r.stop, h, "forward", policies, w).total - (h - 1) * b
+                              - (w.forward * k if w else 0)
+                              for r, h, b, w, k in zip(ranges, in_flight, stash, split, kept)]
+    outputs = [model.made_sent(r.start, r.stop) if waited and r.stop < model.n else 0 for r in ranges]
+    sent_grads = [model.input_grads(r.start) if waited else 0 for r in ranges]
     found = []
     for tasks in order:
         stages = sorted({a.stage for a in tasks})
+        static_, stash_ = ({t: v[t] for t in stages} for v in (static, stash))
+        own_ = {kind: {t: v[t] for t in stages} for kind, v in at_task.items()}
+        for t in (t for t in stages if t + 1 in stages and model.carry):  # a V's turn: handed on in-process
+            r = ranges[t]
+            passed, made = model.carry * model.passed_on(r.start, r.stop), model.made_sent(r.start, r.stop)
+            static_[t + 1], stash_[t] = static_[t + 1] - passed, stash_[t] - made
+            for at in own_.values():
+                at[t + 1], at[t] = at[t + 1] - passed, at[t] - made
         held, halves = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
         fresh = {t: grads[t] for t in stages}  # until its first backward task makes them
-        top = 0
+        top = sent = 0
         for action in tasks:
             s, change = action.stage, HELD_CHANGE[action.kind]
             if action.kind == "update":
                 continue
             held[s] += max(change, 0)  # a forward's micro-batch is held while it runs
             halves[s] -= action.kind == "weight"  # a backward task's own micro-batch is in own[s]
-            others = sum(static[t] - fresh[t] - loaded + held[t] * stash[t] + halves[t] * kept[t]
+            others = sum(static_[t] - fresh[t] - loaded + held[t] * stash_[t] + halves[t] * kept[t]
                          for t in stages if t != s)
-            top = max(top, others + own[s] + (held[s] - 1) * stash[s] + halves[s] * kept[s])
+            # (a forward peak is a step's first forward's: with the gradients its backwards made since)
+            running = own_[action.kind][s] + (grads[s] - fresh[s] if action.kind == "forward" and waited else 0)
+            top = max(top, sent + others + running + (held[s] - 1) * stash_[s] + halves[s] * kept[s])
+            if action.kind in ("backward", "input") and s - 1 not in stages:
+                sent += sent_grads[s]
+            if action.kind in ("backward", "weight") and s + 1 not in stages:
+                sent += outputs[s]
             held[s] += min(change, 0)
             halves[s] += action.kind == "input"
             fresh[s] = 0 if action.kind in ("backward", "weight") else fresh[s]

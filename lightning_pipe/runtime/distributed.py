@@ -338,6 +338,9 @@ class PipelineRank:
             for module, index in zip(self.modules, self.indices)
         ]
         kind = SCHEDULES[schedule, len(stages) > 1]  # (the options allow only these)
+        for stage in stages:
+            if isinstance(stage, _SilentStage):
+                stage.holds_sends = kind not in (ScheduleGPipe, Schedule1F1B)
         if kind in (ScheduleGPipe, Schedule1F1B):
             self._schedule: Any = kind(stages[0], self.chunks, loss_fn=self._loss, scale_grads=False)
         else:
@@ -455,7 +458,28 @@ class _TimedStage(PipelineStage):
 class _SilentStage(NoWarmupVotes, _TimedStage):
     """A stage on a silent mesh, where no peer's vote arrives: it takes the static shapes every
     stage votes for when given its input and output metadata, as each stage here is. (The
-    vote is ``pipelining``'s private warm-up, which would read a tensor without data.)"""
+    vote is ``pipelining``'s private warm-up, which would read a tensor without data.)
+
+    A real process group's send keeps its tensor alive until the schedule drops its work, which
+    the schedules of several stages per process do at the step's end (gloo's, checked); a fake
+    group's keeps nothing. Under them (``holds_sends``) this stage keeps what it sends as long."""
+
+    holds_sends = False
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._held(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._held(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def clear_runtime_states(self) -> None:  # (the schedules call it as a step begins)
+        super().clear_runtime_states()
+        self.sent: list[Tensor] = []
+
+    def _held(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        if self.holds_sends:
+            self.sent.extend(op.tensor for op in ops)
+        return ops
 
 
 def constants(bound: dict[str, Any]) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from tests.plan.test_plan import cnn_like
 
 
 def uniform(n=48):
-    """Equal nodes without parameters: activations are the whole of the memory."""
-    nodes = [NodeProfile(f"n{i}", 1.0, 2.0, 10_000, 10_000, 100, 0, 0, 0, users=[i + 1] if i + 1 < n else [-1])
+    """Equal nodes without parameters: activations are the whole of the memory. Each saves
+    10 kB of its own and sends on 100 B (what a process sends stays alive to the step's end)."""
+    nodes = [NodeProfile(f"n{i}", 1.0, 2.0, 100, 10_000, 100, 0, 0, 0, users=[i + 1] if i + 1 < n else [-1])
              for i in range(n)]
     return Profile(nodes, "cpu", "f", 1, input_bytes=100, input_users=[0])
 
@@ -87,7 +88,8 @@ def test_stash_per_process_follows_the_schedules():
     assert one[:3] == pytest.approx([4 * stash, 3 * stash, 2 * stash], rel=0.05)  # the last one holds the loss too
     assert interleaved[0] == pytest.approx((1 + 3 / 8) * 4 * stash, rel=0.05)
     assert zbv == pytest.approx([4 * stash] * 4, rel=0.05)
-    assert dual == pytest.approx([4.5 * stash] * 4, rel=0.05)
+    # (its first stage takes a node fewer, its last one more: the first process holds less)
+    assert dual[1:] == pytest.approx([4.5 * stash] * 3, rel=0.05) and dual[0] < 4.5 * stash
 
 
 def test_each_process_fits_its_target_and_the_plan_round_trips():
