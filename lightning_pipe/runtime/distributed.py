@@ -245,6 +245,8 @@ class StageModule(StageRunner):
         # what each forward runs in: the Trainer precision's autocast, which Lightning opens only
         # around training_step, which on every rank but the last never calls a stage's forward
         self.step_context: Callable[[], AbstractContextManager[Any]] = nullcontext
+        # what each forward of (stage, micro-batch) draws its random numbers (dropout) under
+        self.randomness: Callable[[int, int], AbstractContextManager[Any]] = lambda stage, microbatch: nullcontext()
         self.failure = StageFailure()  # the rank's, shared by its stages (DistributedPipeline)
         self.held_attributes = nn.Module()  # the parameters the stage reads by attribute, once held
         self.attribute_names: dict[str, str] = {}  # qualified name in the model -> name in held_attributes
@@ -426,7 +428,13 @@ def _gathered(module: nn.Module) -> Iterator[None]:
 class _TimedStage(PipelineStage):
     """Times each micro-batch's backward (both halves of a split one: zero-bubble, V-shape) on
     the stage module's clock; after this rank ran out of memory in the step
-    (:class:`StageFailure`), skips it, sending zero gradients."""
+    (:class:`StageFailure`), skips it, sending zero gradients. Runs each micro-batch's forward
+    under the stage module's randomness for it: a stage's dropout masks do not depend on the
+    order the schedule runs it in, nor on which rank holds the stage."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with cast(StageModule, self.submod).randomness(self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         inputs = len(cast(StageModule, self.submod).inputs.examples(False))

@@ -122,14 +122,20 @@ def overflow_at_second_step(model: LightningModule, step: Any) -> None:
 
 def make_model(family: str) -> tuple[LightningModule, Any]:
     """A freshly seeded model of :data:`tests.models.FAMILIES`, ``hf``: a Hugging Face GPT-2
-    from a config (torch.export captures it; its head tied to its embedding), or ``llama``:
-    :class:`~tests.models.LlamaLM` (AdamW, a metric logged), with its dataset."""
+    from a config (torch.export captures it; its head tied to its embedding), ``llama``:
+    :class:`~tests.models.LlamaLM` (AdamW, a metric logged), or ``droppy``: the GPT with dropout
+    (:class:`~tests.lightning.test_dropout.DroppyGPT`), with its dataset."""
     if family == "hf":
         torch.manual_seed(0)
         return GPT2LM(layers=2, dim=32, heads=2, vocab=256, context=16, dropout=0.0), Counting(64, 256, 16)
     if family == "llama":
         torch.manual_seed(0)
         return LlamaLM(), Counting(64, 256, 16)
+    if family == "droppy":
+        from tests.lightning.test_dropout import DroppyGPT
+
+        torch.manual_seed(0)
+        return DroppyGPT(), TokenDataset()
     return make(family)
 
 
