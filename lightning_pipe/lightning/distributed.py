@@ -904,7 +904,7 @@ class DistributedEngine(Engine):
     def _stage_seeded(self, stage: int, microbatch: int) -> AbstractContextManager[None]:
         """The random state of stage ``stage``'s forward of a micro-batch in the running training
         step (its dropout masks): the same under every schedule, each stage and micro-batch its own
-        (ranks start from one seed: their streams drawn in step would repeat each other's masks)."""
+        (ranks seeded alike by ``seed_everything`` have equal streams of their own)."""
         return self._seeded(self._calls - 1, microbatch, stage)
 
     def _step_inputs(self, hook: str, microbatches: list[Any], batch_idx: int, turn: int) -> list[dict[str, Any]]:
