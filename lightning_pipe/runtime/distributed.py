@@ -436,12 +436,27 @@ class _TimedStage(PipelineStage):
         with cast(StageModule, self.submod).randomness(self.stage_index, fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._whole: set[int] = set()  # the micro-batches whose split backward ran whole, in one step
+
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
-        inputs = len(cast(StageModule, self.submod).inputs.examples(False))
+        examples = cast(StageModule, self.submod).inputs.examples(False)
+        if kwargs.get("full_backward") is False and not self.is_first and not any(
+                t.is_floating_point() or t.is_complex() for t in examples):
+            # pipelining's split backward finds a weight's gradient only past an input that carries
+            # one (the first stage aside, which it runs whole): a later stage receiving only integer
+            # tensors (the token ids, where a plan gives the first stage no more than their read)
+            # never made its weights' gradients, and its embedding never trained. It runs whole here
+            kwargs["full_backward"] = True
+            self._whole.add(bwd_chunk_id)
         self._timed(partial(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs),
-                    partial(skip_backward, self, bwd_chunk_id, inputs))
+                    partial(skip_backward, self, bwd_chunk_id, len(examples)))
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        if bwd_chunk_id in self._whole:  # (its weights' gradients made with its inputs')
+            self._whole.discard(bwd_chunk_id)
+            return
         self._timed(partial(super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs),
                     partial(skip_weight_backward, self, bwd_chunk_id))
 

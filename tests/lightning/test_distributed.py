@@ -159,19 +159,20 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    scenarios = [str(STEPS), *PP2, *SCHEDULES_PP2, AUTO, LLAMA_AUTO, *DROPOUT, SAVED, SAVED_ZBV, BF16, FP16, "2",
-                 "hf:1f1b:2:metered",
+    scenarios = [str(STEPS), *PP2, *SCHEDULES_PP2, AUTO, LLAMA_AUTO, *DROPOUT, SAVED, SAVED_ZBV, SAVED_IDS, BF16,
+                 FP16, "2", "hf:1f1b:2:metered",
                  str(STEPS), *DENOISER_PP2, str(METRIC_STEPS), "metrics:gpipe:2", "hooks", "features", "sharded",
                  "empty", str(STEPS), RECOVER, RECOVER_V2, RECOVER_ZBV, f"shrink:gpt:{SHRINK_LIMIT}", "drift",
                  "replans", f"faults:{FAULTS}", "exported"]
     out = tmp_path_factory.mktemp("two_ranks")
-    for schedule in ("1f1b", "zbv"):
+    for schedule in ("1f1b", "zbv", "interleaved-zb"):
         (out / f"saved-plan-{schedule}.json").write_text(_saved_plan(schedule).to_json())
     return _launch(out, 2, *scenarios)
 
 
 SAVED = "gpt:1f1b:2:saved"  # the plan _saved_plan writes, followed as is
 SAVED_ZBV = "gpt:zbv:2:saved"  # its four-stage V twin: recompute under the split backward
+SAVED_IDS = "gpt:interleaved-zb:2:saved"  # four stages, the first the token ids read alone
 RECOVER = "recover:gpt:1f1b:1:1:0.1"  # the last rank's meter cut to 90% of its peak at batch 1: out mid-step
 RECOVER_DP = RECOVER + ":p2"  # at pp=2 x dp=2, replica 0's alone
 RECOVER_V2 = RECOVER + ":v2"  # Interleaved 1F1B, two stages a process
@@ -184,19 +185,26 @@ FP16 = "gpt:1f1b:2:fp16"  # 16-mixed, with the grad scaler a GPU has
 def _saved_plan(schedule: str = "1f1b") -> Plan:
     """A plan for the GPT family, as a dry run would save it: a split far from the even one,
     the first stage's attention recomputed (under ``"zbv"``: four stages, the attention of all
-    but the last recomputed, which the split backward runs twice: input, then weights)."""
+    but the last recomputed, which the split backward runs twice: input, then weights; under
+    ``"interleaved-zb"``: four stages, the first the batch's token ids read alone, nothing
+    recomputed, as a plan for Hugging Face Llama split it)."""
     model, _ = make("gpt")
     names = [n.name for n in capture(model).nodes]
-    count = 4 if schedule == "zbv" else 2
-    balance = balance_by_weight(capture(model).param_bytes(), count)
-    balance[0] += 9
-    balance[1 if schedule == "zbv" else -1] -= 9  # (the V's last stage is the head alone)
+    count = 4 if schedule in ("zbv", "interleaved-zb") else 2
+    weights = capture(model).param_bytes()
+    if schedule == "interleaved-zb":
+        balance = [1, *balance_by_weight(weights[1:], count - 1)]
+    else:
+        balance = balance_by_weight(weights, count)
+        balance[0] += 9
+        balance[1 if schedule == "zbv" else -1] -= 9  # (the V's last stage is the head alone)
     bounds = [sum(balance[:s]) for s in range(count + 1)]
-    policies = ["recompute" if i < bounds[-2] and "attn" in name else "keep" for i, name in enumerate(names)]
+    policies = ["recompute" if i < bounds[-2] and "attn" in name and schedule != "interleaved-zb" else "keep"
+                for i, name in enumerate(names)]
     stages = [StageReport(bounds[s], bounds[s + 1], 0, StagePeak(0, 0, 0, 0), 1.0, 1.0, 0.0, 0.0, 0, 0)
               for s in range(count)]
     return Plan("dawnpiper", schedule, [1 << 30] * count, BATCH // CHUNKS, CHUNKS, None, balance, policies, stages,
-                1.0, 0.5, nodes=names)
+                1.0, 0.5, nodes=names, virtual_stages=2 if schedule == "interleaved-zb" else 1)
 
 
 def _reference(family: str, replicas: int, features: bool = False, precision: str = "32-true", steps: int = STEPS
@@ -516,6 +524,20 @@ def test_a_saved_plan_is_followed_by_every_rank_and_trains_as_one_device(two_ran
             got = json.loads(two_ranks.path(f"gpt-{schedule}-2-rank{rank}.json").read_text())
             assert (got["balance"], got["policies"]) == (saved.balance, saved.policies)
         assert "recompute" in saved.policies
+
+
+@pytest.mark.slow
+def test_a_stage_receiving_only_token_ids_trains_its_weights_under_a_split_backward(two_ranks):
+    """Interleaved zero-bubble on a plan whose first stage reads the token ids alone: stage 1
+    receives integers only, where pipelining's split backward finds no weight gradient (it runs
+    the first stage's whole); its embedding never moved (Hugging Face Llama under "auto" at
+    pp=4: 3.0e-3 off one device). Each of its backwards runs whole: it trains as one device."""
+    _check(two_ranks, 2, SAVED_IDS)
+    saved = _saved_plan("interleaved-zb")
+    assert saved.balance[0] == 1 and capture(make("gpt")[0]).param_bytes()[0] == 0  # (no weights)
+    for rank in range(2):
+        got = json.loads(two_ranks.path(f"gpt-interleaved-zb-2-rank{rank}.json").read_text())
+        assert got["balance"] == saved.balance, rank
 
 
 @pytest.mark.slow
