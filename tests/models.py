@@ -274,3 +274,37 @@ class FlashGPT(GPT):
         for block in self.blocks:
             block.attn = FlashAttention(block.attn.qkv.in_features, block.attn.heads)
 
+
+
+class LlamaLM(LightningModule):
+    """Hugging Face Llama from a small config (grouped-query attention, rotary positions, an
+    untied head), trained as a user would: AdamW, and a torchmetrics ``Metric`` object logged
+    (next-token accuracy)."""
+
+    def __init__(self, vocab: int = 256) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                          use_cache=False, tie_word_embeddings=False)
+        self.model = transformers.LlamaForCausalLM(config)
+        self.accuracy = MulticlassAccuracy(num_classes=vocab, average="micro")
+
+    def forward(self, **batch: torch.Tensor) -> Any:
+        return self.model(**batch)
+
+    @staticmethod
+    def predicted(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each position's predicted next token and the true one (the model shifts the labels)."""
+        return logits[:, :-1].argmax(-1).flatten(), labels[:, 1:].flatten()
+
+    def training_step(self, batch, batch_idx):
+        output = self(**batch)
+        self.accuracy(*self.predicted(output.logits, batch["labels"]))
+        self.log("train_acc", self.accuracy)
+        self.log("train_loss", output.loss)
+        return output.loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)

@@ -306,7 +306,7 @@ class _Rewrite:
             elif node.op == "call_function" and node.target not in _DROPPED:
                 env[node] = self.graph.create_node(
                     node.op, node.target, fx.node.map_arg(node.args, env.__getitem__),
-                    fx.node.map_arg(node.kwargs, env.__getitem__), name=_name(node),
+                    fx.node.map_arg(_kwargs(node), env.__getitem__), name=_name(node),
                 )
                 env[node].meta = dict(node.meta)
         self._outputs(env)
@@ -378,6 +378,20 @@ class _Rewrite:
             return node
         return self._attr(target)
 
+
+
+def _kwargs(node: fx.Node) -> dict[str, Any]:
+    """``node``'s keyword arguments, less the dtype export wrote into a move to a device
+    (``x.to(device)`` is recorded as ``aten.to(dtype=<x's dtype when captured>, device=...)``):
+    run on other dtypes (bfloat16 parameters under FSDP's mixed precision) the move keeps its
+    input's, as the code does. (A move that also names the dtype it already had loses the
+    cast: both are recorded alike.)"""
+    kwargs = dict(node.kwargs)
+    source = node.args[0] if node.target == torch.ops.aten.to.dtype_layout and node.args else None
+    captured = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if kwargs.get("device") is not None and isinstance(captured, Tensor) and kwargs.get("dtype") == captured.dtype:
+        del kwargs["dtype"]
+    return kwargs
 
 
 def _specialization(arguments: dict[str, Any], exported: list[fx.Node]) -> Specialization:

@@ -412,6 +412,7 @@ class DistributedEngine(Engine):
         for stage in self.pipe.modules:
             stage.clock, stage.meter = self.clock, self.meter
             stage.step_context = self.precision_plugin.train_step_context
+            stage.randomness = self._stage_seeded
         if self.meter is not None:  # from here on, as the local engine meters: the optimizer step too
             self.meter.own(0, self.pipe.held)
             self._metering.enter_context(self.meter)
@@ -887,17 +888,24 @@ class DistributedEngine(Engine):
         return calls
 
     @contextmanager
-    def _seeded(self, call: int, microbatch: int) -> Iterator[None]:
+    def _seeded(self, call: int, microbatch: int, *stage: int) -> Iterator[None]:
         """The random state of one call of the user's step on one micro-batch, the same on every
         rank of the pipeline: the code before ``self(...)`` draws what the stage feeding the
-        pipeline drew, wherever it runs again. The process's own random state is left as it was."""
+        pipeline drew, wherever it runs again. ``stage``: that of a stage's forward in the call.
+        The process's own random state is left as it was."""
         cuda = self.root_device.type == "cuda"
         with torch.random.fork_rng(devices=[self.root_device] if cuda else []):
-            seed = hash((self._seed, call, microbatch)) % 2**63
+            seed = hash((self._seed, call, microbatch, *stage)) % 2**63
             torch.default_generator.manual_seed(seed)
             if cuda:
                 torch.cuda.manual_seed(seed)
             yield
+
+    def _stage_seeded(self, stage: int, microbatch: int) -> AbstractContextManager[None]:
+        """The random state of stage ``stage``'s forward of a micro-batch in the running training
+        step (its dropout masks): the same under every schedule, each stage and micro-batch its own
+        (ranks seeded alike by ``seed_everything`` have equal streams of their own)."""
+        return self._seeded(self._calls - 1, microbatch, stage)
 
     def _step_inputs(self, hook: str, microbatches: list[Any], batch_idx: int, turn: int) -> list[dict[str, Any]]:
         """Each micro-batch's forward arguments by graph input, as ``hook`` passes them to

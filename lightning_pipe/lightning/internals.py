@@ -33,10 +33,10 @@ from torchmetrics import Metric
 
 __all__ = [
     "METADATA_FILENAME", "PATH", "ConfiguresLauncher", "FitLoop", "SubprocessScriptLauncher", "all_gather",
-    "attached_trainer", "batches_that_stepped", "call_callback_hooks", "call_module_hook", "default_backend",
-    "forget_computed", "init_process_group", "logged_results", "set_device", "set_device_mesh", "set_launcher",
-    "set_lightning_module", "set_skip_backward", "set_step_value", "set_sync_on_step", "set_update_count",
-    "should_update_logs", "sigkill_signal", "skip_backward", "step_value", "sync",
+    "attached_trainer", "batches_that_stepped", "call_callback_hooks", "call_module_hook", "copy_metric",
+    "default_backend", "forget_computed", "init_process_group", "logged_results", "set_device", "set_device_mesh",
+    "set_launcher", "set_lightning_module", "set_skip_backward", "set_step_value", "set_sync_on_step",
+    "set_update_count", "should_update_logs", "sigkill_signal", "skip_backward", "step_value", "sync",
 ]
 
 # --- names and types -------------------------------------------------------------------------------
@@ -193,6 +193,17 @@ def set_step_value(metric: Metric, value: Any) -> None:
     rank that did not run the metric gets the last stage's. If this stops working the logged
     step value is the last micro-batch's."""
     metric._forward_cache = value
+
+
+def copy_metric(metric: Metric) -> Metric:
+    """``metric.clone()`` with no step value: ``clone`` deep-copies the metric, which fails on
+    a step value still attached to autograd (a metric fed the loss, ``self.mean(loss)``). A
+    copy is fed or reset before anything reads its step value."""
+    value, metric._forward_cache = metric._forward_cache, None
+    try:
+        return metric.clone()
+    finally:
+        metric._forward_cache = value
 
 
 def set_update_count(metric: Metric, count: int) -> None:

@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
 
 from lightning_pipe.internals import tree_flatten
-from lightning_pipe.lightning.internals import set_step_value, set_sync_on_step
+from lightning_pipe.lightning.internals import copy_metric, set_step_value, set_sync_on_step
 
 __all__ = ["LogCollector", "LossReduction", "silenced"]
 
@@ -137,7 +137,7 @@ class LogCollector:
     def _forwarded(self, metric: Metric, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """A metric's forward ran on one micro-batch: feed its twin the same inputs."""
         if id(metric) not in self._twins:
-            twin = metric.clone()
+            twin = copy_metric(metric)
             twin.reset()
             set_sync_on_step(twin, metric.dist_sync_on_step)  # a step value syncs only as the metric's own forward does
             self._twins[id(metric)] = metric, twin
@@ -154,7 +154,7 @@ def silenced(module: LightningModule) -> Iterator[None]:
     metrics = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
                if isinstance(child, Metric)]
     for parent, name, child in metrics:
-        parent.register_module(name, child.clone())
+        parent.register_module(name, copy_metric(child))
     module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
         yield

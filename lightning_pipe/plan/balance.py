@@ -32,12 +32,14 @@ def check_balance(balance: Sequence[int], num_nodes: int, num_stages: int) -> li
 
 
 def check_stage_count(num_nodes: int, num_stages: int) -> None:
-    """Every stage needs at least one node."""
+    """Every stage needs at least one node. The stages are the devices' times the stages each
+    holds (``virtual_stages``; two under ``"zbv"`` and ``"dualpipev"``): the fix names both."""
     if num_stages > num_nodes:
         raise ValueError(
             f"{num_stages} pipeline stages were requested but the traced model has only "
-            f"{num_nodes} nodes to split. Use at most {num_nodes} devices, or split leaf "
-            f"modules into finer ones (fewer `leaf_modules`)."
+            f"{num_nodes} nodes to split. Use at most {num_nodes} stages: fewer devices, or fewer "
+            f"stages per device (virtual_stages; schedule='zbv' and 'dualpipev' hold two), or split "
+            f"leaf modules into finer ones (fewer `leaf_modules`)."
         )
 
 

@@ -245,6 +245,8 @@ class StageModule(StageRunner):
         # what each forward runs in: the Trainer precision's autocast, which Lightning opens only
         # around training_step, which on every rank but the last never calls a stage's forward
         self.step_context: Callable[[], AbstractContextManager[Any]] = nullcontext
+        # what each forward of (stage, micro-batch) draws its random numbers (dropout) under
+        self.randomness: Callable[[int, int], AbstractContextManager[Any]] = lambda stage, microbatch: nullcontext()
         self.failure = StageFailure()  # the rank's, shared by its stages (DistributedPipeline)
         self.held_attributes = nn.Module()  # the parameters the stage reads by attribute, once held
         self.attribute_names: dict[str, str] = {}  # qualified name in the model -> name in held_attributes
@@ -429,14 +431,35 @@ def _gathered(module: nn.Module) -> Iterator[None]:
 class _TimedStage(PipelineStage):
     """Times each micro-batch's backward (both halves of a split one: zero-bubble, V-shape) on
     the stage module's clock; after this rank ran out of memory in the step
-    (:class:`StageFailure`), skips it, sending zero gradients."""
+    (:class:`StageFailure`), skips it, sending zero gradients. Runs each micro-batch's forward
+    under the stage module's randomness for it: a stage's dropout masks do not depend on the
+    order the schedule runs it in, nor on which rank holds the stage."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with cast(StageModule, self.submod).randomness(self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._whole: set[int] = set()  # the micro-batches whose split backward ran whole, in one step
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
-        inputs = len(cast(StageModule, self.submod).inputs.examples(False))
+        examples = cast(StageModule, self.submod).inputs.examples(False)
+        if kwargs.get("full_backward") is False and not self.is_first and not any(
+                t.is_floating_point() or t.is_complex() for t in examples):
+            # pipelining's split backward finds a weight's gradient only past an input that carries
+            # one (the first stage aside, which it runs whole): a later stage receiving only integer
+            # tensors (the token ids, where a plan gives the first stage no more than their read)
+            # never made its weights' gradients, and its embedding never trained. It runs whole here
+            kwargs["full_backward"] = True
+            self._whole.add(bwd_chunk_id)
         self._timed(partial(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs),
-                    partial(skip_backward, self, bwd_chunk_id, inputs))
+                    partial(skip_backward, self, bwd_chunk_id, len(examples)))
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        if bwd_chunk_id in self._whole:  # (its weights' gradients made with its inputs')
+            self._whole.discard(bwd_chunk_id)
+            return
         self._timed(partial(super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs),
                     partial(skip_weight_backward, self, bwd_chunk_id))
 

@@ -167,6 +167,27 @@ def test_devices_taken_from_inputs_are_left_open_and_localized():
     assert torch.equal(captured.graph_module(torch.zeros(2, 3)), torch.arange(3.0).expand(2, 3))
 
 
+def test_a_move_to_a_device_keeps_the_dtype_it_is_run_with():
+    # export writes x.to(device) as aten.to(dtype=<x's dtype when captured>, device=...): run on
+    # bfloat16 parameters (data_parallel="fsdp" under bf16-mixed), Hugging Face GPT-2's position
+    # embeddings went on in float32, and its first layer norm failed on float32 input with
+    # bfloat16 weights; an explicit cast stays
+    class Moved(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Embedding(3, 4)
+
+        def forward(self, x):
+            *_, t = x.shape
+            return self.pos(torch.arange(t, device=x.device)).to(x.device), self.pos.weight.to(torch.float32)
+
+    captured = _export(Moved(), torch.zeros(2, 3))
+    localize(captured.graph_module, CPU)
+    captured.graph_module.to(torch.bfloat16)
+    moved, cast = captured.graph_module(torch.zeros(2, 3))
+    assert (moved.dtype, cast.dtype) == (torch.bfloat16, torch.float32)
+
+
 def test_no_front_end_error_names_both_the_module_line_and_fixes():
     with pytest.raises(CaptureError) as info:
         capture(Untraceable(), example_inputs=((torch.randn(2, 4),), {}))

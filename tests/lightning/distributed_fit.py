@@ -44,7 +44,7 @@ from benchmarks.faults import Cut, cases, run
 from examples.hf_gpt2 import GPT2LM, Counting
 from examples.models import ImageDataset, TokenDataset, UNet, loader
 from lightning_pipe import MemoryPipeStrategy
-from tests.models import Denoiser, HookRecorder, MetricUNet, WritesInForward, make
+from tests.models import Denoiser, HookRecorder, LlamaLM, MetricUNet, WritesInForward, make
 from tests.plan.fsdp_ranks import measure
 
 BATCH, CHUNKS = 8, 4
@@ -121,11 +121,21 @@ def overflow_at_second_step(model: LightningModule, step: Any) -> None:
 
 
 def make_model(family: str) -> tuple[LightningModule, Any]:
-    """A freshly seeded model of :data:`tests.models.FAMILIES`, or ``hf``: a Hugging Face GPT-2
-    from a config (torch.export captures it; its head tied to its embedding), with its dataset."""
+    """A freshly seeded model of :data:`tests.models.FAMILIES`, ``hf``: a Hugging Face GPT-2
+    from a config (torch.export captures it; its head tied to its embedding), ``llama``:
+    :class:`~tests.models.LlamaLM` (AdamW, a metric logged), or ``droppy``: the GPT with dropout
+    (:class:`~tests.lightning.test_dropout.DroppyGPT`), with its dataset."""
     if family == "hf":
         torch.manual_seed(0)
         return GPT2LM(layers=2, dim=32, heads=2, vocab=256, context=16, dropout=0.0), Counting(64, 256, 16)
+    if family == "llama":
+        torch.manual_seed(0)
+        return LlamaLM(), Counting(64, 256, 16)
+    if family == "droppy":
+        from tests.lightning.test_dropout import DroppyGPT
+
+        torch.manual_seed(0)
+        return DroppyGPT(), TokenDataset()
     return make(family)
 
 

@@ -110,3 +110,25 @@ def test_torchmetrics_and_logged_values_equal_single_device(pipe):
     _, t = _fit("encdec", pipe, model_cls=_WithAccuracy, max_steps=-1, max_epochs=1)
     for name in ("train_acc", "train_loss"):
         assert float(t.callback_metrics[name]) == pytest.approx(float(t_ref.callback_metrics[name]), rel=1e-5)
+
+
+class _LossMean(EncoderDecoder):
+    """Logs a ``MeanMetric`` fed the loss itself, still attached to autograd (``self.mean(loss)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_mean", self.mean(loss))
+        return loss
+
+
+def test_a_metric_fed_the_attached_loss_logs_the_batch_mean():
+    # the step copies every metric (a probe's stand-in, the batch's twin): a copy of one whose step value is attached
+    # to autograd raised "Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol"
+    _, t_ref = _fit("encdec", model_cls=_LossMean, max_steps=2)
+    _, t = _fit("encdec", "1f1b", model_cls=_LossMean, max_steps=2)
+    assert float(t.callback_metrics["train_mean"]) == pytest.approx(float(t_ref.callback_metrics["train_mean"]),
+                                                                    rel=1e-5)

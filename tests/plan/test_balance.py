@@ -41,6 +41,9 @@ def test_check_balance_errors_name_the_problem():
         check_balance([2, 2, 2], 6, 2)
     with pytest.raises(ValueError, match="8 pipeline stages were requested but the traced model has only 6"):
         check_balance([1] * 8, 6, 8)
+    # (a V at pp=4 is 8 stages: "at most 6 devices" was no fix)
+    with pytest.raises(ValueError, match=r"at most 6 stages: fewer devices, or fewer stages per device \(virtual_st"):
+        check_balance([1] * 8, 6, 8)
     with pytest.raises(ValueError, match="every entry must be >= 1"):
         check_balance([0, 6], 6, 2)
     assert check_balance([2, 4], 6, 2) == [2, 4]
