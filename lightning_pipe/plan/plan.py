@@ -414,7 +414,7 @@ def largest_plan(profile: Profile, request: PlanRequest, *, at_least: int = 1, n
     it fits, the sizes above it one, two, four, ... further; where not, doubling from
     ``at_least`` below it. A size that does not fit costs a search many times a fitting
     one's; where ``near`` is the answer this probes one (the doubling and its bisection probe
-    up to one per halving: on GPT-2 large three). Like the doubling's, the answer fits and the
+    up to one per halving: on GPT-2 large two, 64 and 61). Like the doubling's, the answer fits and the
     size above it does not.
 
     Raises:
