@@ -1,4 +1,6 @@
-"""The largest micro-batch search probes exactly the sizes plain doubling and bisection does.
+"""The largest micro-batch search probes exactly the sizes doubling and bisection does, the last
+:data:`~lightning_pipe.plan.plan.UPWARD` sizes from below (a size that does not fit costs several
+times one that fits), and answers as recorded.
 
 Whether a size fits is not monotone in the size: on BERT-large's profile for 8 A100s with
 PyTorch's math attention (``data/``, made by ``benchmarks.paper`` before fake execution ran the
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe.plan.plan import largest_plan, max_microbatch, plan_fits
+from lightning_pipe.plan.plan import UPWARD, largest_plan, max_microbatch, plan_fits
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
 from tests.plan.corpus.replay import EXPECTED, name, request
@@ -27,8 +29,8 @@ BERT_MATH = Path(__file__).parent / "data" / "bert_large_a100_math.json.gz"
 
 
 def reference(profile: Profile, request: PlanRequest, at_least: int = 1) -> tuple[int, list[int]]:
-    """Doubling from ``at_least``, then bisection, on :func:`plan_fits`: the largest size and
-    the sizes probed, in order."""
+    """Doubling from ``at_least``, then bisection, on :func:`plan_fits`, up from the size that
+    fits once :data:`UPWARD` sizes are left: the largest size and the sizes probed, in order."""
     probed: list[int] = []
 
     def fits(size: int) -> bool:
@@ -41,7 +43,7 @@ def reference(profile: Profile, request: PlanRequest, at_least: int = 1) -> tupl
     while fits(high):
         low, high = high, 2 * high
     while high - low > 1:
-        mid = (low + high) // 2
+        mid = low + 1 if high - low <= UPWARD else (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low, probed
 
