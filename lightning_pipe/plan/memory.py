@@ -198,18 +198,11 @@ class CostModel:
         self.reads_input = set(profile.input_users)
         # Values leaving a range [lo, hi): node i < hi whose last reader is at or after hi
         # (or the graph output). _leaving(hi) lists those i, descending.
-        lowest, highest = np.full(n, n, dtype=np.int64), np.full(n, -1, dtype=np.int64)
-        np.minimum.at(lowest, a.user_of, a.user)
-        np.maximum.at(highest, a.user_of, a.user)
-        read = np.bincount(a.user_of, minlength=n) > 0
-        last = np.where(read, np.where(lowest >= 0, highest, n), -1)
-        self._last_reader: list[int] = np.where(last < 0, index, last).tolist()  # n: the graph output
-        stop = np.minimum(last, n) + 1
+        self._last_reader: list[int] = a.last_reader.tolist()  # n: the graph output; a node unread: itself
+        stop = a.last_reader + 1
         span = np.maximum(0, stop - (index + 1))  # the cuts each value crosses: from after its maker to its last reader
-        maker = np.repeat(index, span)
-        cut = maker + 1 + np.arange(maker.size) - np.repeat(np.cumsum(span) - span, span)
-        order = np.lexsort((-maker, cut))
-        self._makers, self._cut_bounds = maker[order], np.searchsorted(cut[order], np.arange(n + 2)).tolist()
+        self._spans = span
+        self._makers: tuple[Array, list[int]] | None = None  # made when first asked (_cut_makers)
         self._leaving_at: dict[int, list[int]] = {}  # made when first asked: a search asks some cuts
         # crossing[c]: bytes of the values made before node c and read from it on
         crossing = np.zeros(n + 2, dtype=np.int64)  # its changes, cut by cut
@@ -226,8 +219,22 @@ class CostModel:
         """The nodes before ``cut`` whose values are read from it on (or by the graph output),
         latest first (cached)."""
         if (found := self._leaving_at.get(cut)) is None:
-            found = self._leaving_at[cut] = self._makers[self._cut_bounds[cut] : self._cut_bounds[cut + 1]].tolist()
+            makers, bounds = self._cut_makers()
+            found = self._leaving_at[cut] = makers[bounds[cut] : bounds[cut + 1]].tolist()
         return found
+
+    def _cut_makers(self) -> tuple[Array, list[int]]:
+        """The makers of the values crossing each cut, by cut and latest first, and where each
+        cut's begin: made when first asked, as only stages as processes, gradients waiting for
+        earlier stages and a link between stages ask (a search of 1F1B on one device each
+        does not)."""
+        if self._makers is None:
+            span = self._spans
+            maker = np.repeat(np.arange(self.n), span)
+            cut = maker + 1 + np.arange(maker.size) - np.repeat(np.cumsum(span) - span, span)
+            order = np.lexsort((-maker, cut))
+            self._makers = maker[order], np.searchsorted(cut[order], np.arange(self.n + 2)).tolist()
+        return self._makers
 
     def params(self, lo: int, hi: int) -> int:
         return self._params[hi] - self._params[lo]
