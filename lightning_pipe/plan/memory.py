@@ -683,7 +683,7 @@ class CostModel:
     def live(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> LiveBytes:
         """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
         (cached)."""
-        if policies and (coded := CodedPolicies.of(policies, self.n)).codes[lo:hi].any():
+        if policies and np.count_nonzero((coded := CodedPolicies.of(policies, self.n)).codes[lo:hi]):
             return self._lives(lo, hi, [coded])[0]
         if (lo, hi) not in self._kept:
             self._kept[lo, hi] = kept_live_bytes(self._arrays, lo, hi, self.range_gradients(lo, hi),
@@ -810,4 +810,5 @@ class _RangeMax:
         level = (hi - lo).bit_length() - 1
         if (table := self._lists[level]) is None:
             table = self._lists[level] = self._levels[level].tolist()
-        return max(table[lo], table[hi - (1 << level)])
+        left, right = table[lo], table[hi - (1 << level)]
+        return left if left >= right else right  # (max() is a call: a search asks thousands)
