@@ -466,8 +466,13 @@ class CostModel:
 
     def policy_key(self, lo: int, hi: int, policies: CodedPolicies) -> bytes:
         """The codes of ``policies`` that :meth:`peak` of ``[lo, hi)`` reads (the range's and
-        :meth:`_outside`'s): policies with the same key price the range alike."""
-        return policies.codes[lo:hi].tobytes() + policies.codes[self._outside(lo, hi)].tobytes()
+        :meth:`_outside`'s; none where the range chooses nothing: its live bytes are then the
+        range's all kept, whatever the others choose): policies with the same key price the
+        range alike."""
+        own = policies.codes[lo:hi]
+        if not np.count_nonzero(own):
+            return b""
+        return own.tobytes() + policies.codes[self._outside(lo, hi)].tobytes()
 
     def _outside(self, lo: int, hi: int) -> Array:
         """The nodes outside ``[lo, hi)`` whose policies the range's live bytes read: those of
