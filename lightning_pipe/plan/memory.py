@@ -572,12 +572,12 @@ class CostModel:
                          for held, count in pending.backward]
         if waiting[0]:
             forward = [_waiting(p, waiting[0]) for p in forward]
+        peaks = forward + backward
         # the optimizer's step: the stage's state, the step's temporaries (the last: the batch)
-        forward += backward
-        forward.append((static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0))
+        peaks.append((static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0))
         if self.replicas > 1 and self.sharding is None:  # before it, the gradients' reduction: a bucket copied flat
-            forward.append((static, 0, min(self.step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
-        return _highest(forward)
+            peaks.append((static, 0, min(self.step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
+        return _highest(peaks)
 
     def backward_peak_runs(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> list[int]:
         """The nodes of ``[lo, hi)`` in the runs of one policy (kept runs aside) holding a node
