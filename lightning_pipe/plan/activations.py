@@ -219,18 +219,19 @@ def backward_gradients(a: NodeArrays, lo: int, hi: int) -> Array:
     :meth:`~lightning_pipe.plan.memory.CostModel.waiting`), not here; unless the value it goes
     to is made here and read on a later stage as well (:attr:`NodeArrays.summed_with`): autograd
     adds the two into a new tensor here, held until the value's maker takes it."""
-    edges = np.arange(*a.consumer.searchsorted([lo, hi]))
-    later = a.forwarded[edges] & (a.first_reader[a.consumer[edges]] >= hi)
+    edges = slice(*a.consumer.searchsorted([lo, hi]).tolist())  # (sliced: views, not copies)
+    consumers = a.consumer[edges]
+    later = a.forwarded[edges] & (a.first_reader[consumers] >= hi)
     summed_here = (a.summed_at[edges] >= lo) & (a.summed_with[edges] >= hi)
-    edges = edges[~(later & ~summed_here)]
-    producers, consumers = a.producer[edges], a.consumer[edges]
+    taken = ~(later & ~summed_here)
+    producers, consumers, gradients = a.producer[edges][taken], consumers[taken], a.gradient[edges][taken]
     live = np.zeros(hi - lo + 1, dtype=np.int64)
     if producers.size:  # per value made from the first read on (indexed so, not by np.unique's sort: 4x faster)
         first = min(lo, int(producers.min()))
         latest = np.zeros(hi - first, dtype=np.int64)  # its last reader in the range
         np.maximum.at(latest, producers - first, consumers - lo)
         gradient = np.zeros(hi - first, dtype=np.int64)
-        np.maximum.at(gradient, producers - first, a.gradient[edges])
+        np.maximum.at(gradient, producers - first, gradients)
         live[0] += gradient[: lo - first].sum()  # from the stage start, or its producer, ...
         live[:-1] += gradient[lo - first :]
         np.subtract.at(live, latest, gradient)  # ... to before its last reader in the range

@@ -65,6 +65,9 @@ __all__ = ["CostModel", "StagePeak", "predict_peaks", "stage_ranges"]
 
 # bytes waiting at a stage while it runs forwards; at each of its backwards, (held, waiting)
 Waiting: TypeAlias = tuple[int, Sequence[tuple[float, int]]]
+# a candidate peak as :class:`StagePeak`'s fields, (static, activations, transient, boundary): a
+# stage's peak is the highest of some five, made a StagePeak once known (a search composes thousands)
+_Parts: TypeAlias = tuple[int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -79,10 +82,6 @@ class StagePeak:
     @property
     def total(self) -> int:
         return self.static + self.activations + self.transient + self.boundary
-
-    def waiting(self, gradients: int) -> "StagePeak":
-        """This peak with ``gradients`` bytes of waiting gradients added to the boundary."""
-        return StagePeak(self.static, self.activations, self.transient, self.boundary + gradients)
 
 
 def stage_ranges(balance: Sequence[int]) -> list[range]:
@@ -200,18 +199,11 @@ class CostModel:
         self.reads_input = set(profile.input_users)
         # Values leaving a range [lo, hi): node i < hi whose last reader is at or after hi
         # (or the graph output). _leaving(hi) lists those i, descending.
-        lowest, highest = np.full(n, n, dtype=np.int64), np.full(n, -1, dtype=np.int64)
-        np.minimum.at(lowest, a.user_of, a.user)
-        np.maximum.at(highest, a.user_of, a.user)
-        read = np.bincount(a.user_of, minlength=n) > 0
-        last = np.where(read, np.where(lowest >= 0, highest, n), -1)
-        self._last_reader: list[int] = np.where(last < 0, index, last).tolist()  # n: the graph output
-        stop = np.minimum(last, n) + 1
+        self._last_reader: list[int] = a.last_reader.tolist()  # n: the graph output; a node unread: itself
+        stop = a.last_reader + 1
         span = np.maximum(0, stop - (index + 1))  # the cuts each value crosses: from after its maker to its last reader
-        maker = np.repeat(index, span)
-        cut = maker + 1 + np.arange(maker.size) - np.repeat(np.cumsum(span) - span, span)
-        order = np.lexsort((-maker, cut))
-        self._makers, self._cut_bounds = maker[order], np.searchsorted(cut[order], np.arange(n + 2)).tolist()
+        self._spans = span
+        self._makers: tuple[Array, list[int]] | None = None  # made when first asked (_cut_makers)
         self._leaving_at: dict[int, list[int]] = {}  # made when first asked: a search asks some cuts
         # crossing[c]: bytes of the values made before node c and read from it on
         crossing = np.zeros(n + 2, dtype=np.int64)  # its changes, cut by cut
@@ -228,8 +220,22 @@ class CostModel:
         """The nodes before ``cut`` whose values are read from it on (or by the graph output),
         latest first (cached)."""
         if (found := self._leaving_at.get(cut)) is None:
-            found = self._leaving_at[cut] = self._makers[self._cut_bounds[cut] : self._cut_bounds[cut + 1]].tolist()
+            makers, bounds = self._cut_makers()
+            found = self._leaving_at[cut] = makers[bounds[cut] : bounds[cut + 1]].tolist()
         return found
+
+    def _cut_makers(self) -> tuple[Array, list[int]]:
+        """The makers of the values crossing each cut, by cut and latest first, and where each
+        cut's begin: made when first asked, as only stages as processes, gradients waiting for
+        earlier stages and a link between stages ask (a search of 1F1B on one device each
+        does not)."""
+        if self._makers is None:
+            span = self._spans
+            maker = np.repeat(np.arange(self.n), span)
+            cut = maker + 1 + np.arange(maker.size) - np.repeat(np.cumsum(span) - span, span)
+            order = np.lexsort((-maker, cut))
+            self._makers = maker[order], np.searchsorted(cut[order], np.arange(self.n + 2)).tolist()
+        return self._makers
 
     def params(self, lo: int, hi: int) -> int:
         return self._params[hi] - self._params[lo]
@@ -478,8 +484,13 @@ class CostModel:
 
     def policy_key(self, lo: int, hi: int, policies: CodedPolicies) -> bytes:
         """The codes of ``policies`` that :meth:`peak` of ``[lo, hi)`` reads (the range's and
-        :meth:`_outside`'s): policies with the same key price the range alike."""
-        return policies.codes[lo:hi].tobytes() + policies.codes[self._outside(lo, hi)].tobytes()
+        :meth:`_outside`'s; none where the range chooses nothing: its live bytes are then the
+        range's all kept, whatever the others choose): policies with the same key price the
+        range alike."""
+        own = policies.codes[lo:hi]
+        if not np.count_nonzero(own):
+            return b""
+        return own.tobytes() + policies.codes[self._outside(lo, hi)].tobytes()
 
     def _outside(self, lo: int, hi: int) -> Array:
         """The nodes outside ``[lo, hi)`` whose policies the range's live bytes read: those of
@@ -571,35 +582,39 @@ class CostModel:
             fresh = forward_static - (self.step_grads(lo, hi) if self.sharding is None else 0)
             forward = [self._forward_peak(in_flight, live, fresh, round(in_flight * cached))]
         elif hi < self.n:
-            # GPipe: outputs wait for the next stage; those in the graph's output for the merge
-            outputs = min(1.0, in_flight - 1) if self.merges else 0.0
-            merged = round(max(0.0, in_flight - 1 - outputs) * self.merged(lo, hi)) if self.merges else 0
-            forward = [self._forward_peak(in_flight, live, forward_static, round(outputs * live.leaving) + merged)]
+            boundary = 0
+            if self.merges:  # GPipe: outputs wait for the next stage; those in the graph's output for the merge
+                outputs = min(1.0, in_flight - 1)
+                boundary = (round(outputs * live.leaving)
+                            + round(max(0.0, in_flight - 1 - outputs) * self.merged(lo, hi)))
+            forward = [self._forward_peak(in_flight, live, forward_static, boundary)]
         else:
             forward, loss_backward = self._last_peaks(lo, in_flight, live, forward_static)
             if loss_backward is not None:  # it begins the stage's backward: what waits then waits with it
-                backward.append(loss_backward.waiting(max((w for _, w in states), default=0)))
+                backward.append(_waiting(loss_backward, max((w for _, w in states), default=0)))
         if pending is not None and kept:
-            forward = [p.waiting(pending.forward * kept) for p in forward]
+            forward = [_waiting(p, pending.forward * kept) for p in forward]
             # an input half frees no stash as a whole backward does (it keeps the graph for the
             # weight half): its micro-batch's whole stash while it runs (:meth:`input_half`) and
             # at its end, with the gradients it keeps and those pending before it
             running = self.input_half(lo, hi)
-            inputs = [StagePeak(backward_static, round(held * live.stashed), running,
-                                held_last + round(held * cached) + count * kept) for held, count in pending.backward]
-            backward += [StagePeak(backward_static, round(held * live.stashed), 0,
-                                   round(held * cached) + (count + 1) * kept) for held, count in pending.backward]
-        # the optimizer's step: the stage's state, the step's temporaries (the last: the batch)
-        inputs = inputs if pending is not None and kept else []
-        step = [StagePeak(static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0)]
-        if self.replicas > 1 and self.sharding is None:  # before it, the gradients' reduction: a bucket copied flat
-            step.append(StagePeak(static, 0, min(self.step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
+            inputs = [(backward_static, round(held * live.stashed), running,
+                       held_last + round(held * cached) + count * kept) for held, count in pending.backward]
+            backward += [(backward_static, round(held * live.stashed), 0, round(held * cached) + (count + 1) * kept)
+                         for held, count in pending.backward]
+        else:
+            inputs = []
         if waiting[0]:
-            forward = [p.waiting(waiting[0]) for p in forward]
+            forward = [_waiting(p, waiting[0]) for p in forward]
         if task == "forward":
             return _highest(forward)
-        later = [*backward, *step] if task in ("weight", "backward") else [*backward, *inputs, *step]
-        return _highest(later if task else [*forward, *later])
+        peaks = backward if task in ("weight", "backward") else backward + inputs
+        peaks = peaks if task else forward + peaks
+        # the optimizer's step: the stage's state, the step's temporaries (the last: the batch)
+        peaks.append((static, 0, self.step(lo, hi), self._last_batch if hi == self.n else 0))
+        if self.replicas > 1 and self.sharding is None:  # before it, the gradients' reduction: a bucket copied flat
+            peaks.append((static, 0, min(self.step_grads(lo, hi), GRADIENT_BUCKET_BYTES), 0))
+        return _highest(peaks)
 
     def backward_peak_runs(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> list[int]:
         """The nodes of ``[lo, hi)`` in the runs of one policy (kept runs aside) holding a node
@@ -617,10 +632,10 @@ class CostModel:
         graph's output: GPipe's merge reads them once every micro-batch's forward is done."""
         return self._to_output[hi] - self._to_output[lo]
 
-    def _forward_peak(self, in_flight: float, live: LiveBytes, static: int, boundary: int) -> StagePeak:
+    def _forward_peak(self, in_flight: float, live: LiveBytes, static: int, boundary: int) -> _Parts:
         """The peak of the forward of the last micro-batch in flight."""
-        others = round((in_flight - 1) * live.stashed)
-        return StagePeak(static, others + live.forward[0], live.forward[1], boundary)
+        stash, rest = live.forward
+        return static, round((in_flight - 1) * live.stashed) + stash, rest, boundary
 
     def _backward_peaks(
         self,
@@ -632,7 +647,7 @@ class CostModel:
         states: Sequence[tuple[float, int]],
         cached: int = 0,
         first: int = 0,
-    ) -> list[StagePeak]:
+    ) -> list[_Parts]:
         """The peaks of a step's backwards: the first with the micro-batches in flight stashed
         and the gradients of the parameters made as it goes (they were freed for it), the
         later ones with all of them. ``states``: at each backward, the micro-batches held and
@@ -642,19 +657,16 @@ class CostModel:
         ``cached``: bytes of one micro-batch's outputs kept until its backward is done; ``first``:
         bytes the first backward holds beyond ``static`` less the gradients (FSDP's, gathered)."""
         gradient = self._last_backward(lo, in_flight) if hi == self.n else 0
-        grads = self.step_grads(lo, hi)
         if not states:
             later = in_flight if not self.merges and self.chunks > in_flight else in_flight - 1
-            states = [(in_flight, 0)] + ([(later, 0)] if later >= 1 else [])
-        first_stash, first_rest = live.first_backward
-        peaks = []
-        for j, (held, waiting) in enumerate(states):
-            others = round((held - 1) * live.stashed)
-            boundary = gradient + waiting + round(held * cached)
-            if j == 0:
-                peaks.append(StagePeak(static - grads + first, others + first_stash, first_rest, boundary))
-            else:
-                peaks.append(StagePeak(static, others + live.backward[0], live.backward[1], boundary))
+            states = ((in_flight, 0), (later, 0)) if later >= 1 else ((in_flight, 0),)
+        stashed, (held, waiting) = live.stashed, states[0]
+        stash, rest = live.first_backward
+        peaks = [(static - self.step_grads(lo, hi) + first, round((held - 1) * stashed) + stash, rest,
+                  gradient + waiting + round(held * cached))]
+        stash, rest = live.backward
+        for held, waiting in states[1:]:
+            peaks.append((static, round((held - 1) * stashed) + stash, rest, gradient + waiting + round(held * cached)))
         return peaks
 
     def step_grads(self, lo: int, hi: int) -> int:
@@ -665,7 +677,7 @@ class CostModel:
 
     def _last_peaks(
         self, lo: int, in_flight: float, live: LiveBytes, static: int
-    ) -> tuple[list[StagePeak], StagePeak | None]:
+    ) -> tuple[list[_Parts], _Parts | None]:
         """The last stage's forward and loss peaks: it also holds the training batch, and the
         loss made from its outputs. Under GPipe every micro-batch's outputs wait for their
         merge, and the loss is the whole batch's, its backward after the gradients of the
@@ -678,14 +690,14 @@ class CostModel:
             grads = self._grads[self.n] - self._grads[lo]
             return [
                 self._forward_peak(in_flight, live, static, round((in_flight - 1) * live.leaving) + self.batch),
-                StagePeak(static, stashed, 0, round(in_flight * max(out + live.leaving, p.loss_bytes)) + self.batch),
-                StagePeak(static - grads, stashed, 0, round(in_flight * p.loss_backward_bytes) + self.batch),
+                (static, stashed, 0, round(in_flight * max(out + live.leaving, p.loss_bytes)) + self.batch),
+                (static - grads, stashed, 0, round(in_flight * p.loss_backward_bytes) + self.batch),
             ], None
         kept = (self.chunks - 1) * p.loss_kept_bytes + self._last_batch  # the earlier losses and the batch
         return [
             self._forward_peak(in_flight, live, static, kept),
-            StagePeak(static, stashed, 0, live.leaving + kept + p.loss_bytes),
-        ], StagePeak(static, stashed, 0, live.leaving + kept + p.loss_backward_bytes)
+            (static, stashed, 0, live.leaving + kept + p.loss_bytes),
+        ], (static, stashed, 0, live.leaving + kept + p.loss_backward_bytes)
 
     def _last_backward(self, lo: int, in_flight: float) -> int:
         """What the last stage holds besides its own during its backward: the batch, the
@@ -729,7 +741,7 @@ class CostModel:
     def live(self, lo: int, hi: int, policies: Mapping[int, Policy]) -> LiveBytes:
         """One micro-batch's live bytes through the forward and backward of nodes ``[lo, hi)``
         (cached)."""
-        if policies and (coded := CodedPolicies.of(policies, self.n)).codes[lo:hi].any():
+        if policies and np.count_nonzero((coded := CodedPolicies.of(policies, self.n)).codes[lo:hi]):
             return self._lives(lo, hi, [coded])[0]
         if (lo, hi) not in self._kept:
             self._kept[lo, hi] = kept_live_bytes(self._arrays, lo, hi, self.range_gradients(lo, hi),
@@ -822,14 +834,20 @@ _PRICED_BYTES = 1 << 26
 _BATCH_POSITIONS = 1 << 14
 
 
-def _highest(peaks: Sequence[StagePeak]) -> StagePeak:
+def _highest(peaks: Sequence[_Parts]) -> StagePeak:
     """The first of ``peaks`` with the largest total (``max`` by total, without a key function:
     a search composes thousands of peaks)."""
-    highest, most = peaks[0], peaks[0].total
+    highest, most = peaks[0], sum(peaks[0])
     for peak in peaks[1:]:
-        if (total := peak.total) > most:
+        if (total := sum(peak)) > most:
             highest, most = peak, total
-    return highest
+    return StagePeak(*highest)
+
+
+def _waiting(peak: _Parts, gradients: int) -> _Parts:
+    """``peak`` with ``gradients`` bytes of waiting gradients added to the boundary."""
+    static, activations, transient, boundary = peak
+    return static, activations, transient, boundary + gradients
 
 
 class _RangeMax:
@@ -850,4 +868,5 @@ class _RangeMax:
         level = (hi - lo).bit_length() - 1
         if (table := self._lists[level]) is None:
             table = self._lists[level] = self._levels[level].tolist()
-        return max(table[lo], table[hi - (1 << level)])
+        left, right = table[lo], table[hi - (1 << level)]
+        return left if left >= right else right  # (max() is a call: a search asks thousands)

@@ -75,13 +75,8 @@ class NodeArrays:
         # the node whose storage a node's value lives on: itself, or for a view its largest input's
         largest = np.lexsort((self.read, -self.output[self.read], self.reader))  # per reader, its largest read first
         first = largest[np.flatnonzero(np.diff(self.reader[largest], prepend=-1))]
-        widest = dict(zip(self.reader[first].tolist(), self.read[first].tolist()))
-        base = list(range(n))
-        views = np.flatnonzero((self.made == 0) & (self.output != 0)).tolist()
-        for j in views:
-            if j in widest:
-                base[j] = base[widest[j]]
-        self.read_base = np.asarray(base, dtype=np.int64)[self.read]
+        views = (self.made == 0) & (self.output != 0)
+        self.read_base = _bases(n, self.reader[first], self.read[first], views)[self.read]
         # a reader whose value takes no gradient (a shape) gives its inputs none
         output_grad = column["output_grad_bytes"]
         taking = read.copy()
@@ -109,6 +104,19 @@ class NodeArrays:
                                             np.array([y for _, y in summed], dtype=np.int64))
         # per node, the gradients its backward hands the values it reads
         self.handed = np.bincount(self.consumer, weights=self.gradient, minlength=n).astype(np.int64)
+
+
+def _bases(n: int, readers: Array, widest: Array, view: "np.ndarray[tuple[int], np.dtype[np.bool_]]") -> Array:
+    """Per node, the node whose storage its value lives on: for a ``view`` its ``widest`` read's
+    (``readers[k]`` reads ``widest[k]``, one entry per reader), followed through views of views;
+    else itself. Found by pointer doubling (each pass halves at least what is left of the
+    longest chain of views), not a Python step per view: in a synthetic chain every node is one."""
+    base = np.arange(n)
+    viewing = view[readers]
+    base[readers[viewing]] = widest[viewing]
+    while not np.array_equal(further := base[base], base):
+        base = further
+    return base
 
 
 def _summed_with(

@@ -67,10 +67,12 @@ class Stages:
         earlier = self.earlier(lo, hi, chosen)
         key = (lo, hi, s, reserved, waiting[0], tuple(waiting[1]), tuple(earlier.items()))
         if key not in self.cache.optima:
-            self.cache.optima[key] = optimize_stage(
+            found = self.cache.optima[key] = optimize_stage(
                 self.model, lo, hi, self.in_flight[s], self.capacities[s] - reserved, self.weight_versions,
                 self.host_bandwidth, self.optimise_memory, self.thorough, waiting, earlier, self.held_halves(s),
             )
+            if not found.policies:  # its peak is the stage's in any split choosing nothing in it (_peak)
+                self.cache.peaks.setdefault(_peak_key(lo, hi, s, waiting, b""), found.peak)
         return self.cache.optima[key]
 
     def earlier(self, lo: int, hi: int, chosen: Mapping[int, Policy]) -> dict[int, Policy]:
@@ -205,8 +207,9 @@ class Stages:
     def _peak(self, lo: int, hi: int, s: int, chosen: CodedPolicies, waiting: Waiting) -> StagePeak:
         """:meth:`CostModel.peak` of stage ``s`` on ``[lo, hi)`` under a whole split's policies
         ``chosen`` (cached by those it reads, :meth:`CostModel.policy_key`: a search moving one
-        cut prices the other stages again as they were)."""
-        key = (lo, hi, s, waiting[0], tuple(waiting[1]), self.model.policy_key(lo, hi, chosen))
+        cut prices the other stages again as they were; a stage choosing nothing, as its
+        :meth:`optimum` priced it already)."""
+        key = _peak_key(lo, hi, s, waiting, self.model.policy_key(lo, hi, chosen))
         if (peak := self.cache.peaks.get(key)) is None:
             peak = self.cache.peaks[key] = self.model.peak(lo, hi, self.in_flight[s], chosen, self.weight_versions,
                                                            waiting, self.held_halves(s))
@@ -353,6 +356,13 @@ class Stages:
         held = sum(self.in_flight[first:stop]) / (stop - first)
         demand = model.static(lo, hi, self.weight_versions) + held * model.stashed(lo, hi)
         return demand / sum(self.capacities[first:stop])
+
+
+def _peak_key(lo: int, hi: int, s: int, waiting: Waiting, policies: bytes) -> tuple[object, ...]:
+    """What :meth:`Stages._peak` caches a stage's peak by: its range, what waits at it and the
+    codes of the policies its peak reads (:meth:`CostModel.policy_key`; none where it chooses
+    nothing)."""
+    return lo, hi, s, waiting[0], tuple(waiting[1]), policies
 
 
 @dataclass
