@@ -444,9 +444,9 @@ class _TimedStage(PipelineStage):
         self._whole: set[int] = set()  # the micro-batches whose split backward ran whole, in one step
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
-        examples = cast(StageModule, self.submod).inputs.examples(False)
+        metas = [m for m in cast(StageModule, self.submod).inputs.leaves if isinstance(m, TensorMeta)]
         if kwargs.get("full_backward") is False and not self.is_first and not any(
-                t.is_floating_point() or t.is_complex() for t in examples):
+                m.dtype.is_floating_point or m.dtype.is_complex for m in metas):
             # pipelining's split backward finds a weight's gradient only past an input that carries
             # one (the first stage aside, which it runs whole): a later stage receiving only integer
             # tensors (the token ids, where a plan gives the first stage no more than their read)
@@ -454,7 +454,7 @@ class _TimedStage(PipelineStage):
             kwargs["full_backward"] = True
             self._whole.add(bwd_chunk_id)
         self._timed(partial(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs),
-                    partial(skip_backward, self, bwd_chunk_id, len(examples)))
+                    partial(skip_backward, self, bwd_chunk_id, len(metas)))
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         if bwd_chunk_id in self._whole:  # (its weights' gradients made with its inputs')
