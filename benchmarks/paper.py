@@ -1190,8 +1190,7 @@ def _schedule_sections(rows: Sequence[Row], labels: dict[str, str]) -> list[str]
                   "max x micro-batches per step. `dist-1f1b` is 1F1B there, the baseline of the `auto` target; "
                   "`auto` is `schedule=\"auto\"` planned at the micro-batch of the fastest of the others (in "
                   "samples/s; below, where its pick does not train), *picked* its choice: at least as fast as that "
-                  "row, where it trains (BERT x8 S+R's `auto` row was measured before that choice: planned at the "
-                  "largest micro-batch, 83, its picks refused by fake runs down to 22).",
+                  "row, where it trains.",
                   _table(["model", "devices", "schedule", "stages/process", "memopt", "max (predicted)", "step ms",
                           "samples/s", "B_agg", "max ÷ B_agg", "picked", "metered GiB", "predicted GiB", "fake runs",
                           "s"],
