@@ -69,7 +69,6 @@ from lightning_pipe.plan.plan import (
     Plan,
     fitting_plan,
     largest_plan,
-    make_plan,
 )
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest, PlanSchedule
@@ -257,6 +256,7 @@ class Bench:
         self.model, self.captured, self.profile = _PROFILED[key]
         self._runs: dict[tuple[Any, ...], list[int]] = {}
         self._bounds: dict[tuple[Any, ...], int] = {}
+        self._plans: dict[tuple[Any, ...], Plan | None] = {}  # distributed plans: auto weighs the rows' again
 
     @staticmethod
     def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -341,16 +341,16 @@ class Bench:
         return row
 
     def bound(self, row: "Row") -> int:
-        """:func:`aggregate_bound` of ``row``'s settings (cached: it does not depend on the
-        partitioner)."""
-        key = (row.stages, row.schedule, row.memopt, row.chunks)
-        if key not in self._bounds:
-            devices = self.device.memory * row.stages
-            self._bounds[key] = max(
-                aggregate_bound(self.profile, s, row.chunks, row.stages * v, v, row.memopt, devices,
-                                self.device.host_bandwidth, row.max_microbatch)
-                for s, v in _bounded_schedules(row.schedule, row.stages, row.chunks))
-        return self._bounds[key]
+        """:func:`aggregate_bound` of ``row``'s settings: the largest over its schedules (cached
+        per schedule: it does not depend on the partitioner, and ``"auto"``'s candidates are
+        the other rows' schedules)."""
+        devices = self.device.memory * row.stages
+        for s, v in (found := _bounded_schedules(row.schedule, row.stages, row.chunks)):
+            key = (row.stages, s, v, row.memopt, row.chunks)
+            if key not in self._bounds:
+                self._bounds[key] = aggregate_bound(self.profile, s, row.chunks, row.stages * v, v, row.memopt,
+                                                    devices, self.device.host_bandwidth, row.max_microbatch)
+        return max(self._bounds[(row.stages, s, v, row.memopt, row.chunks)] for s, v in found)
 
     def run_ranks(self, plan: Plan) -> list[int]:
         """Each process's metered peak in a fake execution of ``plan`` on the distributed engine:
@@ -388,6 +388,28 @@ class Bench:
                            DISTRIBUTED_CHUNKS * processes, self.device.host_bandwidth, self.device.link_bandwidth,
                            optimise_memory=memopt, carry=True, virtual_stages=None if label == "auto" else virtual)
 
+    def distributed_plan(self, processes: int, schedule: PlanSchedule, virtual: int, memopt: bool,
+                         size: int) -> Plan | None:
+        """:func:`fitting_plan` of ``schedule`` with ``virtual`` stages per process at ``size``
+        (``None``: it does not fit), as :meth:`measure_distributed` asks it (cached)."""
+        key = (processes, schedule, virtual, memopt, size)
+        if key not in self._plans:
+            request = replace(self._distributed_request(processes, "auto", memopt), schedule=schedule,
+                              virtual_stages=virtual)
+            self._plans[key] = fitting_plan(self.profile.scaled(size), request)
+        return self._plans[key]
+
+    def auto_plan(self, processes: int, memopt: bool, size: int) -> Plan | None:
+        """``schedule="auto"``'s pick at ``size`` (``None``: no candidate fits): the fastest
+        simulated step among the :data:`~lightning_pipe.plan.auto.CANDIDATES` torch runs, the
+        first of equals, as :func:`~lightning_pipe.plan.auto.auto_plan` picks; made of
+        :meth:`distributed_plan`'s plans (the other rows planned some) without the reasons
+        auto's plan gives for the candidates that do not fit, which the row does not show and
+        which cost more than a plan."""
+        found = [p for s, v in _bounded_schedules("auto", processes, DISTRIBUTED_CHUNKS * processes)
+                 if (p := self.distributed_plan(processes, s, v, memopt, size)) is not None]
+        return min(found, key=lambda p: p.step_ms, default=None)
+
     def measure_distributed(self, processes: int, label: str, memopt: bool, at_least: int = 0) -> Row:
         """The row of one schedule of :data:`DISTRIBUTED` on ``processes`` devices (dawnpiper):
         as :meth:`measure`, each size planned for the distributed engine and run fake rank by
@@ -400,12 +422,9 @@ class Bench:
         request = self._distributed_request(processes, label, memopt)
 
         def planned(size: int) -> Plan | None:
-            if label != "auto":
-                return fitting_plan(self.profile.scaled(size), request)
-            try:
-                return make_plan(self.profile.scaled(size), request)
-            except InfeasiblePlanError:
-                return None
+            if label == "auto":
+                return self.auto_plan(processes, memopt, size)
+            return self.distributed_plan(processes, *DISTRIBUTED[label], memopt, size)
 
         if label == "auto":
             largest = planned(at_least) if at_least else None
@@ -414,6 +433,8 @@ class Bench:
                 largest = largest_plan(self.profile, request, at_least=max(at_least, 1))
             except InfeasiblePlanError:
                 largest = None
+            if largest is not None:  # fitting_plan's at its size
+                self._plans[(processes, *DISTRIBUTED[label], memopt, largest.microbatch_size)] = largest
         predicted = largest.microbatch_size if largest else 0
         row = Row(self.workload.name, processes, label, memopt, "dawnpiper", request.chunks, 0, predicted,
                   precision=self.precision.name, virtual_stages=request.virtual)
@@ -1169,8 +1190,7 @@ def _schedule_sections(rows: Sequence[Row], labels: dict[str, str]) -> list[str]
                   "max x micro-batches per step. `dist-1f1b` is 1F1B there, the baseline of the `auto` target; "
                   "`auto` is `schedule=\"auto\"` planned at the micro-batch of the fastest of the others (in "
                   "samples/s; below, where its pick does not train), *picked* its choice: at least as fast as that "
-                  "row, where it trains (BERT x8 S+R's `auto` row was measured before that choice: planned at the "
-                  "largest micro-batch, 83, its picks refused by fake runs down to 22).",
+                  "row, where it trains.",
                   _table(["model", "devices", "schedule", "stages/process", "memopt", "max (predicted)", "step ms",
                           "samples/s", "B_agg", "max ÷ B_agg", "picked", "metered GiB", "predicted GiB", "fake runs",
                           "s"],

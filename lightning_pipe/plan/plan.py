@@ -277,14 +277,15 @@ SHARE_ROUNDS = 3
 
 
 def _shared_plan(
-    profile: Profile, request: PlanRequest
+    profile: Profile, request: PlanRequest, first: bool = False
 ) -> Plan | tuple[Stages, list[int], list[StageOptimum]]:
     """:func:`make_plan` for several stages per process (else the first attempt that did not
     fit, for :func:`_infeasible`): the fastest of the plans whose
     processes fit, their stages sharing each process's target :data:`OVERCOMMIT` times over,
     first by the micro-batches each holds, then :data:`SHARE_ROUNDS` - 1 times by what each
     needed in the round before's first plan (a last stage holding one micro-batch may need
-    much for its loss)."""
+    much for its loss). ``first``: the first plan that fits instead, for a caller asking only
+    whether one does (a size search: of 12 attempts it prices those up to the first fit)."""
     r, schedule = request, _schedule(request)
     where = placement(schedule, len(r.capacities), r.virtual)
     weights = [h + 1 for h in in_flight(schedule, r.chunks, r.stage_count, r.virtual)]
@@ -301,6 +302,8 @@ def _shared_plan(
                 continue
             plan = _plan(stages, r, balance, optima)
             fits = all(p <= c for p, c in zip(plan.device_peaks, r.capacities))
+            if fits and first:
+                return plan
             if fits and (best is None or plan.step_ms < best.step_ms):
                 best = plan
         weights = needs
@@ -333,7 +336,7 @@ def _probed(profile: Profile, request: PlanRequest) -> Stages | None:
     its choice)."""
     stages = planning_stages(profile, request)
     if request.virtual > 1:  # several stages per process
-        return stages if fitting_plan(profile, request) is not None else None
+        return stages if isinstance(_shared_plan(profile, request, first=True), Plan) else None
     return stages if fitting_split(request.partitioner, stages) is not None else None
 
 
