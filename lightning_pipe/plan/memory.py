@@ -699,6 +699,17 @@ class CostModel:
             (static, stashed, 0, live.leaving + kept + p.loss_bytes),
         ], (static, stashed, 0, live.leaving + kept + p.loss_backward_bytes)
 
+    def last_stage_least_peak(self, in_flight: float) -> int:
+        """A lower bound of the last stage's peak whatever its first node and policies: under
+        GPipe it holds the batch and ``in_flight`` micro-batches' graph outputs (the last node's
+        at least) or losses, which no recompute or swap frees (:meth:`_last_peaks`); 0 where
+        not known (other schedules, FSDP). Over its capacity, no split fits, and proving that
+        by searching costs a largest-micro-batch search most of its time."""
+        if not self.merges or self.sharding is not None:
+            return 0
+        p = self.profile
+        return round(in_flight * max(self._final_outputs(self.n - 1), p.loss_bytes, p.loss_backward_bytes)) + self.batch
+
     def _last_backward(self, lo: int, in_flight: float) -> int:
         """What the last stage holds besides its own during its backward: the batch, the
         gradient of the outputs the loss reads and the losses; one micro-batch's output too

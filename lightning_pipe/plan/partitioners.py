@@ -312,7 +312,10 @@ def _crossing(left: Callable[[int], float], right: Callable[[int], float], a: in
 def fitting_split(name: Partitioner, stages: Stages) -> list[int] | None:
     """A split of ``name``'s that fits, or ``None`` where its plan would not: :func:`split`
     without choosing among fitting splits (dawnpiper's first that fits), which is all a search
-    over sizes needs to know, at a fraction of the cost."""
+    over sizes needs to know, at a fraction of the cost; ``None`` at once where no split's last
+    stage fits (:meth:`~lightning_pipe.plan.memory.CostModel.last_stage_least_peak`)."""
+    if stages.model.last_stage_least_peak(stages.in_flight[-1]) > stages.capacities[-1]:
+        return None
     if name == "dawnpiper":
         return next(_dawnpiper_fitting(stages), None)
     balance = split(name, stages)

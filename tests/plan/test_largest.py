@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe.plan.plan import UPWARD, largest_plan, max_microbatch, plan_fits
+from lightning_pipe.plan.plan import UPWARD, largest_plan, max_microbatch, plan_fits, planning_stages
 from lightning_pipe.plan.profile import Profile
 from lightning_pipe.plan.request import PlanRequest
+from lightning_pipe.plan.stages import Stages
 from tests.plan.corpus.replay import EXPECTED, name, request
 from tests.plan.corpus.replay import profile as corpus_profile
 from tests.plan.test_complete import on_8_a100s
@@ -110,3 +111,27 @@ def test_whether_a_size_fits_is_not_monotone_on_bert_large():
     # search got a third start per stage: it fits every size up to 1393 now)
     profile, request = on_8_a100s(BERT_MATH)
     assert [plan_fits(profile.scaled(size), request) for size in (179, 180, 183)] == [True, False, True]
+
+
+def test_no_last_stage_peaks_under_its_bound_and_a_size_over_it_is_refused_unsearched(monkeypatch):
+    """Under GPipe the last stage holds the batch and every micro-batch's outputs or losses
+    whatever it holds and drops: :meth:`CostModel.last_stage_least_peak` is under every last
+    stage's peak (kept, recomputed, swapped, placed in a split), and a size whose bound is over
+    the last stage's target is refused without a search."""
+    profile = corpus_profile("gpt").scaled(8)
+    request = PlanRequest([10**9] * 4, "dawnpiper", "gpipe", 4, 1e9, None)
+    stages = planning_stages(profile, request)
+    model, held = stages.model, stages.in_flight[-1]
+    bound = model.last_stage_least_peak(held)
+    assert bound > model.batch
+    n = model.n
+    for lo in range(n - 1, 0, -max(1, n // 12)):
+        for policy in ("recompute", "swap"):
+            dropped = {i: policy for i in range(lo, n) if model.saved[i]}
+            for policies in ({}, dropped):
+                assert model.peak(lo, n, held, policies).total >= bound
+    for balance in ([n - 3, 1, 1, 1], [n // 4, n // 4, n // 4, n - 3 * (n // 4)]):
+        assert stages.placed(balance)[-1].peak.total >= bound
+    tight = replace(request, capacities=[10**12] * 3 + [bound - 1])
+    monkeypatch.setattr(Stages, "fits", lambda *_: pytest.fail("priced a split"))
+    assert not plan_fits(profile, tight)
