@@ -597,19 +597,14 @@ def run_schedules(workloads: Sequence[Workload], settings: Settings, device: Dev
     tasks.sort(key=lambda t: (-t[1], not t[2]))  # the longest first
     pool = multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else None
     finished = pool.imap_unordered(_schedules_task, tasks) if pool else map(_schedules_task, tasks)
-    rows: list[Row] = []
-    try:
-        for part in finished:
-            rows += part
-            for r in part:
-                print(f"{r.model} {r.precision} x{r.stages} {r.schedule:<16} {_mo(r.memopt):<4} max {r.max_microbatch}"
-                      f"{'' if r.exact else '+'} predicted {r.predicted} B_agg {r.b_agg} {r.samples_per_s:.1f}/s "
-                      f"{r.picked} ({r.fake_runs} fake runs, {r.seconds:.0f} s)", flush=True)
-            finished_task(list(rows))
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
+
+    def report(part: list[Row]) -> None:
+        for r in part:
+            print(f"{r.model} {r.precision} x{r.stages} {r.schedule:<16} {_mo(r.memopt):<4} max {r.max_microbatch}"
+                  f"{'' if r.exact else '+'} predicted {r.predicted} B_agg {r.b_agg} {r.samples_per_s:.1f}/s "
+                  f"{r.picked} ({r.fake_runs} fake runs, {r.seconds:.0f} s)", flush=True)
+
+    rows = _gathered(finished, pool, report, finished_task)
     names = [w.name for w in workloads]
     return sorted(rows, key=lambda r: (names.index(r.model), r.stages, r.memopt, SCHEDULE_ORDER.index(r.schedule)))
 
@@ -645,28 +640,40 @@ def run(workloads: Sequence[Workload], settings: Settings, device: DeviceSpec = 
         finished: Iterable[list[Row]] = pool.imap_unordered(_paper_task, groups)
     else:
         finished = (measure_stages(w, s, settings, device) for w in workloads for s in settings.stages)
-    rows: list[Row] = []
-    try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn()) as bar:
-            total = len(workloads) * len(settings.stages) * len(settings.schedules) * len(settings.memopt)
-            progress = bar.add_task(f"paper-scale, {jobs} at a time", total=total * len(settings.partitioners))
-            for part in finished:
-                rows += part
-                for r in part:
-                    bar.console.print(f"{r.model} {r.precision} x{r.stages} {r.schedule:<5} {_mo(r.memopt):<4} "
-                                      f"{r.partitioner:<9} max {r.max_microbatch}{'' if r.exact else '+'} "
-                                      f"predicted {r.predicted} ({r.fake_runs} fake runs, {r.seconds:.0f} s)")
-                bar.advance(progress, len(part))
-                finished_task(list(rows))
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+        total = len(workloads) * len(settings.stages) * len(settings.schedules) * len(settings.memopt)
+        progress = bar.add_task(f"paper-scale, {jobs} at a time", total=total * len(settings.partitioners))
+
+        def report(part: list[Row]) -> None:
+            for r in part:
+                bar.console.print(f"{r.model} {r.precision} x{r.stages} {r.schedule:<5} {_mo(r.memopt):<4} "
+                                  f"{r.partitioner:<9} max {r.max_microbatch}{'' if r.exact else '+'} "
+                                  f"predicted {r.predicted} ({r.fake_runs} fake runs, {r.seconds:.0f} s)")
+            bar.advance(progress, len(part))
+
+        rows = _gathered(finished, pool, report, finished_task)
     names = [w.name for w in workloads]
     return sorted(rows, key=lambda r: (names.index(r.model), settings.stages.index(r.stages),
                                        settings.schedules.index(r.schedule), settings.memopt.index(r.memopt),
                                        settings.partitioners.index(r.partitioner)))
+
+
+def _gathered(finished: Iterable[list[Row]], pool: Any, report: Callable[[list[Row]], object],
+              finished_task: Callable[[list[Row]], object]) -> list[Row]:
+    """The rows of the tasks as each ends (``report`` shown them, ``finished_task`` every row
+    so far: a run cut short keeps what it measured); the worker ``pool`` (``None``: inline)
+    closed at the end, however it ends."""
+    rows: list[Row] = []
+    try:
+        for part in finished:
+            rows += part
+            report(part)
+            finished_task(list(rows))
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return rows
 
 
 def ratios(rows: Sequence[Row]) -> list[dict[str, Any]]:

@@ -288,9 +288,7 @@ class CostModel:
         and one for the gradient coming back of every value it sends (read after it)."""
         total = self.profile.input_bytes if lo > 0 and any(u >= lo for u in self.reads_input) else 0
         total += sum(self.output[i] for i in self._leaving(lo))
-        for i in self._leaving(hi) if hi < self.n else []:
-            total += self.profile.nodes[i].output_grad_bytes
-        return total
+        return total + (self.input_grads(hi) if hi < self.n else 0)
 
     def passed_on(self, lo: int, hi: int) -> int:
         """Bytes of one micro-batch's values a stage of nodes ``[lo, hi)`` receives and sends
@@ -302,7 +300,8 @@ class CostModel:
 
     def input_grads(self, lo: int) -> int:
         """Bytes of the gradients one micro-batch's backward of a stage from node ``lo`` on sends
-        back: one for every value it receives (none on the first stage)."""
+        back (and the stage before receives): one for every value it receives (none on the first
+        stage)."""
         return sum(self.profile.nodes[i].output_grad_bytes for i in self._leaving(lo)) if lo else 0
 
     def made_sent(self, lo: int, hi: int) -> int:

@@ -76,11 +76,12 @@ def device_peaks(
     # backward, the gradients it sends back
     waited = bool(model.carry) and any(len({a.stage for a in tasks}) > 1 for tasks in order)
     # there, at each kind of task, the stage's peak at it (less the same); else the stage's peak
-    kinds: tuple[TaskKind, ...] = ("forward", "backward", "input", "weight")
-    at_task = {kind: [model.task_peak(r.start, r.stop, h, kind, policies, w).total - (p.total - o)
-                      for r, h, w, p, o in zip(ranges, in_flight, split, peaks, own)] if waited else own
-               for kind in kinds}
+    at_task: dict[TaskKind, list[int]] = dict.fromkeys(("forward", "backward", "input", "weight"), own)
     if waited:
+        later: tuple[TaskKind, ...] = ("backward", "input", "weight")
+        for kind in later:
+            at_task[kind] = [model.task_peak(r.start, r.stop, h, kind, policies, w).total - (p.total - o)
+                             for r, h, w, p, o in zip(ranges, in_flight, split, peaks, own)]
         at_task["forward"] = [model.task_peak(r.start, r.stop, h, "forward", policies, w).total - (h - 1) * b
                               - (w.forward * k if w else 0)
                               for r, h, b, w, k in zip(ranges, in_flight, stash, split, kept)]
@@ -91,9 +92,8 @@ def device_peaks(
         stages = sorted({a.stage for a in tasks})
         static_, stash_ = ({t: v[t] for t in stages} for v in (static, stash))
         own_ = {kind: {t: v[t] for t in stages} for kind, v in at_task.items()}
-        for t in (t for t in stages if t + 1 in stages and model.carry):  # a V's turn: handed on in-process
-            r = ranges[t]
-            passed, made = model.carry * model.passed_on(r.start, r.stop), model.made_sent(r.start, r.stop)
+        for t in (t for t in stages if t + 1 in stages and waited):  # a V's turn: handed on in-process
+            passed, made = model.carry * model.passed_on(ranges[t].start, ranges[t].stop), outputs[t]
             static_[t + 1], stash_[t] = static_[t + 1] - passed, stash_[t] - made
             for at in own_.values():
                 at[t + 1], at[t] = at[t + 1] - passed, at[t] - made
